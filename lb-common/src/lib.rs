@@ -1,0 +1,222 @@
+//! Types and names shared by lb's kernel programs (`lb-ebpf`) and its daemon (`lb-user`).
+//!
+//! Every type that crosses the user/kernel boundary is `#[repr(C)]`, made of fixed-width integers,
+//! has its padding written out and its size asserted at compile time. Fields in network byte order
+//! end in `_be`; everything else is in host order.
+#![no_std]
+
+use core::mem::size_of;
+
+/// Name of the sockops program (ELF section `sockops`).
+pub const PROG_SOCKOPS: &str = "lb_sockops";
+/// Name of the sk_msg program attached to [`MAP_CLIENTS`].
+pub const PROG_SK_MSG: &str = "lb_sk_msg";
+
+/// Listener addresses lb accepts on: [`ListenerKey`] → balancer id (`u32`).
+pub const MAP_LISTENERS: &str = "LB_LISTENERS";
+/// Sockhash of client sockets connected to one of lb's listeners, keyed by [`SockKey`].
+pub const MAP_CLIENTS: &str = "LB_CLIENTS";
+/// Sockhash of lb's server sockets, keyed by the [`SockKey`] of the client they serve.
+pub const MAP_SERVERS: &str = "LB_SERVERS";
+/// LRU hash: [`SockKey`] with `netns_cookie = 0` → the client socket's netns cookie (`u64`), or
+/// [`NETNS_AMBIGUOUS`] when two namespaces registered the same tuple.
+pub const MAP_NETNS: &str = "LB_NETNS";
+/// LRU hash: [`SockKey`] → [`FlowState`], written by the kernel only.
+pub const MAP_FLOWS: &str = "LB_FLOWS";
+/// Hash: [`SockKey`] → [`PairCtl`], written by lb only.
+pub const MAP_PAIRS: &str = "LB_PAIRS";
+/// Per-CPU array indexed by balancer id → [`BalancerStats`].
+pub const MAP_STATS: &str = "LB_STATS";
+/// Ring buffer of [`RefreshRequest`]s: the sk_msg program asks lb for more redirect credit.
+pub const MAP_REFRESH: &str = "LB_REFRESH";
+
+/// Every map name, for the ELF check.
+pub const MAP_NAMES: [&str; 8] = [
+    MAP_LISTENERS,
+    MAP_CLIENTS,
+    MAP_SERVERS,
+    MAP_NETNS,
+    MAP_FLOWS,
+    MAP_PAIRS,
+    MAP_STATS,
+    MAP_REFRESH,
+];
+
+/// Capacity of the connection maps (client sockets, server sockets, flows, pairs).
+pub const MAX_CONNECTIONS: u32 = 65_536;
+/// Capacity of [`MAP_LISTENERS`].
+pub const MAX_LISTENERS: u32 = 256;
+/// Balancer ids are `0..MAX_BALANCERS`; [`MAP_STATS`] has this many slots.
+pub const MAX_BALANCERS: u32 = 64;
+/// Size of [`MAP_REFRESH`] in bytes (a power of two, a multiple of the page size).
+pub const REFRESH_RING_BYTES: u32 = 256 * 1024;
+
+/// `AF_INET` from `<sys/socket.h>`.
+pub const AF_INET: u32 = 2;
+/// `AF_INET6` from `<sys/socket.h>`.
+pub const AF_INET6: u32 = 10;
+
+/// Value in [`MAP_NETNS`] when the same tuple was registered from two network namespaces:
+/// lb then copies that connection in userspace instead of guessing.
+pub const NETNS_AMBIGUOUS: u64 = u64::MAX;
+
+/// [`PairCtl::mode`]: the pair is not spliced; every byte takes the copy path.
+pub const MODE_PASS: u32 = 0;
+/// [`PairCtl::mode`]: redirect the client's sends to the server socket once lb has copied every
+/// byte that took the copy path (the counting rule).
+pub const MODE_REDIRECT: u32 = 1;
+
+/// The four-tuple of a client socket connected to lb, plus the client's network namespace cookie.
+///
+/// `client_*` is the client socket's local end, `lb_*` its remote end (one of lb's listeners).
+/// IPv4 addresses sit in word 0 with words 1-3 zero. Addresses are in network byte order as the
+/// kernel stores them; ports are in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockKey {
+    /// Client address, network byte order per 32-bit word.
+    pub client_ip_be: [u32; 4],
+    /// Listener address, network byte order per 32-bit word.
+    pub lb_ip_be: [u32; 4],
+    /// Client port, host order.
+    pub client_port: u32,
+    /// Listener port, host order.
+    pub lb_port: u32,
+    /// `bpf_get_netns_cookie()` of the client socket; 0 in [`MAP_NETNS`] keys.
+    pub netns_cookie: u64,
+    /// [`AF_INET`] or [`AF_INET6`].
+    pub family: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<SockKey>() == 56);
+
+/// A listener address lb accepts on, as seen from a connecting client socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    /// Address, network byte order per 32-bit word (IPv4 in word 0).
+    pub ip_be: [u32; 4],
+    /// Port, host order.
+    pub port: u32,
+    /// [`AF_INET`] or [`AF_INET6`].
+    pub family: u32,
+}
+const _: () = assert!(size_of::<ListenerKey>() == 24);
+
+/// Per-connection counters kept by the sk_msg program (single writer: sends on one socket are
+/// serialised by the socket lock).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowState {
+    /// Bytes the client sent through the normal path (to lb's accepted socket), in bytes.
+    pub passed: u64,
+    /// Bytes redirected to the server socket's egress, in bytes.
+    pub redirected: u64,
+    /// `redirected` value at which a credit refresh was last requested.
+    pub refresh_asked_at: u64,
+    /// Balancer id of the listener the client connected to.
+    pub balancer: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<FlowState>() == 32);
+
+/// lb's instructions for one paired connection (single writer: lb).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairCtl {
+    /// Bytes lb has read from the accepted socket and written to the server socket, in bytes.
+    pub copied: u64,
+    /// The program may redirect while `FlowState::redirected + size <= credit_end` (bytes).
+    pub credit_end: u64,
+    /// Ask for a refresh once `FlowState::redirected` passes this value (bytes).
+    pub refresh_at: u64,
+    /// [`MODE_PASS`] or [`MODE_REDIRECT`].
+    pub mode: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<PairCtl>() == 32);
+
+/// Why a send took the copy path instead of the splice; index into [`BalancerStats::pass`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PassReason {
+    /// lb has not paired the connection yet (or took it out of the maps).
+    Unpaired = 0,
+    /// lb has not copied every byte that took the copy path yet (the counting rule).
+    Catchup = 1,
+    /// The server socket's queue is at `max_buffered_bytes` (no credit left).
+    Credit = 2,
+    /// `bpf_msg_redirect_hash` failed (server socket gone from the map).
+    RedirectError = 3,
+}
+
+/// Number of [`PassReason`] variants.
+pub const PASS_REASONS: usize = 4;
+
+impl PassReason {
+    /// All reasons, in index order.
+    pub const ALL: [PassReason; PASS_REASONS] = [
+        PassReason::Unpaired,
+        PassReason::Catchup,
+        PassReason::Credit,
+        PassReason::RedirectError,
+    ];
+
+    /// Label used in metrics.
+    pub const fn label(self) -> &'static str {
+        match self {
+            PassReason::Unpaired => "unpaired",
+            PassReason::Catchup => "catchup",
+            PassReason::Credit => "credit",
+            PassReason::RedirectError => "redirect_error",
+        }
+    }
+}
+
+/// Per-balancer counters, one copy per CPU; lb sums them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BalancerStats {
+    /// Client-to-server bytes redirected to a server socket by sk_msg.
+    pub redirected_bytes: u64,
+    /// Client-to-server bytes that took the copy path.
+    pub passed_bytes: u64,
+    /// Sends that took the copy path, by [`PassReason`].
+    pub pass: [u64; PASS_REASONS],
+    /// Client sockets registered by sockops.
+    pub registered: u64,
+    /// Credit refresh requests sent to lb.
+    pub refresh_requests: u64,
+}
+const _: () = assert!(size_of::<BalancerStats>() == 64);
+
+/// A request from the sk_msg program for more redirect credit on one connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RefreshRequest {
+    /// The connection.
+    pub key: SockKey,
+    /// `FlowState::redirected` when asked, in bytes.
+    pub redirected: u64,
+}
+const _: () = assert!(size_of::<RefreshRequest>() == 64);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: each type is #[repr(C)], made only of integers, with padding written out, so every
+    // bit pattern is valid and there are no uninitialised bytes.
+    unsafe impl aya::Pod for super::SockKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ListenerKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::FlowState {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PairCtl {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::BalancerStats {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::RefreshRequest {}
+}

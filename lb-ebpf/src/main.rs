@@ -1,0 +1,259 @@
+//! lb's kernel programs.
+//!
+//! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
+//!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
+//!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
+//! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
+//!   its server socket and copied every byte that went the normal way (the counting rule from
+//!   DESIGN.md), it redirects the client's sends straight to the server socket's egress, within
+//!   the credit lb granted (the bound on bytes queued toward the server).
+//!
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs).
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, sk_action},
+    helpers::bpf_get_netns_cookie,
+    macros::{map, sk_msg, sock_ops},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
+    programs::{SkMsgContext, SockOpsContext},
+};
+use lb_common::{
+    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAX_BALANCERS, MAX_CONNECTIONS,
+    MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS, PairCtl, PassReason, REFRESH_RING_BYTES,
+    RefreshRequest, SockKey,
+};
+
+#[map(name = "LB_LISTENERS")]
+static LB_LISTENERS: HashMap<ListenerKey, u32> = HashMap::with_max_entries(MAX_LISTENERS, 0);
+
+#[map(name = "LB_CLIENTS")]
+static LB_CLIENTS: SockHash<SockKey> = SockHash::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map(name = "LB_SERVERS")]
+static LB_SERVERS: SockHash<SockKey> = SockHash::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map(name = "LB_NETNS")]
+static LB_NETNS: LruHashMap<SockKey, u64> = LruHashMap::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map(name = "LB_FLOWS")]
+static LB_FLOWS: LruHashMap<SockKey, FlowState> = LruHashMap::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map(name = "LB_PAIRS")]
+static LB_PAIRS: HashMap<SockKey, PairCtl> = HashMap::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map(name = "LB_STATS")]
+static LB_STATS: PerCpuArray<BalancerStats> = PerCpuArray::with_max_entries(MAX_BALANCERS, 0);
+
+#[map(name = "LB_REFRESH")]
+static LB_REFRESH: RingBuf = RingBuf::with_byte_size(REFRESH_RING_BYTES, 0);
+
+const SK_PASS: u32 = sk_action::SK_PASS;
+
+/// Read a context field with a single load at a constant offset: the verifier refuses loads
+/// through a ctx pointer that was moved first, which is what copying an array field compiles to.
+macro_rules! ctx_u32 {
+    ($ptr:expr, $($field:tt)+) => {
+        // SAFETY: $ptr is the program's context pointer and the field is readable in this type.
+        unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*$ptr).$($field)+)) }
+    };
+}
+
+macro_rules! ctx_ip6 {
+    ($ptr:expr, $field:ident) => {
+        [
+            ctx_u32!($ptr, $field[0]),
+            ctx_u32!($ptr, $field[1]),
+            ctx_u32!($ptr, $field[2]),
+            ctx_u32!($ptr, $field[3]),
+        ]
+    };
+}
+
+/// Port as the kernel exposes `remote_port` (network order in the upper 16 bits) → host order.
+#[inline(always)]
+fn remote_port_host(raw: u32) -> u32 {
+    u32::from(u16::from_be((raw >> 16) as u16))
+}
+
+#[sock_ops]
+pub fn lb_sockops(ctx: SockOpsContext) -> u32 {
+    match try_sockops(&ctx) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
+    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+        return Ok(1);
+    }
+    let family = ctx.family();
+    let mut key = SockKey {
+        client_port: ctx.local_port(),
+        lb_port: remote_port_host(ctx.remote_port()),
+        family,
+        ..SockKey::default()
+    };
+    if family == AF_INET {
+        key.client_ip_be[0] = ctx.local_ip4();
+        key.lb_ip_be[0] = ctx.remote_ip4();
+    } else if family == AF_INET6 {
+        key.client_ip_be = ctx_ip6!(ctx.ops, local_ip6);
+        key.lb_ip_be = ctx_ip6!(ctx.ops, remote_ip6);
+    } else {
+        return Ok(1);
+    }
+    let listener = ListenerKey {
+        ip_be: key.lb_ip_be,
+        port: key.lb_port,
+        family,
+    };
+    let wildcard = ListenerKey {
+        ip_be: [0; 4],
+        ..listener
+    };
+    // SAFETY: the values are plain u32s copied out before the map can change them.
+    let found = unsafe {
+        LB_LISTENERS
+            .get(&listener)
+            .or_else(|| LB_LISTENERS.get(&wildcard))
+    };
+    let Some(balancer) = found.copied() else {
+        return Ok(1);
+    };
+    // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
+    let cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    let tuple = key;
+    key.netns_cookie = cookie;
+
+    let flow = FlowState {
+        balancer,
+        ..FlowState::default()
+    };
+    LB_FLOWS
+        .insert(&key, &flow, u64::from(BPF_ANY))
+        .map_err(|_| 1u32)?;
+    // SAFETY: the value is a plain u64 copied out.
+    let seen = unsafe { LB_NETNS.get(&tuple) }.copied();
+    let netns = match seen {
+        Some(other) if other != cookie => NETNS_AMBIGUOUS,
+        _ => cookie,
+    };
+    LB_NETNS
+        .insert(&tuple, &netns, u64::from(BPF_ANY))
+        .map_err(|_| 1u32)?;
+    // SAFETY: ctx.ops is the live bpf_sock_ops of this callback.
+    let ops = unsafe { &mut *ctx.ops };
+    if LB_CLIENTS.update(key, ops, u64::from(BPF_ANY)).is_err() {
+        return Err(1);
+    }
+    if let Some(stats) = LB_STATS.get_ptr_mut(balancer) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { (*stats).registered += 1 };
+    }
+    Ok(1)
+}
+
+#[sk_msg]
+pub fn lb_sk_msg(ctx: SkMsgContext) -> u32 {
+    match try_sk_msg(&ctx) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
+    let md = ctx.msg;
+    let family = ctx_u32!(md, family);
+    let mut key = SockKey {
+        client_port: ctx_u32!(md, local_port),
+        lb_port: remote_port_host(ctx_u32!(md, remote_port)),
+        family,
+        ..SockKey::default()
+    };
+    if family == AF_INET {
+        key.client_ip_be[0] = ctx_u32!(md, local_ip4);
+        key.lb_ip_be[0] = ctx_u32!(md, remote_ip4);
+    } else if family == AF_INET6 {
+        key.client_ip_be = ctx_ip6!(md, local_ip6);
+        key.lb_ip_be = ctx_ip6!(md, remote_ip6);
+    } else {
+        return Ok(SK_PASS);
+    }
+    // SAFETY: ctx.msg is the context pointer the kernel passed to this program.
+    key.netns_cookie = unsafe { bpf_get_netns_cookie(ctx.msg.cast()) };
+    let size = u64::from(ctx_u32!(md, size));
+
+    let Some(flow) = LB_FLOWS.get_ptr_mut(&key) else {
+        return Ok(SK_PASS);
+    };
+    // SAFETY: sends on one socket run under its lock, so this program is the only writer of the
+    // flow; lb only reads it.
+    let flow = unsafe { &mut *flow };
+    let stats = LB_STATS.get_ptr_mut(flow.balancer);
+
+    // SAFETY: PairCtl is replaced whole by lb (hash map update swaps the element), so this copy is
+    // a consistent snapshot.
+    let ctl = unsafe { LB_PAIRS.get(&key) }.copied();
+    let reason = match ctl {
+        Some(ctl) if ctl.mode == MODE_REDIRECT => {
+            if ctl.copied != flow.passed {
+                PassReason::Catchup
+            } else if flow.redirected + size > ctl.credit_end {
+                ask_refresh(&key, flow, ctl.credit_end, stats);
+                PassReason::Credit
+            } else if LB_SERVERS.redirect_msg(ctx, key, 0) as u32 == SK_PASS {
+                flow.redirected += size;
+                if let Some(stats) = stats {
+                    // SAFETY: per-CPU slot.
+                    unsafe { (*stats).redirected_bytes += size };
+                }
+                if flow.redirected >= ctl.refresh_at {
+                    ask_refresh(&key, flow, ctl.refresh_at, stats);
+                }
+                return Ok(SK_PASS);
+            } else {
+                PassReason::RedirectError
+            }
+        }
+        _ => PassReason::Unpaired,
+    };
+    flow.passed += size;
+    if let Some(stats) = stats {
+        // SAFETY: per-CPU slot.
+        unsafe {
+            (*stats).passed_bytes += size;
+            (*stats).pass[reason as usize] += 1;
+        }
+    }
+    Ok(SK_PASS)
+}
+
+/// Ask lb (once per credit mark) to look at the server socket's queue and grant more credit.
+#[inline(always)]
+fn ask_refresh(key: &SockKey, flow: &mut FlowState, mark: u64, stats: Option<*mut BalancerStats>) {
+    if flow.refresh_asked_at == mark {
+        return;
+    }
+    let req = RefreshRequest {
+        key: *key,
+        redirected: flow.redirected,
+    };
+    if LB_REFRESH.output::<RefreshRequest>(&req, 0).is_ok() {
+        flow.refresh_asked_at = mark;
+        if let Some(stats) = stats {
+            // SAFETY: per-CPU slot.
+            unsafe { (*stats).refresh_requests += 1 };
+        }
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,844 @@
+//! Configuration: the TOML file, `LB_*` environment variables and flags merged into one validated
+//! [`Config`]. Unknown keys are refused; every error names the key, the value and the reason.
+
+use std::{
+    collections::HashSet,
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// Exit code of `lb config check` and `lb run` for an invalid configuration.
+pub const EXIT_INVALID_CONFIG: i32 = 2;
+
+/// Default admin listen address (DESIGN.md contract).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
+/// Default per-server dial timeout: 10 s, as the K3s agent load balancer uses.
+pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default budget for one client's whole dial attempt across servers: 30 s.
+pub const DEFAULT_CONNECT_BUDGET: Duration = Duration::from_secs(30);
+/// Default bound on bytes queued toward one server per connection: 4 MiB.
+pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 4 * 1024 * 1024;
+/// Default grace period for draining connections on SIGTERM: 30 s.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// A configuration error: which key, which value, why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or did not match the schema (unknown key, wrong type).
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file, or `<flags>`.
+        path: String,
+        /// toml's message, which names the key and line.
+        message: String,
+    },
+    /// A value parsed but is not acceptable.
+    #[error("invalid value for `{key}` = {value:?}: {reason}")]
+    Invalid {
+        /// Dotted key, e.g. `balancer[0].servers`.
+        key: String,
+        /// The offending value as given.
+        value: String,
+        /// Why it was refused.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// Shorthand for [`ConfigError::Invalid`].
+    pub fn invalid(
+        key: impl Into<String>,
+        value: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A duration written as `250ms`, `10s`, `1m` (humantime syntax).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Dur(pub Duration);
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s)
+            .map(Dur)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Dur {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl fmt::Display for Dur {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+/// Parse `250ms`, `10s`, `1m30s`.
+///
+/// # Errors
+/// A message naming the text when it is not a duration.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("`{s}` is not a duration like 250ms, 10s or 1m ({e})"))
+}
+
+/// Data path choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DatapathMode {
+    /// Kernel splice when it can be attached, otherwise userspace with a warning saying why.
+    #[default]
+    Auto,
+    /// Kernel splice or fail with the reason.
+    Bpf,
+    /// Copy in userspace only.
+    Userspace,
+}
+
+impl fmt::Display for DatapathMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DatapathMode::Auto => "auto",
+            DatapathMode::Bpf => "bpf",
+            DatapathMode::Userspace => "userspace",
+        })
+    }
+}
+
+/// Server selection policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// K3s: one ACTIVE server at a time, fail over in preference order, fail back.
+    #[default]
+    Failover,
+    /// Rotate over usable servers.
+    RoundRobin,
+    /// Power of two random choices by open connections.
+    LeastConnections,
+    /// Uniformly random usable server.
+    Random,
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Policy::Failover => "failover",
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastConnections => "least-connections",
+            Policy::Random => "random",
+        })
+    }
+}
+
+/// What happens to a server's connections when it turns unhealthy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnhealthy {
+    /// Reset every connection at once (default; K3s closes them too).
+    #[default]
+    Kill,
+    /// No new connections; reset the rest after `drain_timeout`.
+    Drain,
+    /// No new connections; existing ones stay.
+    Keep,
+}
+
+/// Which sockets a kill reaches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KillScope {
+    /// lb's own connections.
+    #[default]
+    Own,
+    /// Also every TCP socket on the node whose peer is the failed server.
+    Node,
+}
+
+/// Health check kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckKind {
+    /// Connect within `timeout`.
+    #[default]
+    Tcp,
+    /// Connect and finish a TLS handshake.
+    Tls,
+    /// GET a URL and match the status (and optionally a body substring).
+    Http,
+    /// A long-lived WebSocket pinged every `interval`.
+    Tunnel,
+}
+
+/// `[admin]`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Admin HTTP listen address; default `127.0.0.1:9901`.
+    pub listen: SocketAddr,
+    /// Also serve on this unix socket (mode 0600).
+    pub unix_socket: Option<PathBuf>,
+    /// File holding a bearer token required on every request but `/livez` and `/readyz`.
+    pub token_file: Option<PathBuf>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: DEFAULT_ADMIN_LISTEN.parse().expect("constant address"),
+            unix_socket: None,
+            token_file: None,
+        }
+    }
+}
+
+/// `[datapath]`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatapathConfig {
+    /// auto | bpf | userspace.
+    pub mode: DatapathMode,
+    /// cgroup v2 directory to attach sockops to; detected from /proc/mounts when absent.
+    pub cgroup: Option<PathBuf>,
+    /// Bound on bytes queued toward one server per connection (bytes); default 4 MiB.
+    pub max_buffered_bytes: u64,
+    /// Size of one userspace copy buffer (bytes); default 256 KiB.
+    pub copy_buffer_bytes: usize,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        DatapathConfig {
+            mode: DatapathMode::Auto,
+            cgroup: None,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+            copy_buffer_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// `[balancer.health]`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// tcp | tls | http | tunnel.
+    pub kind: CheckKind,
+    /// Run the periodic loop (false: checks run before dials and on `/check` only).
+    #[serde(rename = "loop")]
+    pub loop_enabled: bool,
+    /// URL template for http (`http://{server}/ping`) and tunnel (`ws://{server}/tunnel`).
+    pub url: Option<String>,
+    /// Host header / SNI override.
+    pub host: Option<String>,
+    /// Accepted HTTP status codes or ranges: `[200, "200-299"]`.
+    pub expect_status: Vec<StatusMatch>,
+    /// Substring the HTTP body must contain.
+    pub expect_body: Option<String>,
+    /// Largest HTTP response read (bytes); default 64 KiB.
+    pub max_response_bytes: usize,
+    /// Time between checks; default 1 s (K3s checks every second).
+    pub interval: Dur,
+    /// Interval while a server is changing state; default = interval / 2.
+    pub fast_interval: Option<Dur>,
+    /// Interval while a server is FAILED; default = interval.
+    pub down_interval: Option<Dur>,
+    /// Fixed timeout of one check; default 1 s.
+    pub timeout: Dur,
+    /// Consecutive successes to become healthy; default 2.
+    pub rise: u32,
+    /// Consecutive failures to become FAILED; default 1 (K3s fails on the first failed check).
+    pub fall: u32,
+    /// Results older than this are refreshed before a dial; default 5 s.
+    pub max_age: Dur,
+    /// Dial failures and resets seen by the proxy count toward `fall`.
+    pub passive: bool,
+    /// kill | drain | keep.
+    pub on_unhealthy: OnUnhealthy,
+    /// With `drain`, kill what is left after this long; default 30 s.
+    pub drain_timeout: Dur,
+    /// own | node.
+    pub kill_scope: KillScope,
+    /// TLS: server name for SNI and verification.
+    pub sni: Option<String>,
+    /// TLS: ALPN protocols.
+    pub alpn: Vec<String>,
+    /// TLS: CA bundle (PEM); system roots when absent.
+    pub ca_file: Option<PathBuf>,
+    /// TLS: client certificate chain (PEM).
+    pub cert_file: Option<PathBuf>,
+    /// TLS: client key (PEM).
+    pub key_file: Option<PathBuf>,
+    /// TLS: accept any server certificate.
+    pub insecure_skip_verify: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            kind: CheckKind::Tcp,
+            loop_enabled: true,
+            url: None,
+            host: None,
+            expect_status: vec![StatusMatch::Range(200, 299)],
+            expect_body: None,
+            max_response_bytes: 64 * 1024,
+            interval: Dur(Duration::from_secs(1)),
+            fast_interval: None,
+            down_interval: None,
+            timeout: Dur(Duration::from_secs(1)),
+            rise: 2,
+            fall: 1,
+            max_age: Dur(Duration::from_secs(5)),
+            passive: true,
+            on_unhealthy: OnUnhealthy::Kill,
+            drain_timeout: Dur(Duration::from_secs(30)),
+            kill_scope: KillScope::Own,
+            sni: None,
+            alpn: Vec::new(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            insecure_skip_verify: false,
+        }
+    }
+}
+
+/// One accepted HTTP status: a code or an inclusive range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum StatusMatch {
+    /// Exactly this code.
+    Code(u16),
+    /// `lo..=hi`.
+    Range(u16, u16),
+}
+
+impl StatusMatch {
+    /// Whether `code` is accepted.
+    pub fn matches(self, code: u16) -> bool {
+        match self {
+            StatusMatch::Code(c) => c == code,
+            StatusMatch::Range(lo, hi) => (lo..=hi).contains(&code),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StatusMatch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Code(u16),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Code(c) => Ok(StatusMatch::Code(c)),
+            Raw::Text(t) => {
+                let bad = || {
+                    serde::de::Error::custom(format!(
+                        "`{t}` is not a status code or a range like 200-299"
+                    ))
+                };
+                let (lo, hi) = t.split_once('-').ok_or_else(bad)?;
+                let lo: u16 = lo.trim().parse().map_err(|_| bad())?;
+                let hi: u16 = hi.trim().parse().map_err(|_| bad())?;
+                if lo > hi {
+                    return Err(bad());
+                }
+                Ok(StatusMatch::Range(lo, hi))
+            }
+        }
+    }
+}
+
+/// `[[balancer]]`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BalancerConfig {
+    /// Unique name, used in metrics, the admin API and the state file.
+    pub name: String,
+    /// Listen addresses (IPv4 and IPv6).
+    pub listen: Vec<SocketAddr>,
+    /// Servers as `host:port` (host names resolve to every A/AAAA record).
+    #[serde(default)]
+    pub servers: Vec<String>,
+    /// Server of last resort; kept as STANDBY when not in `servers`.
+    #[serde(default)]
+    pub default_server: Option<String>,
+    /// failover | round-robin | least-connections | random.
+    #[serde(default)]
+    pub policy: Policy,
+    /// Fail back to a more preferred server when it recovers (failover policy); default true.
+    #[serde(default = "default_true")]
+    pub failback: bool,
+    /// Bound on one dial; default 10 s.
+    #[serde(default = "default_dial_timeout")]
+    pub dial_timeout: Dur,
+    /// Bound on one client's whole dial attempt; default 30 s.
+    #[serde(default = "default_connect_budget")]
+    pub connect_budget: Dur,
+    /// JSON file remembering servers and default across restarts.
+    #[serde(default)]
+    pub state_file: Option<PathBuf>,
+    /// Dial through this HTTP CONNECT proxy (`http://host:port`); NO_PROXY is honoured.
+    #[serde(default)]
+    pub proxy: Option<String>,
+    /// Health checking.
+    #[serde(default)]
+    pub health: HealthConfig,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_dial_timeout() -> Dur {
+    Dur(DEFAULT_DIAL_TIMEOUT)
+}
+fn default_connect_budget() -> Dur {
+    Dur(DEFAULT_CONNECT_BUDGET)
+}
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[admin]`.
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// `[datapath]`.
+    #[serde(default)]
+    pub datapath: DatapathConfig,
+    /// Grace period for draining on SIGTERM; default 30 s.
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace: Dur,
+    /// `[[balancer]]` tables.
+    #[serde(default, rename = "balancer")]
+    pub balancers: Vec<BalancerConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            admin: AdminConfig::default(),
+            datapath: DatapathConfig::default(),
+            shutdown_grace: default_shutdown_grace(),
+            balancers: Vec::new(),
+        }
+    }
+}
+
+fn default_shutdown_grace() -> Dur {
+    Dur(DEFAULT_SHUTDOWN_GRACE)
+}
+
+/// Overrides from flags and `LB_*` variables (clap reads both; flags win).
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `--listen` (defines or replaces the single balancer's listeners).
+    pub listen: Vec<SocketAddr>,
+    /// `--server`.
+    pub servers: Vec<String>,
+    /// `--default-server`.
+    pub default_server: Option<String>,
+    /// `--datapath`.
+    pub datapath: Option<DatapathMode>,
+    /// `--admin-listen`.
+    pub admin_listen: Option<SocketAddr>,
+    /// `--health-loop`.
+    pub health_loop: Option<bool>,
+    /// `--cgroup`.
+    pub cgroup: Option<PathBuf>,
+}
+
+impl Config {
+    /// Parse TOML text.
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] naming the key (unknown keys are refused), then whatever
+    /// [`Config::validate`] refuses.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string().trim().replace('\n', " "),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Read and parse a file.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] or as [`Config::from_toml`].
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Build from an optional file plus overrides, then validate.
+    ///
+    /// With no file, `--listen` and `--server` define one balancer named `default`. With a file,
+    /// `--listen`/`--server`/`--default-server` apply to the file's only balancer (an error with
+    /// several).
+    ///
+    /// # Errors
+    /// As [`Config::from_file`], or [`ConfigError::Invalid`] for overrides that do not fit.
+    pub fn load(file: Option<&Path>, o: &Overrides) -> Result<Config, ConfigError> {
+        let mut cfg = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
+                    path: path.display().to_string(),
+                    message: e.to_string().trim().replace('\n', " "),
+                })?
+            }
+            None => Config::default(),
+        };
+        let touches_balancer =
+            !o.listen.is_empty() || !o.servers.is_empty() || o.default_server.is_some();
+        if touches_balancer {
+            if cfg.balancers.is_empty() {
+                cfg.balancers.push(BalancerConfig {
+                    name: "default".into(),
+                    listen: Vec::new(),
+                    servers: Vec::new(),
+                    default_server: None,
+                    policy: Policy::Failover,
+                    failback: true,
+                    dial_timeout: default_dial_timeout(),
+                    connect_budget: default_connect_budget(),
+                    state_file: None,
+                    proxy: None,
+                    health: HealthConfig::default(),
+                });
+            }
+            if cfg.balancers.len() > 1 {
+                return Err(ConfigError::invalid(
+                    "--listen/--server/--default-server",
+                    format!("{} balancers", cfg.balancers.len()),
+                    "flags can only shape a config with a single [[balancer]]",
+                ));
+            }
+            let b = &mut cfg.balancers[0];
+            if !o.listen.is_empty() {
+                b.listen.clone_from(&o.listen);
+            }
+            if !o.servers.is_empty() {
+                b.servers.clone_from(&o.servers);
+            }
+            if o.default_server.is_some() {
+                b.default_server.clone_from(&o.default_server);
+            }
+        }
+        if let Some(mode) = o.datapath {
+            cfg.datapath.mode = mode;
+        }
+        if let Some(listen) = o.admin_listen {
+            cfg.admin.listen = listen;
+        }
+        if let Some(enabled) = o.health_loop {
+            for b in &mut cfg.balancers {
+                b.health.loop_enabled = enabled;
+            }
+        }
+        if o.cgroup.is_some() {
+            cfg.datapath.cgroup.clone_from(&o.cgroup);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Check everything serde cannot: names, addresses, thresholds, durations.
+    ///
+    /// # Errors
+    /// The first [`ConfigError::Invalid`] found, naming its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.balancers.is_empty() {
+            return Err(ConfigError::invalid(
+                "balancer",
+                "[]",
+                "at least one [[balancer]] (or --listen and --server) is required",
+            ));
+        }
+        if self.datapath.max_buffered_bytes < 64 * 1024 {
+            return Err(ConfigError::invalid(
+                "datapath.max_buffered_bytes",
+                self.datapath.max_buffered_bytes,
+                "must be at least 65536",
+            ));
+        }
+        if !(4096..=16 * 1024 * 1024).contains(&self.datapath.copy_buffer_bytes) {
+            return Err(ConfigError::invalid(
+                "datapath.copy_buffer_bytes",
+                self.datapath.copy_buffer_bytes,
+                "must be between 4096 and 16777216",
+            ));
+        }
+        if self.balancers.len() > lb_common::MAX_BALANCERS as usize {
+            return Err(ConfigError::invalid(
+                "balancer",
+                self.balancers.len(),
+                format!("at most {} balancers", lb_common::MAX_BALANCERS),
+            ));
+        }
+        let mut names = HashSet::new();
+        let mut listens = HashSet::new();
+        for (i, b) in self.balancers.iter().enumerate() {
+            let key = |k: &str| format!("balancer[{i}].{k}");
+            if b.name.is_empty()
+                || !b
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+            {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    &b.name,
+                    "must be non-empty and use only letters, digits, '-', '_' and '.'",
+                ));
+            }
+            if !names.insert(b.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    &b.name,
+                    "duplicate balancer name",
+                ));
+            }
+            if b.listen.is_empty() {
+                return Err(ConfigError::invalid(
+                    key("listen"),
+                    "[]",
+                    "at least one listen address is required",
+                ));
+            }
+            for l in &b.listen {
+                if !listens.insert(*l) {
+                    return Err(ConfigError::invalid(key("listen"), l, "address used twice"));
+                }
+            }
+            crate::balancer::validate_server_set(
+                &b.servers,
+                b.default_server.as_deref(),
+                &b.listen,
+            )
+            .map_err(|e| {
+                ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
+            })?;
+            if b.dial_timeout.0.is_zero() {
+                return Err(ConfigError::invalid(
+                    key("dial_timeout"),
+                    b.dial_timeout,
+                    "must be more than 0",
+                ));
+            }
+            if b.connect_budget.0 < b.dial_timeout.0 {
+                return Err(ConfigError::invalid(
+                    key("connect_budget"),
+                    b.connect_budget,
+                    "must be at least dial_timeout",
+                ));
+            }
+            if let Some(proxy) = &b.proxy {
+                crate::balancer::parse_proxy_url(proxy)
+                    .map_err(|reason| ConfigError::invalid(key("proxy"), proxy, reason))?;
+            }
+            let h = &b.health;
+            let hkey = |k: &str| format!("balancer[{i}].health.{k}");
+            if h.rise == 0 {
+                return Err(ConfigError::invalid(
+                    hkey("rise"),
+                    h.rise,
+                    "must be at least 1",
+                ));
+            }
+            if h.fall == 0 {
+                return Err(ConfigError::invalid(
+                    hkey("fall"),
+                    h.fall,
+                    "must be at least 1",
+                ));
+            }
+            for (name, d) in [("interval", h.interval), ("timeout", h.timeout)] {
+                if d.0 < Duration::from_millis(10) {
+                    return Err(ConfigError::invalid(hkey(name), d, "must be at least 10ms"));
+                }
+            }
+            for (name, d) in [
+                ("fast_interval", h.fast_interval),
+                ("down_interval", h.down_interval),
+            ] {
+                if let Some(d) = d
+                    && d.0 < Duration::from_millis(10)
+                {
+                    return Err(ConfigError::invalid(hkey(name), d, "must be at least 10ms"));
+                }
+            }
+            match h.kind {
+                CheckKind::Http | CheckKind::Tunnel => {
+                    let Some(url) = &h.url else {
+                        return Err(ConfigError::invalid(
+                            hkey("url"),
+                            "(none)",
+                            "required for http and tunnel checks",
+                        ));
+                    };
+                    let ok_schemes: &[&str] = if h.kind == CheckKind::Http {
+                        &["http://", "https://"]
+                    } else {
+                        &["ws://", "wss://"]
+                    };
+                    if !ok_schemes.iter().any(|s| url.starts_with(s)) {
+                        return Err(ConfigError::invalid(
+                            hkey("url"),
+                            url,
+                            format!("must start with {}", ok_schemes.join(" or ")),
+                        ));
+                    }
+                }
+                CheckKind::Tcp | CheckKind::Tls => {}
+            }
+            if h.expect_status.is_empty() {
+                return Err(ConfigError::invalid(
+                    hkey("expect_status"),
+                    "[]",
+                    "at least one status",
+                ));
+            }
+            if h.cert_file.is_some() != h.key_file.is_some() {
+                return Err(ConfigError::invalid(
+                    hkey("cert_file"),
+                    format!("{:?}", h.cert_file),
+                    "cert_file and key_file go together",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+[admin]
+listen = "127.0.0.1:9901"
+
+[datapath]
+mode = "auto"
+
+[[balancer]]
+name = "apiserver"
+listen = ["127.0.0.1:6443", "[::1]:6443"]
+servers = ["198.18.0.2:6443", "198.18.0.3:6443"]
+default_server = "198.18.0.2:6443"
+policy = "failover"
+dial_timeout = "10s"
+state_file = "/var/lib/lb/apiserver.json"
+
+[balancer.health]
+kind = "http"
+url = "https://{server}/ping"
+expect_status = [200, "300-399"]
+interval = "1s"
+timeout = "1s"
+rise = 2
+fall = 1
+on_unhealthy = "kill"
+"#;
+
+    #[test]
+    fn design_example_parses() {
+        let cfg = Config::from_toml(FULL, "test").unwrap();
+        let b = &cfg.balancers[0];
+        assert_eq!(b.listen.len(), 2);
+        assert_eq!(b.health.kind, CheckKind::Http);
+        assert_eq!(
+            b.health.expect_status,
+            vec![StatusMatch::Code(200), StatusMatch::Range(300, 399)]
+        );
+        assert_eq!(b.dial_timeout.0, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml(&FULL.replace("policy =", "polcy ="), "f.toml").unwrap_err();
+        assert!(err.to_string().contains("polcy"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (FULL.replace("rise = 2", "rise = 0"), "health.rise"),
+            (
+                FULL.replace("interval = \"1s\"", "interval = \"1x\""),
+                "interval",
+            ),
+            (
+                FULL.replace("\"198.18.0.3:6443\"]", "\"198.18.0.2:6443\"]"),
+                "servers",
+            ),
+            (
+                FULL.replace("https://{server}", "ftp://{server}"),
+                "health.url",
+            ),
+            (
+                FULL.replace("name = \"apiserver\"", "name = \"a b\""),
+                "name",
+            ),
+        ];
+        for (text, key) in cases {
+            let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+            assert!(err.contains(key), "expected {key} in: {err}");
+        }
+    }
+
+    #[test]
+    fn flags_define_a_balancer_and_win() {
+        let o = Overrides {
+            listen: vec!["127.0.0.1:7000".parse().unwrap()],
+            servers: vec!["198.18.0.2:80".into()],
+            datapath: Some(DatapathMode::Userspace),
+            health_loop: Some(false),
+            ..Overrides::default()
+        };
+        let cfg = Config::load(None, &o).unwrap();
+        assert_eq!(cfg.balancers[0].name, "default");
+        assert_eq!(cfg.datapath.mode, DatapathMode::Userspace);
+        assert!(!cfg.balancers[0].health.loop_enabled);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("ten").unwrap_err().contains("ten"));
+    }
+}

@@ -1,0 +1,14 @@
+//! lb: a client-side TCP load balancer whose kernel programs splice client sockets to server
+//! sockets. The binary (`main.rs`) parses the command line and calls into these modules.
+//!
+//! Minimum kernel for the `bpf` data path: 5.15; the userspace path runs anywhere Linux runs.
+
+pub mod admin;
+pub mod balancer;
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod datapath;
+pub mod health;
+pub mod metrics;
+pub mod proxy;

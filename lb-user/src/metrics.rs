@@ -1,0 +1,329 @@
+//! Metrics: every `lb_*` family of the contract, registered once, encoded in the Prometheus /
+//! OpenMetrics text format. Gauges that mirror state (server state, connections, kernel counters)
+//! are refreshed from snapshots at scrape time.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, atomic::AtomicU64},
+};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+use crate::{balancer::Balancer, datapath::Datapath};
+
+/// `{balancer}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BalancerLabel {
+    /// Balancer name.
+    pub balancer: String,
+}
+
+/// `{balancer,server}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// Server address.
+    pub server: String,
+}
+
+/// `{balancer,status}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DialLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `ok` or `error`.
+    pub status: String,
+}
+
+/// `{balancer,server,result}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// Server address.
+    pub server: String,
+    /// `success` or `failure`.
+    pub result: String,
+}
+
+/// `{balancer,server,reason}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KillLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// Server address.
+    pub server: String,
+    /// [`crate::balancer::KillReason::label`].
+    pub reason: String,
+}
+
+/// `{balancer,direction}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `client_to_server` or `server_to_client`.
+    pub direction: String,
+}
+
+/// `{balancer,reason}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// [`lb_common::PassReason::label`].
+    pub reason: String,
+}
+
+/// `{mode}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    /// `bpf` or `userspace`.
+    pub mode: String,
+}
+
+/// All metric families.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// `lb_server_state` (DESIGN.md numeric states).
+    pub server_state: Family<ServerLabels, Gauge>,
+    /// `lb_server_connections`.
+    pub server_connections: Family<ServerLabels, Gauge>,
+    /// `lb_dial_duration_seconds`.
+    pub dial_duration: Family<DialLabels, Histogram>,
+    /// `lb_health_checks_total`.
+    pub health_checks: Family<CheckLabels, Counter>,
+    /// `lb_health_check_duration_seconds`.
+    pub health_check_duration: Family<ServerLabels, Histogram>,
+    /// `lb_connections_killed_total`.
+    pub connections_killed: Family<KillLabels, Counter>,
+    /// `lb_spliced_connections`.
+    pub spliced_connections: Family<BalancerLabel, Gauge>,
+    /// `lb_spliced_bytes_total` (client_to_server from the kernel; server_to_client is copied).
+    pub spliced_bytes: Family<DirectionLabels, Counter>,
+    /// `lb_copied_bytes_total`: bytes lb copied in userspace.
+    pub copied_bytes: Family<DirectionLabels, Counter>,
+    /// `lb_splice_fallbacks_total`: sends that took the copy path in a spliced connection.
+    pub splice_fallbacks: Family<FallbackLabels, Counter>,
+    /// `lb_datapath_info`.
+    pub datapath_info: Family<ModeLabel, Gauge>,
+    /// `lb_inflight_checks`.
+    pub inflight_checks: Gauge,
+    /// `lb_connections_total`: accepted client connections.
+    pub connections_total: Family<BalancerLabel, Counter>,
+    last_kernel: Mutex<HashMap<(String, String), u64>>,
+}
+
+fn seconds_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ]
+    .into_iter()
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Register every family.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("lb");
+        let server_state = Family::<ServerLabels, Gauge>::default();
+        registry.register(
+            "server_state",
+            "Server state: 0 INVALID, 1 FAILED, 2 STANDBY, 3 UNCHECKED, 4 RECOVERING, 5 HEALTHY, 6 PREFERRED, 7 ACTIVE",
+            server_state.clone(),
+        );
+        let server_connections = Family::<ServerLabels, Gauge>::default();
+        registry.register(
+            "server_connections",
+            "Open client connections per server",
+            server_connections.clone(),
+        );
+        let dial_duration = Family::<DialLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(seconds_buckets())
+        });
+        registry.register(
+            "dial_duration_seconds",
+            "Time to dial a server, in seconds",
+            dial_duration.clone(),
+        );
+        let health_checks = Family::<CheckLabels, Counter>::default();
+        registry.register(
+            "health_checks",
+            "Health checks run, by result",
+            health_checks.clone(),
+        );
+        let health_check_duration = Family::<ServerLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(seconds_buckets())
+        });
+        registry.register(
+            "health_check_duration_seconds",
+            "Duration of one health check, in seconds",
+            health_check_duration.clone(),
+        );
+        let connections_killed = Family::<KillLabels, Counter>::default();
+        registry.register(
+            "connections_killed",
+            "Connections lb reset, by reason",
+            connections_killed.clone(),
+        );
+        let spliced_connections = Family::<BalancerLabel, Gauge>::default();
+        registry.register(
+            "spliced_connections",
+            "Connections whose client-to-server bytes the kernel splices now",
+            spliced_connections.clone(),
+        );
+        let spliced_bytes = Family::<DirectionLabels, Counter>::default();
+        registry.register(
+            "spliced_bytes",
+            "Bytes carried by the kernel splice, by direction",
+            spliced_bytes.clone(),
+        );
+        let copied_bytes = Family::<DirectionLabels, Counter>::default();
+        registry.register(
+            "copied_bytes",
+            "Bytes lb copied in userspace, by direction",
+            copied_bytes.clone(),
+        );
+        let splice_fallbacks = Family::<FallbackLabels, Counter>::default();
+        registry.register(
+            "splice_fallbacks",
+            "Client sends that took the copy path instead of the splice, by reason",
+            splice_fallbacks.clone(),
+        );
+        let datapath_info = Family::<ModeLabel, Gauge>::default();
+        registry.register(
+            "datapath_info",
+            "Data path in use (value 1)",
+            datapath_info.clone(),
+        );
+        let inflight_checks = Gauge::default();
+        registry.register(
+            "inflight_checks",
+            "Health checks running now, on-demand ones included",
+            inflight_checks.clone(),
+        );
+        let connections_total = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "connections",
+            "Client connections accepted",
+            connections_total.clone(),
+        );
+        Metrics {
+            registry,
+            server_state,
+            server_connections,
+            dial_duration,
+            health_checks,
+            health_check_duration,
+            connections_killed,
+            spliced_connections,
+            spliced_bytes,
+            copied_bytes,
+            splice_fallbacks,
+            datapath_info,
+            inflight_checks,
+            connections_total,
+            last_kernel: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Count `n` bytes copied in userspace.
+    pub fn copied(&self, balancer: &str, direction: &'static str, n: u64) {
+        self.copied_bytes
+            .get_or_create(&DirectionLabels {
+                balancer: balancer.to_string(),
+                direction: direction.to_string(),
+            })
+            .inc_by(n);
+    }
+
+    /// Refresh the snapshot gauges, then encode everything.
+    pub fn render(&self, balancers: &[Arc<Balancer>], datapath: Option<&Datapath>) -> String {
+        self.server_state.clear();
+        self.server_connections.clear();
+        for b in balancers {
+            for s in b.status() {
+                let l = ServerLabels {
+                    balancer: b.name.clone(),
+                    server: s.address.clone(),
+                };
+                self.server_state.get_or_create(&l).set(s.state as i64);
+                self.server_connections
+                    .get_or_create(&l)
+                    .set(i64::try_from(s.connections).unwrap_or(i64::MAX));
+            }
+            let _ = self
+                .spliced_connections
+                .get_or_create(&BalancerLabel {
+                    balancer: b.name.clone(),
+                })
+                .get();
+            if let Some(dp) = datapath {
+                let st = dp.stats(b.id);
+                self.bump_kernel(
+                    &self.spliced_bytes,
+                    &b.name,
+                    "client_to_server",
+                    st.redirected_bytes,
+                );
+                let _ = self
+                    .spliced_bytes
+                    .get_or_create(&DirectionLabels {
+                        balancer: b.name.clone(),
+                        direction: "server_to_client".into(),
+                    })
+                    .get();
+                for r in lb_common::PassReason::ALL {
+                    let key = (b.name.clone(), format!("fallback:{}", r.label()));
+                    let now = st.pass[r as usize];
+                    let mut last = self.last_kernel.lock().expect("poisoned");
+                    let prev = last.insert(key, now).unwrap_or(0);
+                    self.splice_fallbacks
+                        .get_or_create(&FallbackLabels {
+                            balancer: b.name.clone(),
+                            reason: r.label().into(),
+                        })
+                        .inc_by(now.saturating_sub(prev));
+                }
+            }
+        }
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "metrics encoding failed");
+        }
+        out
+    }
+
+    fn bump_kernel(
+        &self,
+        family: &Family<DirectionLabels, Counter>,
+        balancer: &str,
+        direction: &str,
+        now: u64,
+    ) {
+        let mut last = self.last_kernel.lock().expect("poisoned");
+        let prev = last
+            .insert((balancer.to_string(), direction.to_string()), now)
+            .unwrap_or(0);
+        family
+            .get_or_create(&DirectionLabels {
+                balancer: balancer.to_string(),
+                direction: direction.to_string(),
+            })
+            .inc_by(now.saturating_sub(prev));
+    }
+}
+
+/// Counter type used for byte counts.
+pub type ByteCounter = Counter<u64, AtomicU64>;

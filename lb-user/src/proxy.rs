@@ -1,0 +1,387 @@
+//! Proxy: listeners, accept, dial in preference order, pairing with the kernel splice, the
+//! userspace copy path, and ending connections (half-close, reset, kill).
+
+use std::{
+    future::Future,
+    io,
+    net::{Shutdown, SocketAddr},
+    pin::Pin,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, info, warn};
+
+use crate::{
+    balancer::{Balancer, parse_host_port, parse_proxy_url},
+    datapath::{Datapath, Pair},
+    metrics::{BalancerLabel, DialLabels, Metrics},
+};
+
+/// Runs before dialing `server`: returns `false` to skip it (e.g. a check-before-dial just
+/// failed). Installed by the health module.
+pub type PreDial =
+    Arc<dyn Fn(Arc<Balancer>, String) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+
+/// Shared context of every connection.
+pub struct ProxyCtx {
+    /// Kernel data path, when attached.
+    pub datapath: Option<Arc<Datapath>>,
+    /// Copy buffer size (bytes).
+    pub copy_buffer_bytes: usize,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Check-before-dial hook.
+    pub pre_dial: Option<PreDial>,
+    /// Every connection task.
+    pub tasks: TaskTracker,
+}
+
+impl std::fmt::Debug for ProxyCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyCtx")
+            .field("datapath", &self.datapath.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Bind a listener with `SO_REUSEADDR` (and `IPV6_V6ONLY` for IPv6, so `[::]` and `0.0.0.0` can
+/// both be listed).
+///
+/// # Errors
+/// The bind/listen error.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let domain = if addr.is_ipv6() {
+        socket2::Domain::IPV6
+    } else {
+        socket2::Domain::IPV4
+    };
+    let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    sock.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        sock.set_only_v6(true)?;
+    }
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    TcpListener::from_std(sock.into())
+}
+
+/// Accept on `listener` until `stop` fires; each connection runs on `ctx.tasks`.
+pub async fn serve(
+    listener: TcpListener,
+    balancer: Arc<Balancer>,
+    ctx: Arc<ProxyCtx>,
+    stop: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((client, peer)) => {
+                let balancer = balancer.clone();
+                let ctx2 = ctx.clone();
+                ctx.tasks.spawn(async move {
+                    handle(client, peer, balancer, ctx2).await;
+                });
+            }
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Dial the first server that answers, in the balancer's order, within `dial_timeout` each and
+/// `connect_budget` overall. Returns the server's spec and the socket.
+///
+/// # Errors
+/// `io::ErrorKind::NotConnected` with "all servers failed" when none answered.
+pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(String, TcpStream)> {
+    let cfg = balancer.config();
+    let deadline = Instant::now() + cfg.connect_budget.0;
+    let mut errors = Vec::new();
+    let order = balancer.dial_order();
+    let mut deferred = Vec::new();
+    // Servers whose check-before-dial failed are dialed after all others, so failing checks
+    // alone never make lb refuse every client (K3s #10240).
+    let mut queue: std::collections::VecDeque<(String, bool)> =
+        order.into_iter().map(|s| (s, true)).collect();
+    while let Some((spec, first_pass)) = queue.pop_front() {
+        if Instant::now() >= deadline {
+            errors.push("connect budget used up".to_string());
+            break;
+        }
+        if first_pass
+            && let Some(pre) = &ctx.pre_dial
+            && !pre(balancer.clone(), spec.clone()).await
+        {
+            deferred.push(spec);
+            if queue.is_empty() {
+                queue.extend(deferred.drain(..).map(|s| (s, false)));
+            }
+            continue;
+        }
+        let start = Instant::now();
+        let budget = deadline
+            .saturating_duration_since(start)
+            .min(cfg.dial_timeout.0);
+        let result = tokio::time::timeout(budget, dial_one(&spec, cfg.proxy.as_deref()))
+            .await
+            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
+        let status = if result.is_ok() { "ok" } else { "error" };
+        ctx.metrics
+            .dial_duration
+            .get_or_create(&DialLabels {
+                balancer: balancer.name.clone(),
+                status: status.into(),
+            })
+            .observe(start.elapsed().as_secs_f64());
+        match result {
+            Ok(stream) => {
+                balancer.record_dial(&spec, Ok(()));
+                return Ok((spec, stream));
+            }
+            Err(e) => {
+                debug!(balancer = %balancer.name, server = %spec, error = %e, "dial failed");
+                balancer.record_dial(&spec, Err(e.to_string()));
+                errors.push(format!("{spec}: {e}"));
+            }
+        }
+        if queue.is_empty() {
+            queue.extend(deferred.drain(..).map(|s| (s, false)));
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotConnected,
+        format!("all servers failed ({})", errors.join("; ")),
+    ))
+}
+
+/// Dial one `host:port`, trying every address it resolves to, directly or through an HTTP
+/// CONNECT proxy (skipped for hosts listed in `NO_PROXY`).
+///
+/// # Errors
+/// The last connect error, or the proxy's refusal.
+pub async fn dial_one(spec: &str, proxy: Option<&str>) -> io::Result<TcpStream> {
+    let (host, _port) =
+        parse_host_port(spec).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    if let Some(proxy) = proxy
+        && !no_proxy_matches(&host)
+    {
+        let (phost, pport) =
+            parse_proxy_url(proxy).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let mut s = connect_any(&format!("{phost}:{pport}")).await?;
+        s.write_all(format!("CONNECT {spec} HTTP/1.1\r\nHost: {spec}\r\n\r\n").as_bytes())
+            .await?;
+        let mut head = Vec::with_capacity(256);
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if head.len() > 8192 || s.read(&mut byte).await? == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "proxy closed or sent an oversized response",
+                ));
+            }
+            head.push(byte[0]);
+        }
+        let status_line = String::from_utf8_lossy(&head);
+        let code = status_line.split_whitespace().nth(1).unwrap_or("");
+        if code != "200" {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!(
+                    "proxy refused CONNECT: {}",
+                    status_line.lines().next().unwrap_or("")
+                ),
+            ));
+        }
+        return Ok(s);
+    }
+    connect_any(spec).await
+}
+
+async fn connect_any(spec: &str) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{spec} resolved to no address"),
+    );
+    for addr in tokio::net::lookup_host(spec).await? {
+        match TcpStream::connect(addr).await {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+fn no_proxy_matches(host: &str) -> bool {
+    let list = std::env::var("NO_PROXY")
+        .or_else(|_| std::env::var("no_proxy"))
+        .unwrap_or_default();
+    list.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .any(|e| {
+            e == "*" || host == e || host.ends_with(&format!(".{}", e.trim_start_matches('.')))
+        })
+}
+
+/// Serve one client connection from dial to close.
+async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ctx: Arc<ProxyCtx>) {
+    ctx.metrics
+        .connections_total
+        .get_or_create(&BalancerLabel {
+            balancer: balancer.name.clone(),
+        })
+        .inc();
+    let _ = client.set_nodelay(true);
+    let (spec, server) = match dial(&balancer, &ctx).await {
+        Ok(v) => v,
+        Err(e) => {
+            warn!(balancer = %balancer.name, client = %peer, error = %e, "all servers failed; closing the client");
+            return;
+        }
+    };
+    let guard = balancer.register(&spec);
+    let local = client.local_addr().ok();
+    let pair = match (&ctx.datapath, local) {
+        (Some(dp), Some(local)) => {
+            dp.client_key(peer, local)
+                .and_then(|key| match dp.pair(key, &server) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        warn!(error = %e, "cannot pair; copying in userspace");
+                        None
+                    }
+                })
+        }
+        _ => None,
+    };
+    if pair.is_some() {
+        ctx.metrics
+            .spliced_connections
+            .get_or_create(&BalancerLabel {
+                balancer: balancer.name.clone(),
+            })
+            .inc();
+    }
+    let outcome = tokio::select! {
+        () = guard.cancel.cancelled() => Outcome::Killed,
+        r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name) => r,
+    };
+    if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
+        dp.unpair(p);
+        dp.forget(&p.key());
+        ctx.metrics
+            .spliced_connections
+            .get_or_create(&BalancerLabel {
+                balancer: balancer.name.clone(),
+            })
+            .dec();
+    }
+    match outcome {
+        Outcome::Closed => {}
+        Outcome::Reset(e) => {
+            debug!(balancer = %balancer.name, server = %spec, error = %e, "connection reset; resetting both sides");
+            abort(&client);
+            abort(&server);
+        }
+        Outcome::Killed => {
+            let reason = guard.reason().map_or("killed", |r| r.label());
+            info!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
+            abort(&client);
+            abort(&server);
+        }
+    }
+}
+
+enum Outcome {
+    Closed,
+    Reset(io::Error),
+    Killed,
+}
+
+/// Reset a socket: `SO_LINGER` 0, so closing it sends RST.
+fn abort(s: &TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
+
+/// Copy both directions until both ends closed (half-close passed on as FIN) or one failed.
+async fn relay(
+    client: &TcpStream,
+    server: &TcpStream,
+    pair: Option<&Pair>,
+    ctx: &ProxyCtx,
+    balancer: &str,
+) -> Outcome {
+    let up = async {
+        let n = pump(client, server, ctx, |copied| {
+            if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
+                dp.set_copied(p, copied);
+            }
+        })
+        .await?;
+        ctx.metrics.copied(balancer, "client_to_server", n);
+        socket2::SockRef::from(server).shutdown(Shutdown::Write)?;
+        Ok::<(), io::Error>(())
+    };
+    let down = async {
+        let n = pump(server, client, ctx, |_| {}).await?;
+        ctx.metrics.copied(balancer, "server_to_client", n);
+        socket2::SockRef::from(client).shutdown(Shutdown::Write)?;
+        Ok::<(), io::Error>(())
+    };
+    match tokio::try_join!(up, down) {
+        Ok(((), ())) => Outcome::Closed,
+        Err(e) => Outcome::Reset(e),
+    }
+}
+
+/// Copy `src` to `dst` until EOF; after each write, `on_copied(total)`. The buffer is allocated
+/// only once data arrives, so idle connections hold none.
+async fn pump(
+    src: &TcpStream,
+    dst: &TcpStream,
+    ctx: &ProxyCtx,
+    mut on_copied: impl FnMut(u64),
+) -> io::Result<u64> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut total = 0u64;
+    loop {
+        src.readable().await?;
+        if buf.is_empty() {
+            buf = vec![0u8; ctx.copy_buffer_bytes];
+        }
+        let n = match src.try_read(&mut buf) {
+            Ok(0) => return Ok(total),
+            Ok(n) => n,
+            // Sockets in a sockhash may report readable spuriously: wait again.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut off = 0;
+        while off < n {
+            dst.writable().await?;
+            match dst.try_write(&buf[off..n]) {
+                Ok(w) => off += w,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        total += n as u64;
+        on_copied(total);
+    }
+}
