@@ -1,0 +1,537 @@
+//! `lbt`: the test hosts' server and the test client, one binary.
+//!
+//! Server protocol (first line from the client picks the mode):
+//! - `UP\n`, then bytes until EOF → `OK <count> <hash>\n`, close.
+//! - `DOWN <n> <seed>\n` → n pseudo-random bytes, FIN; then read until EOF.
+//! - `ECHO\n` → echo until EOF, then FIN.
+//! - `NAME\n` → `<name>\n`, then hold until EOF.
+//! - `STALL <ms>\n` → read nothing for ms, then as `UP`.
+//! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
+//!
+//! Client commands print one JSON object per line on stdout. Blocking reads retry on
+//! `WouldBlock`: a socket in a sockhash can report it spuriously (DESIGN.md).
+
+use std::{
+    io::{self, BufRead, BufReader, Read, Write},
+    net::{Shutdown, SocketAddr, TcpListener, TcpStream},
+    time::{Duration, Instant},
+};
+
+use clap::{Parser, Subcommand};
+use lb_tests::{Digest, PatternStream};
+use serde_json::json;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve the test protocol.
+    Serve {
+        #[arg(long)]
+        listen: Vec<SocketAddr>,
+        #[arg(long, default_value = "server")]
+        name: String,
+    },
+    /// Run one client action against `connect`.
+    Client {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[command(subcommand)]
+        action: Action,
+    },
+}
+
+#[derive(Subcommand, Clone)]
+enum Action {
+    /// Upload n bytes, half-close, check the server's digest.
+    Up {
+        n: u64,
+        #[arg(long, default_value_t = 65536)]
+        chunk: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Ask the server to stall reading for this many ms first.
+        #[arg(long)]
+        stall_ms: Option<u64>,
+    },
+    /// Download n bytes and check them.
+    Down {
+        n: u64,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
+    /// `count` echo round trips of `size` bytes; reports p50/p99 in microseconds.
+    Rr { count: u32, size: usize },
+    /// Connect, learn the server's name, hold until the connection ends; with `--reconnect N`,
+    /// reconnect up to N times (for failover tests). Events are printed as they happen.
+    Hold {
+        #[arg(long, default_value_t = 0)]
+        reconnect: u32,
+        #[arg(long, default_value_t = 60_000)]
+        max_ms: u64,
+    },
+    /// Ask the server to reset the connection; reports how the read side ended.
+    Rst,
+    /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
+    Many { conns: u32, bytes: u64 },
+    /// Upload n bytes from a non-blocking (epoll) client; reports CPU time used.
+    EpollUp {
+        n: u64,
+        #[arg(long)]
+        stall_ms: Option<u64>,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Serve { listen, name } => serve(&listen, &name),
+        Cmd::Client { connect, action } => {
+            let out = match client(connect, action) {
+                Ok(v) => v,
+                Err(e) => {
+                    json!({"ok": false, "error": e.to_string(), "kind": format!("{:?}", e.kind())})
+                }
+            };
+            println!("{out}");
+        }
+    }
+}
+
+fn serve(listen: &[SocketAddr], name: &str) {
+    let mut handles = Vec::new();
+    for addr in listen {
+        let l = match TcpListener::bind(addr) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("lbt serve: cannot listen on {addr}: {e}");
+                std::process::exit(1);
+            }
+        };
+        let name = name.to_string();
+        handles.push(std::thread::spawn(move || {
+            for conn in l.incoming().flatten() {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let _ = serve_conn(conn, &name);
+                });
+            }
+        }));
+    }
+    println!("ready");
+    let _ = io::stdout().flush();
+    for h in handles {
+        let _ = h.join();
+    }
+}
+
+fn read_retry(s: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        match s.read(buf) {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            r => return r,
+        }
+    }
+}
+
+fn write_retry(s: &mut impl Write, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0")),
+            Ok(n) => buf = &buf[n..],
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
+    let _ = conn.set_nodelay(true);
+    let mut reader = BufReader::with_capacity(256 * 1024, conn.try_clone()?);
+    let mut w = conn;
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    match words.as_slice() {
+        ["UP"] => sink(&mut reader, &mut w),
+        ["STALL", ms] => {
+            std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
+            sink(&mut reader, &mut w)
+        }
+        ["DOWN", n, seed] => {
+            let n: u64 = n.parse().unwrap_or(0);
+            let mut src = PatternStream::new(seed.parse().unwrap_or(7));
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut left = n;
+            while left > 0 {
+                let k = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+                src.fill(&mut buf[..k]);
+                write_retry(&mut w, &buf[..k])?;
+                left -= k as u64;
+            }
+            w.shutdown(Shutdown::Write)?;
+            let mut sinkbuf = [0u8; 4096];
+            while read_retry(&mut reader, &mut sinkbuf)? > 0 {}
+            Ok(())
+        }
+        ["ECHO"] => {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = read_retry(&mut reader, &mut buf)?;
+                if n == 0 {
+                    w.shutdown(Shutdown::Write)?;
+                    return Ok(());
+                }
+                write_retry(&mut w, &buf[..n])?;
+            }
+        }
+        ["RST"] => {
+            // Answer, then reset the connection (SO_LINGER 0 + close).
+            write_retry(&mut w, b"bye\n")?;
+            std::thread::sleep(Duration::from_millis(50));
+            socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO))?;
+            Ok(())
+        }
+        ["NAME"] => {
+            write_retry(&mut w, format!("{name}\n").as_bytes())?;
+            let mut buf = [0u8; 4096];
+            while read_retry(&mut reader, &mut buf)? > 0 {}
+            Ok(())
+        }
+        ["GET", path, ..] => {
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+                    break;
+                }
+            }
+            let code: u16 = path
+                .strip_prefix("/status/")
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(200);
+            let body = format!("{name}\n");
+            let resp = format!(
+                "HTTP/1.1 {code} X\r\nContent-Length: {}\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            write_retry(&mut w, resp.as_bytes())?;
+            w.shutdown(Shutdown::Write)
+        }
+        _ => w.shutdown(Shutdown::Both),
+    }
+}
+
+fn sink(reader: &mut impl Read, w: &mut TcpStream) -> io::Result<()> {
+    let mut d = Digest::default();
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        let n = read_retry(reader, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        d.update(&buf[..n]);
+    }
+    write_retry(
+        w,
+        format!("OK {} {:016x}\n", d.count(), d.finish()).as_bytes(),
+    )?;
+    w.shutdown(Shutdown::Write)
+}
+
+fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(15))?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+fn read_line(s: &mut TcpStream) -> io::Result<String> {
+    let mut out = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        if read_retry(s, &mut b)? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed before a full line",
+            ));
+        }
+        if b[0] == b'\n' {
+            return Ok(String::from_utf8_lossy(&out).into_owned());
+        }
+        out.push(b[0]);
+        if out.len() > 4096 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"));
+        }
+    }
+}
+
+fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
+    let start = Instant::now();
+    match action {
+        Action::Up {
+            n,
+            chunk,
+            seed,
+            stall_ms,
+        } => {
+            let mut s = connect(addr)?;
+            let head = stall_ms.map_or_else(|| "UP\n".to_string(), |ms| format!("STALL {ms}\n"));
+            write_retry(&mut s, head.as_bytes())?;
+            let mut src = PatternStream::new(seed);
+            let mut d = Digest::default();
+            let mut buf = vec![0u8; chunk.max(1)];
+            let mut left = n;
+            while left > 0 {
+                let k = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+                src.fill(&mut buf[..k]);
+                d.update(&buf[..k]);
+                write_retry(&mut s, &buf[..k])?;
+                left -= k as u64;
+            }
+            s.shutdown(Shutdown::Write)?;
+            let reply = read_line(&mut s)?;
+            let want = format!("OK {} {:016x}", d.count(), d.finish());
+            Ok(
+                json!({"ok": reply == want, "bytes": n, "secs": start.elapsed().as_secs_f64(), "reply": reply, "want": want}),
+            )
+        }
+        Action::Down { n, seed } => {
+            let mut s = connect(addr)?;
+            write_retry(&mut s, format!("DOWN {n} {seed}\n").as_bytes())?;
+            let mut expect = PatternStream::new(seed);
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut want = vec![0u8; 256 * 1024];
+            let mut got = 0u64;
+            let mut same = true;
+            loop {
+                let k = read_retry(&mut s, &mut buf)?;
+                if k == 0 {
+                    break;
+                }
+                expect.fill(&mut want[..k]);
+                same &= buf[..k] == want[..k];
+                got += k as u64;
+            }
+            s.shutdown(Shutdown::Write)?;
+            Ok(json!({"ok": same && got == n, "bytes": got, "secs": start.elapsed().as_secs_f64()}))
+        }
+        Action::Rr { count, size } => {
+            let mut s = connect(addr)?;
+            write_retry(&mut s, b"ECHO\n")?;
+            let msg = vec![0x5au8; size.max(1)];
+            let mut back = vec![0u8; size.max(1)];
+            let mut lat = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                let t = Instant::now();
+                write_retry(&mut s, &msg)?;
+                let mut got = 0;
+                while got < back.len() {
+                    let k = read_retry(&mut s, &mut back[got..])?;
+                    if k == 0 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "echo closed early",
+                        ));
+                    }
+                    got += k;
+                }
+                lat.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            s.shutdown(Shutdown::Write)?;
+            lat.sort_by(f64::total_cmp);
+            let pct = |p: f64| {
+                lat.get(((lat.len() as f64 - 1.0) * p) as usize)
+                    .copied()
+                    .unwrap_or(0.0)
+            };
+            Ok(json!({"ok": back == msg, "p50_us": pct(0.5), "p99_us": pct(0.99), "count": count}))
+        }
+        Action::Hold { reconnect, max_ms } => {
+            let deadline = Instant::now() + Duration::from_millis(max_ms);
+            for attempt in 0..=reconnect {
+                let t = Instant::now();
+                let mut s = match connect(addr) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        println!(
+                            "{}",
+                            json!({"event": "connect_error", "error": e.to_string(), "ms": start.elapsed().as_millis() as u64})
+                        );
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
+                s.set_read_timeout(Some(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                ))?;
+                let _ = write_retry(&mut s, b"NAME\n");
+                let name = match read_line(&mut s) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        println!(
+                            "{}",
+                            json!({"event": "closed", "how": e.kind().to_string(), "attempt": attempt, "ms": start.elapsed().as_millis() as u64})
+                        );
+                        let _ = io::stdout().flush();
+                        continue;
+                    }
+                };
+                println!(
+                    "{}",
+                    json!({"event": "connected", "server": name, "attempt": attempt, "ms": start.elapsed().as_millis() as u64, "connect_ms": t.elapsed().as_millis() as u64})
+                );
+                let _ = io::stdout().flush();
+                let mut buf = [0u8; 1024];
+                let how = loop {
+                    match s.read(&mut buf) {
+                        Ok(0) => break "eof".to_string(),
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e)
+                            if e.kind() == io::ErrorKind::WouldBlock
+                                && Instant::now() < deadline =>
+                        {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        Err(e) => break e.kind().to_string(),
+                    }
+                };
+                println!(
+                    "{}",
+                    json!({"event": "closed", "how": how, "server": name, "attempt": attempt, "ms": start.elapsed().as_millis() as u64})
+                );
+                let _ = io::stdout().flush();
+                if Instant::now() >= deadline {
+                    break;
+                }
+            }
+            Ok(json!({"ok": true, "event": "done"}))
+        }
+        Action::EpollUp { n, stall_ms } => epoll_up(addr, n, stall_ms),
+        Action::Rst => {
+            let mut s = connect(addr)?;
+            write_retry(&mut s, b"RST\n")?;
+            let line = read_line(&mut s)?;
+            let mut buf = [0u8; 64];
+            let how = loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break "eof".to_string(),
+                    Ok(_) => {}
+                    Err(e)
+                        if e.kind() == io::ErrorKind::WouldBlock
+                            || e.kind() == io::ErrorKind::Interrupted =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => break e.kind().to_string(),
+                }
+            };
+            Ok(json!({"ok": line == "bye", "how": how}))
+        }
+        Action::Many { conns, bytes } => {
+            let handles: Vec<_> = (0..conns)
+                .map(|i| {
+                    std::thread::spawn(move || {
+                        client(
+                            addr,
+                            Action::Up {
+                                n: bytes,
+                                chunk: 1024,
+                                seed: u64::from(i) + 11,
+                                stall_ms: None,
+                            },
+                        )
+                    })
+                })
+                .collect();
+            let mut ok = 0u32;
+            let mut errors = Vec::new();
+            for h in handles {
+                match h.join() {
+                    Ok(Ok(v)) if v["ok"] == true => ok += 1,
+                    Ok(Ok(v)) => errors.push(v.to_string()),
+                    Ok(Err(e)) => errors.push(e.to_string()),
+                    Err(_) => errors.push("panic".into()),
+                }
+            }
+            errors.truncate(5);
+            Ok(json!({"ok": ok == conns, "succeeded": ok, "conns": conns, "errors": errors}))
+        }
+    }
+}
+
+fn cpu_time() -> Duration {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF);
+    usage.map_or(Duration::ZERO, |u| {
+        let t = |tv: nix::sys::time::TimeVal| {
+            Duration::new(tv.tv_sec() as u64, tv.tv_usec() as u32 * 1000)
+        };
+        t(u.user_time()) + t(u.system_time())
+    })
+}
+
+fn epoll_up(addr: SocketAddr, n: u64, stall_ms: Option<u64>) -> io::Result<serde_json::Value> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let head = stall_ms.map_or_else(|| "UP\n".to_string(), |ms| format!("STALL {ms}\n"));
+        s.write_all(head.as_bytes()).await?;
+        let start = Instant::now();
+        let cpu0 = cpu_time();
+        let mut src = PatternStream::new(3);
+        let mut d = Digest::default();
+        let mut buf = vec![0u8; 65536];
+        let mut left = n;
+        // CPU used while the server stalls (the first stall_ms of the upload).
+        let mut stall_cpu = None;
+        while left > 0 {
+            let k = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+            src.fill(&mut buf[..k]);
+            d.update(&buf[..k]);
+            s.write_all(&buf[..k]).await?;
+            left -= k as u64;
+            if stall_cpu.is_none()
+                && stall_ms.is_some_and(|ms| start.elapsed() >= Duration::from_millis(ms))
+            {
+                stall_cpu = Some((
+                    (cpu_time() - cpu0).as_secs_f64(),
+                    start.elapsed().as_secs_f64(),
+                ));
+            }
+        }
+        s.shutdown().await?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).await?;
+        let want = format!("OK {} {:016x}\n", d.count(), d.finish());
+        let (stall_cpu_s, stall_wall_s) = stall_cpu.unwrap_or((f64::NAN, f64::NAN));
+        Ok(json!({
+            "ok": reply == want,
+            "bytes": n,
+            "cpu_s": (cpu_time() - cpu0).as_secs_f64(),
+            "wall_s": start.elapsed().as_secs_f64(),
+            "stall_cpu_s": stall_cpu_s,
+            "stall_wall_s": stall_wall_s,
+            "reply": reply.trim(),
+        }))
+    })
+}

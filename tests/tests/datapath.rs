@@ -1,0 +1,252 @@
+//! Both data paths on real traffic: servers on test hosts in network namespaces, clients in a
+//! child cgroup (so the bpf path's sockops sees them), lb as a real process.
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use lb_tests::{Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_root};
+use serde_json::Value;
+
+const MIB: u64 = 1024 * 1024;
+const T: Duration = Duration::from_secs(120);
+
+struct Setup {
+    hosts: Vec<Host>,
+    cg: TestCgroup,
+    lb: Lb,
+    listen: std::net::SocketAddr,
+}
+
+impl Setup {
+    /// `n` hosts each serving on port 9000, lb in `mode` listening on a free loopback port.
+    fn new(mode: &str, n: usize, extra: &[&str]) -> Result<Setup> {
+        let mut hosts = Vec::new();
+        for i in 0..n {
+            let mut h = Host::new()?;
+            h.serve(9000, &format!("s{i}"))?;
+            hosts.push(h);
+        }
+        let cg = TestCgroup::new()?;
+        let listen: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let mut args = vec![
+            "--listen".to_string(),
+            listen.to_string(),
+            "--datapath".into(),
+            mode.into(),
+        ];
+        args.extend(["--cgroup".to_string(), cg.path.display().to_string()]);
+        for h in &hosts {
+            args.extend(["--server".to_string(), h.addr(9000).to_string()]);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let lb = Lb::start(&argv)?;
+        Ok(Setup {
+            hosts,
+            cg,
+            lb,
+            listen,
+        })
+    }
+
+    fn place(&self) -> Place<'_> {
+        Place {
+            cgroup: Some(&self.cg.path),
+            netns: None,
+        }
+    }
+
+    fn client(&self, action: &[&str]) -> Result<Value> {
+        run_client(&self.place(), self.listen, action, T)
+    }
+
+    fn metric(&self, name: &str, label: &str) -> f64 {
+        let (_, body) = self.lb.get("/metrics").unwrap_or_default();
+        body.lines()
+            .filter(|l| l.starts_with(name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+fn ok(v: &Value) -> Result<()> {
+    ensure!(v["ok"] == true, "client failed: {v}");
+    Ok(())
+}
+
+fn bulk_both_directions(mode: &str) -> Result<()> {
+    let s = Setup::new(mode, 1, &[])?;
+    let n = (256 * MIB).to_string();
+    ok(&s.client(&["up", &n])?)?;
+    ok(&s.client(&["down", &n])?)?;
+    if mode == "bpf" {
+        let spliced = s.metric("lb_spliced_bytes_total", "client_to_server");
+        ensure!(
+            spliced > (128 * MIB) as f64,
+            "expected most of the upload spliced by the kernel, got {spliced} bytes"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bulk_256mib_each_way_userspace() -> Result<()> {
+    if skip_unless_root("bulk_256mib_each_way_userspace") {
+        return Ok(());
+    }
+    bulk_both_directions("userspace")
+}
+
+#[test]
+fn bulk_256mib_each_way_bpf() -> Result<()> {
+    if skip_unless_root("bulk_256mib_each_way_bpf") {
+        return Ok(());
+    }
+    bulk_both_directions("bpf")
+}
+
+fn early_sends_in_order(mode: &str) -> Result<()> {
+    let s = Setup::new(mode, 1, &[])?;
+    // 300 connections that write at once after connecting, in 1 KiB writes: the pairing races
+    // with the first bytes on every one of them.
+    let v = s.client(&["many", "300", "200000"])?;
+    ok(&v)
+}
+
+#[test]
+fn early_sends_in_order_bpf() -> Result<()> {
+    if skip_unless_root("early_sends_in_order_bpf") {
+        return Ok(());
+    }
+    early_sends_in_order("bpf")
+}
+
+#[test]
+fn early_sends_in_order_userspace() -> Result<()> {
+    if skip_unless_root("early_sends_in_order_userspace") {
+        return Ok(());
+    }
+    early_sends_in_order("userspace")
+}
+
+fn concurrent_1000(mode: &str) -> Result<()> {
+    let s = Setup::new(mode, 2, &[])?;
+    let v = s.client(&["many", "1000", "20000"])?;
+    ok(&v)
+}
+
+#[test]
+fn concurrent_1000_bpf() -> Result<()> {
+    if skip_unless_root("concurrent_1000_bpf") {
+        return Ok(());
+    }
+    concurrent_1000("bpf")
+}
+
+#[test]
+fn concurrent_1000_userspace() -> Result<()> {
+    if skip_unless_root("concurrent_1000_userspace") {
+        return Ok(());
+    }
+    concurrent_1000("userspace")
+}
+
+fn server_reset_reaches_client(mode: &str) -> Result<()> {
+    let s = Setup::new(mode, 1, &[])?;
+    let v = s.client(&["rst"])?;
+    ok(&v)?;
+    ensure!(
+        v["how"] == "connection reset",
+        "server reset should reach the client as a reset: {v}"
+    );
+    Ok(())
+}
+
+#[test]
+fn server_reset_reaches_client_bpf() -> Result<()> {
+    if skip_unless_root("server_reset_reaches_client_bpf") {
+        return Ok(());
+    }
+    server_reset_reaches_client("bpf")
+}
+
+#[test]
+fn server_reset_reaches_client_userspace() -> Result<()> {
+    if skip_unless_root("server_reset_reaches_client_userspace") {
+        return Ok(());
+    }
+    server_reset_reaches_client("userspace")
+}
+
+fn dead_servers_skipped(mode: &str) -> Result<()> {
+    // s0 refuses (no server), s1 is blackholed, s2 works: every client lands on s2.
+    let mut s = Setup::new(mode, 3, &["--health-loop", "false"])?;
+    s.hosts[0].stop_servers();
+    s.hosts[1].blackhole(true)?;
+    let v = s.client(&["up", "100000"])?;
+    ok(&v)?;
+    Ok(())
+}
+
+#[test]
+fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
+    if skip_unless_root("refused_and_blackholed_servers_skipped_bpf") {
+        return Ok(());
+    }
+    dead_servers_skipped("bpf")
+}
+
+#[test]
+fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
+    if skip_unless_root("refused_and_blackholed_servers_skipped_userspace") {
+        return Ok(());
+    }
+    dead_servers_skipped("userspace")
+}
+
+#[test]
+fn no_server_answers_closes_client() -> Result<()> {
+    if skip_unless_root("no_server_answers_closes_client") {
+        return Ok(());
+    }
+    let mut s = Setup::new("bpf", 1, &[])?;
+    s.hosts[0].stop_servers();
+    let v = s.client(&["up", "1000"])?;
+    ensure!(v["ok"] == false, "no server: the client must fail: {v}");
+    let log = s.lb.log_text();
+    ensure!(
+        log.contains("all servers failed"),
+        "log must say all servers failed: {log}"
+    );
+    Ok(())
+}
+
+#[test]
+fn bpf_detaches_on_sigterm() -> Result<()> {
+    if skip_unless_root("bpf_detaches_on_sigterm") {
+        return Ok(());
+    }
+    let mut s = Setup::new("bpf", 1, &[])?;
+    let attached = lb_tests::sh(
+        "bpftool",
+        &["cgroup", "show", &s.cg.path.display().to_string()],
+    )
+    .unwrap_or_default();
+    let code = s.lb.terminate(Duration::from_secs(35))?;
+    ensure!(code == 0, "lb exit code {code}");
+    let after = lb_tests::sh(
+        "bpftool",
+        &["cgroup", "show", &s.cg.path.display().to_string()],
+    )?;
+    ensure!(
+        !after.contains("sock_ops"),
+        "programs left on the cgroup after exit: {after}"
+    );
+    if !attached.is_empty() {
+        ensure!(
+            attached.contains("sock_ops"),
+            "bpftool did not show the program while running: {attached}"
+        );
+    }
+    Ok(())
+}
