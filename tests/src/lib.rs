@@ -404,10 +404,21 @@ impl Drop for TestCgroup {
     }
 }
 
-/// Path of a binary built next to the test executable (`target/<profile>/NAME`), or `$env`.
+static BIN_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Use binaries from `dir` (e.g. `target/release`) instead of the test executable's directory.
+pub fn set_bin_dir(dir: PathBuf) {
+    let _ = BIN_DIR.set(dir);
+}
+
+/// Path of a binary: `$env`, else in the directory given to [`set_bin_dir`], else next to the
+/// test executable (`target/<profile>/NAME`).
 pub fn sibling_bin(name: &str, env: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
+    }
+    if let Some(dir) = BIN_DIR.get() {
+        return dir.join(name);
     }
     let exe = std::env::current_exe().unwrap_or_default();
     let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
