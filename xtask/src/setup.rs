@@ -39,7 +39,7 @@ fn installed(pkg: &str) -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
 }
 
-fn run(cmd: &mut Command, what: &str) -> Result<()> {
+fn exec(cmd: &mut Command, what: &str) -> Result<()> {
     eprintln!("setup: {what}");
     let status = cmd
         .status()
@@ -54,18 +54,18 @@ fn run(cmd: &mut Command, what: &str) -> Result<()> {
 ///
 /// # Errors
 /// Names the piece that could not be installed.
-pub fn run_setup() -> Result<()> {
+pub fn run() -> Result<()> {
     let missing: Vec<&str> = APT_PACKAGES
         .iter()
         .copied()
         .filter(|p| !installed(p))
         .collect();
     if !missing.is_empty() {
-        run(
+        exec(
             Command::new("apt-get").args(["update", "-qq"]),
             "apt-get update",
         )?;
-        run(
+        exec(
             Command::new("apt-get")
                 .args(["install", "-y", "-qq", "--no-install-recommends"])
                 .args(&missing)
@@ -80,7 +80,7 @@ pub fn run_setup() -> Result<()> {
             o.status.success() && String::from_utf8_lossy(&o.stdout).contains("rust-src")
         });
     if !nightly_ok {
-        run(
+        exec(
             Command::new("rustup").args([
                 "toolchain",
                 "install",
@@ -98,7 +98,7 @@ pub fn run_setup() -> Result<()> {
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("x86_64-unknown-linux-musl"));
     if !musl_ok {
-        run(
+        exec(
             Command::new("rustup").args(["target", "add", "x86_64-unknown-linux-musl"]),
             "rustup target add x86_64-unknown-linux-musl (VM test binaries)",
         )?;
@@ -112,7 +112,7 @@ pub fn run_setup() -> Result<()> {
             "/usr/lib/llvm-22/bin:{}",
             std::env::var("PATH").unwrap_or_default()
         );
-        run(
+        exec(
             Command::new("cargo")
                 .args([
                     "install",
@@ -129,5 +129,3 @@ pub fn run_setup() -> Result<()> {
     }
     Ok(())
 }
-
-pub use run_setup as run;
