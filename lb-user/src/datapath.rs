@@ -157,6 +157,21 @@ pub struct Pair {
 }
 
 impl Pair {
+    /// Credit bound (bytes): three quarters of the socket buffer, leaving room for the kernel's
+    /// per-buffer overhead, so a redirected send never meets a full socket.
+    fn credit_cap(&self) -> u64 {
+        self.limit / 4 * 3
+    }
+
+    /// Set `credit_end`/`refresh_at` from the server socket's queue (`SIOCOUTQ`): the program may
+    /// redirect until the queue would pass the cap, and asks again a quarter of the way there.
+    fn grant(&self, ctl: &mut PairCtl, redirected: u64) {
+        let outq = outq_bytes(self.server_fd).unwrap_or(u64::MAX);
+        let room = self.credit_cap().saturating_sub(outq);
+        ctl.credit_end = redirected + room;
+        ctl.refresh_at = redirected + room / 4;
+    }
+
     /// The map key.
     pub fn key(&self) -> SockKey {
         self.key
@@ -318,15 +333,30 @@ impl Datapath {
     ///
     /// # Errors
     /// [`DatapathError::Map`]; the caller then copies in userspace.
-    pub fn pair(&self, key: SockKey, server: &impl AsRawFd) -> Result<Arc<Pair>, DatapathError> {
+    pub fn pair(
+        &self,
+        key: SockKey,
+        server: &(impl AsRawFd + std::os::fd::AsFd),
+    ) -> Result<Arc<Pair>, DatapathError> {
         let limit = self.max_buffered;
         let ctl = PairCtl {
             copied: 0,
-            credit_end: limit,
-            refresh_at: limit / 2,
+            credit_end: limit / 4 * 3,
+            refresh_at: limit / 4,
             mode: MODE_REDIRECT,
             _pad: 0,
         };
+        // The server socket holds at most `limit` bytes (the kernel doubles SO_SNDBUF for its
+        // bookkeeping), which bounds lb's own copies; the credit (3/4 of it) must be what stops
+        // redirecting: when a server socket is full, a redirected non-blocking send fails with
+        // EAGAIN while the client's own socket stays writable and is never woken again (measured
+        // here: the client hangs).
+        let buf = usize::try_from(limit / 2).unwrap_or(usize::MAX);
+        if let Err(e) =
+            nix::sys::socket::setsockopt(server, nix::sys::socket::sockopt::SndBufForce, &buf)
+        {
+            debug!(error = %e, "SO_SNDBUFFORCE refused; relying on autotuning");
+        }
         let pair = Arc::new(Pair {
             key,
             server_fd: server.as_raw_fd(),
@@ -353,6 +383,10 @@ impl Datapath {
     pub fn set_copied(&self, pair: &Pair, copied: u64) {
         let mut ctl = pair.ctl.lock().expect("poisoned");
         ctl.copied = copied;
+        // lb's own writes share the server socket with the redirected bytes: recompute the credit
+        // from the socket's queue so that both together stay within the bound.
+        let redirected = self.flow(&pair.key).map_or(0, |f| f.redirected);
+        pair.grant(&mut ctl, redirected);
         if let Err(e) = self
             .pairs_map
             .lock()
@@ -460,14 +494,11 @@ impl Datapath {
             return;
         };
         let Some(flow) = self.flow(key) else { return };
-        let outq = outq_bytes(pair.server_fd).unwrap_or(pair.limit);
-        let room = pair.limit.saturating_sub(outq);
         let mut ctl = pair.ctl.lock().expect("poisoned");
         if ctl.mode != MODE_REDIRECT {
             return;
         }
-        ctl.credit_end = flow.redirected + room;
-        ctl.refresh_at = flow.redirected + room / 2;
+        pair.grant(&mut ctl, flow.redirected);
         if let Err(e) = self
             .pairs_map
             .lock()
