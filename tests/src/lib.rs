@@ -627,7 +627,13 @@ pub struct Place<'a> {
 /// Build the command for `lbt client --connect addr <action...>` placed as asked.
 pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
     let lbt = lbt_bin();
-    let mut inner = format!("exec {} client --connect {addr}", lbt.display());
+    // `ip netns exec` mounts a fresh /sys, hiding the cgroup tree: join the cgroup first, then
+    // enter the namespace.
+    let netns = place
+        .netns
+        .map(|ns| format!("ip netns exec {ns} "))
+        .unwrap_or_default();
+    let mut inner = format!("exec {netns}{} client --connect {addr}", lbt.display());
     for a in action {
         inner.push(' ');
         inner.push_str(a);
@@ -635,18 +641,8 @@ pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> C
     if let Some(cg) = place.cgroup {
         inner = format!("echo $$ > {}/cgroup.procs && {inner}", cg.display());
     }
-    let mut cmd = match place.netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, "sh", "-c", &inner]);
-            c
-        }
-        None => {
-            let mut c = Command::new("sh");
-            c.args(["-c", &inner]);
-            c
-        }
-    };
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &inner]);
     cmd.stdin(Stdio::null());
     cmd
 }
@@ -679,7 +675,12 @@ pub fn run_client(
     }
     let out = child.wait_with_output()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().context("lbt client printed nothing")?;
+    let last = text.lines().last().with_context(|| {
+        format!(
+            "lbt client printed nothing; stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
     serde_json::from_str(last).with_context(|| {
         format!(
             "lbt output {last:?}; stderr {}",
