@@ -48,9 +48,9 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
-    /// The kernel lacks a program type.
-    #[error("kernel lacks the {0} program type")]
-    MissingProgramType(&'static str),
+    /// The kernel lacks a program type, map type or helper.
+    #[error("kernel lacks the {0}")]
+    MissingFeature(&'static str),
     /// The object could not be loaded.
     #[error("loading the BPF object failed: {0}")]
     Load(#[source] aya::EbpfError),
@@ -96,6 +96,57 @@ pub fn detect_cgroup2() -> Result<PathBuf, DatapathError> {
         })
         .next()
         .ok_or(DatapathError::NoCgroup2)
+}
+
+/// Check every kernel feature the splice needs, naming the first one missing: program types
+/// (sockops, sk_msg), map types (sockhash, LRU hash, per-CPU array, ring buffer) and helpers
+/// (`bpf_get_netns_cookie` in sockops and sk_msg, `bpf_msg_redirect_hash`).
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] naming it; the daemon then copies in userspace.
+pub fn probe_kernel() -> Result<(), DatapathError> {
+    use aya::{maps::MapType, programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for (ty, name) in [
+        (ProgramType::SockOps, "sockops program type"),
+        (ProgramType::SkMsg, "sk_msg program type"),
+    ] {
+        if !sys::is_program_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, name) in [
+        (MapType::SockHash, "sockhash map"),
+        (MapType::LruHash, "LRU hash map"),
+        (MapType::PerCpuArray, "per-CPU array map"),
+        (MapType::RingBuf, "ring buffer map (5.8+)"),
+    ] {
+        if !sys::is_map_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, helper, name) in [
+        (
+            ProgramType::SockOps,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sockops (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sk_msg (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_msg_redirect_hash,
+            "bpf_msg_redirect_hash",
+        ),
+    ] {
+        if !sys::is_helper_supported(ty, helper).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    Ok(())
 }
 
 /// Kernel splice counters of one balancer, summed over CPUs.
@@ -222,14 +273,7 @@ impl Datapath {
             path: cgroup.clone(),
             source,
         })?;
-        for (ty, name) in [
-            (aya::programs::ProgramType::SockOps, "sockops"),
-            (aya::programs::ProgramType::SkMsg, "sk_msg"),
-        ] {
-            if !aya::sys::is_program_supported(ty).unwrap_or(false) {
-                return Err(DatapathError::MissingProgramType(name));
-            }
-        }
+        probe_kernel()?;
         let mut ebpf = Ebpf::load(EBPF_OBJ).map_err(DatapathError::Load)?;
 
         let take = |ebpf: &mut Ebpf, name: &'static str| {
