@@ -238,6 +238,16 @@ impl Metrics {
         }
     }
 
+    /// Count one check as running until the returned guard drops, so a check whose future is
+    /// dropped midway (an on-demand check nobody waits for any more) leaves `lb_inflight_checks`
+    /// as it found it.
+    pub fn inflight_guard(&self) -> InflightGuard {
+        self.inflight_checks.inc();
+        InflightGuard {
+            gauge: self.inflight_checks.clone(),
+        }
+    }
+
     /// Count `n` bytes copied in userspace.
     pub fn copied(&self, balancer: &str, direction: &'static str, n: u64) {
         self.copied_bytes
@@ -322,6 +332,18 @@ impl Metrics {
                 direction: direction.to_string(),
             })
             .inc_by(now.saturating_sub(prev));
+    }
+}
+
+/// One running check in `lb_inflight_checks`; decrements on drop (see [`Metrics::inflight_guard`]).
+#[derive(Debug)]
+pub struct InflightGuard {
+    gauge: Gauge,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 
