@@ -279,6 +279,7 @@ impl Metrics {
                     balancer: b.name.clone(),
                 })
                 .get();
+            self.touch_balancer(&b.name);
             if let Some(dp) = datapath {
                 let st = dp.stats(b.id);
                 self.bump_kernel(
@@ -313,6 +314,25 @@ impl Metrics {
             tracing::warn!(error = %e, "metrics encoding failed");
         }
         out
+    }
+
+    /// Create the per-balancer series that exist from the start at 0 (dials by status, bytes by
+    /// direction), so they are exposed before the first event and `rate()` sees it.
+    fn touch_balancer(&self, balancer: &str) {
+        for status in ["ok", "error"] {
+            let _ = self.dial_duration.get_or_create(&DialLabels {
+                balancer: balancer.to_string(),
+                status: status.into(),
+            });
+        }
+        for direction in ["client_to_server", "server_to_client"] {
+            let l = DirectionLabels {
+                balancer: balancer.to_string(),
+                direction: direction.into(),
+            };
+            let _ = self.spliced_bytes.get_or_create(&l);
+            let _ = self.copied_bytes.get_or_create(&l);
+        }
     }
 
     fn bump_kernel(
