@@ -82,10 +82,10 @@ impl HealthService {
     /// Check `server` of `balancer` now and record the result.
     pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
         let cfg = balancer.config().health;
-        self.metrics.inflight_checks.inc();
+        let inflight = self.metrics.inflight_guard();
         let start = Instant::now();
         let result = check_once(&cfg, server).await;
-        self.metrics.inflight_checks.dec();
+        drop(inflight);
         let ok = result.is_ok();
         self.metrics
             .health_check_duration
