@@ -292,28 +292,31 @@ impl Host {
         }
     }
 
-    /// Blackhole the host: its interface goes down inside the namespace, so packets to it vanish
-    /// (no RST, no ICMP), as with a crashed machine or a partition.
+    /// Blackhole the host: the root side's neighbour entry for it points at a MAC nobody has, so
+    /// every packet toward it vanishes (no RST, no ICMP, connects hang), as with a crashed machine
+    /// or a partition; the host's own link stays up.
     ///
     /// # Errors
     /// `ip` failure.
     pub fn blackhole(&self, on: bool) -> Result<()> {
-        let peer = format!("{}p", self.veth);
-        self.exec_ok(
-            "ip",
-            &["link", "set", &peer, if on { "down" } else { "up" }],
-        )?;
-        if !on {
-            let _ = self.exec_ok(
+        let ip = self.ip.to_string();
+        if on {
+            sh(
                 "ip",
                 &[
-                    "route",
+                    "neigh",
                     "replace",
-                    "default",
-                    "via",
-                    &self.gateway.to_string(),
+                    &ip,
+                    "lladdr",
+                    "02:00:00:00:00:01",
+                    "dev",
+                    &self.veth,
+                    "nud",
+                    "permanent",
                 ],
-            );
+            )?;
+        } else {
+            sh("ip", &["neigh", "del", &ip, "dev", &self.veth])?;
         }
         Ok(())
     }
