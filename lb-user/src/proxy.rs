@@ -28,6 +28,9 @@ use crate::{
 pub type PreDial =
     Arc<dyn Fn(Arc<Balancer>, String) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
 
+/// First copy buffer of a connection (bytes); it grows to `copy_buffer_bytes` under bulk load.
+const MIN_COPY_BUFFER: usize = 16 * 1024;
+
 /// Shared context of every connection.
 pub struct ProxyCtx {
     /// Kernel data path, when attached.
@@ -366,12 +369,15 @@ async fn pump(
     ctx: &ProxyCtx,
     mut on_copied: impl FnMut(u64),
 ) -> io::Result<u64> {
+    // The buffer starts small, doubles while reads fill it (bulk transfers reach
+    // `copy_buffer_bytes`), and is released whenever a read drains the socket, so idle and
+    // request/response connections hold no buffer between messages.
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0u64;
     loop {
         src.readable().await?;
         if buf.is_empty() {
-            buf = vec![0u8; ctx.copy_buffer_bytes];
+            buf = vec![0u8; MIN_COPY_BUFFER.min(ctx.copy_buffer_bytes)];
         }
         let n = match src.try_read(&mut buf) {
             Ok(0) => return Ok(total),
@@ -391,5 +397,12 @@ async fn pump(
         }
         total += n as u64;
         on_copied(total);
+        if n == buf.len() {
+            if buf.len() < ctx.copy_buffer_bytes {
+                buf = vec![0u8; (buf.len() * 2).min(ctx.copy_buffer_bytes)];
+            }
+        } else {
+            buf = Vec::new();
+        }
     }
 }
