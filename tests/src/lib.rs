@@ -716,10 +716,10 @@ impl Holder {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str(&line) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
+                if let Ok(v) = serde_json::from_str(&line)
+                    && tx.send(v).is_err()
+                {
+                    return;
                 }
             }
         });

@@ -134,5 +134,8 @@ pub fn test() -> Result<()> {
         "xtask test: {} passed, {} failed, {} skipped",
         counts.passed, counts.failed, counts.ignored
     );
-    result
+    result?;
+    // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
+    build_release()?;
+    crate::bench::run(true)
 }
