@@ -23,12 +23,16 @@ use super::{
 const GIB: f64 = (1u64 << 30) as f64;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// The test hosts: `a` preferred, `b` the backup, both serving `lbt` on [`PORT`].
+/// The test hosts: `a` preferred, `b` the backup, both serving `lbt`.
 pub struct Hosts {
     /// Preferred server, named `a`.
     pub a: Host,
     /// Backup server, named `b`.
     pub b: Host,
+    /// The port `a` serves on now: a new one after every [`Hosts::reset_a`], so the thousands
+    /// of TIME_WAIT sockets the previous contender left toward `a` do not slow the next one's
+    /// connects (the kernel searches past them for a free source port).
+    port_a: u16,
 }
 
 /// Port the servers listen on.
@@ -44,12 +48,17 @@ impl Hosts {
         a.serve(PORT, "a")?;
         let mut b = Host::new()?;
         b.serve(PORT, "b")?;
-        Ok(Hosts { a, b })
+        Ok(Hosts { a, b, port_a: PORT })
+    }
+
+    /// Where `a` serves now.
+    pub fn addr_a(&self) -> SocketAddr {
+        self.a.addr(self.port_a)
     }
 
     /// Both servers, preferred first.
     pub fn servers(&self) -> Vec<SocketAddr> {
-        vec![self.a.addr(PORT), self.b.addr(PORT)]
+        vec![self.addr_a(), self.b.addr(PORT)]
     }
 
     /// Bring `a` back after a blackhole and restart its server, dropping whatever sockets it
@@ -60,7 +69,12 @@ impl Hosts {
     pub fn reset_a(&mut self) -> Result<()> {
         self.a.blackhole(false)?;
         self.a.stop_servers();
-        self.a.serve(PORT, "a")
+        self.port_a = if self.port_a >= PORT + 999 {
+            PORT + 1
+        } else {
+            self.port_a + 1
+        };
+        self.a.serve(self.port_a, "a")
     }
 }
 
@@ -106,7 +120,7 @@ pub fn steady(
     res: &mut Results,
     raw: &mut Raw,
 ) -> Result<()> {
-    let servers = vec![hosts.a.addr(PORT)];
+    let servers = vec![hosts.addr_a()];
     let running: Vec<Running> = Kind::ALL
         .iter()
         .map(|&k| Running::start(k, &servers, cgroups))
