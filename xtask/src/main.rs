@@ -1,5 +1,6 @@
 //! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench).
 
+mod bench;
 mod demo;
 mod setup;
 mod util;
@@ -27,8 +28,14 @@ enum Cmd {
     },
     /// Test hosts in namespaces, real traffic, a failover you can watch.
     Demo,
-    /// Everything CI runs: fmt, clippy, unit and privileged integration tests.
+    /// Everything CI runs: fmt, clippy, unit and privileged integration tests, quick bench.
     Test,
+    /// lb side by side with a direct connection, HAProxy and nginx; results in bench/results/.
+    Bench {
+        /// Fewer, shorter runs (a smoke check; results go to bench/results/raw/quick/).
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -56,6 +63,11 @@ fn main() -> Result<()> {
         Cmd::Test => {
             setup::run()?;
             util::test()
+        }
+        Cmd::Bench { quick } => {
+            setup::run()?;
+            util::build_release()?;
+            bench::run(quick)
         }
     }
 }

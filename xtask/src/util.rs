@@ -134,5 +134,12 @@ pub fn test() -> Result<()> {
         "xtask test: {} passed, {} failed, {} skipped",
         counts.passed, counts.failed, counts.ignored
     );
-    result
+    result?;
+    // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
+    if !lb_tests::is_root() {
+        eprintln!("xtask: SKIP bench --quick: needs root (network namespaces, BPF)");
+        return Ok(());
+    }
+    build_release()?;
+    crate::bench::run(true)
 }
