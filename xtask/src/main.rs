@@ -80,7 +80,8 @@ fn main() -> Result<()> {
                 "all" => vm::SERIES.iter().map(|s| s.label).collect(),
                 one => vec![one],
             };
-            vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args).map(|_| ())
+            let outcomes = vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args)?;
+            vm::verdict(&outcomes)
         }
     }
 }
