@@ -133,7 +133,7 @@ fn main() {
 fn serve(listen: &[SocketAddr], name: &str) {
     let mut handles = Vec::new();
     for addr in listen {
-        let l = match TcpListener::bind(addr) {
+        let l = match listen_on(*addr) {
             Ok(l) => l,
             Err(e) => {
                 eprintln!("lbt serve: cannot listen on {addr}: {e}");
@@ -155,6 +155,20 @@ fn serve(listen: &[SocketAddr], name: &str) {
     for h in handles {
         let _ = h.join();
     }
+}
+
+/// A listener with a deep accept queue: std's `bind` asks for 128, which a burst of 1000
+/// connects overflows on a slow machine (a TCG guest), dropping SYNs, health checks included.
+fn listen_on(addr: SocketAddr) -> io::Result<TcpListener> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    Ok(sock.into())
 }
 
 fn read_retry(s: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
