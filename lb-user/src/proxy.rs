@@ -157,6 +157,11 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
                 balancer.record_dial(&spec, Ok(()));
                 return Ok((spec, stream));
             }
+            Err(e) if is_local_exhaustion(&e) => {
+                // Out of descriptors or memory here says nothing about the server.
+                warn!(balancer = %balancer.name, server = %spec, error = %e, "dial failed for a local reason; not held against the server");
+                errors.push(format!("{spec}: {e}"));
+            }
             Err(e) => {
                 debug!(balancer = %balancer.name, server = %spec, error = %e, "dial failed");
                 balancer.record_dial(&spec, Err(e.to_string()));
@@ -231,6 +236,15 @@ async fn connect_any(spec: &str) -> io::Result<TcpStream> {
         }
     }
     Err(last)
+}
+
+/// True for errors that come from this host running out of a resource (descriptors, buffers,
+/// memory) rather than from the server: they must not count toward a server's `fall`.
+pub fn is_local_exhaustion(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 /// `NO_PROXY` (or `no_proxy`) from the environment: hosts that are dialed directly.
