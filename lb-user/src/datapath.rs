@@ -314,6 +314,13 @@ impl Datapath {
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(prog_err(PROG_SOCKOPS))?;
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
+        // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
+        // so a node daemon's resident size reflects what it holds.
+        // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
+        #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
         let dp = Datapath {
             _ebpf: ebpf,
             _clients: clients,

@@ -15,7 +15,9 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
+
+use std::cell::RefCell;
 
 use crate::{
     balancer::{Balancer, parse_host_port, parse_proxy_url},
@@ -28,8 +30,10 @@ use crate::{
 pub type PreDial =
     Arc<dyn Fn(Arc<Balancer>, String) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
 
-/// First copy buffer of a connection (bytes); it grows to `copy_buffer_bytes` under bulk load.
-const MIN_COPY_BUFFER: usize = 16 * 1024;
+thread_local! {
+    /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Shared context of every connection.
 pub struct ProxyCtx {
@@ -273,7 +277,9 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         })
         .inc();
     let _ = client.set_nodelay(true);
-    let (spec, server) = match dial(&balancer, &ctx).await {
+    // Boxed so the dial's state is freed once connected instead of living in every connection's
+    // task for its whole life.
+    let (spec, server) = match Box::pin(dial(&balancer, &ctx)).await {
         Ok(v) => v,
         Err(e) => {
             warn!(balancer = %balancer.name, client = %peer, error = %e, "all servers failed; closing the client");
@@ -326,7 +332,9 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         }
         Outcome::Killed => {
             let reason = guard.reason().map_or("killed", |r| r.label());
-            info!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
+            // One line per kill would cost more than the kill itself with thousands of connections;
+            // the balancer logs one summary per server and reason.
+            debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
             abort(&client);
             abort(&server);
         }
@@ -375,25 +383,39 @@ async fn relay(
     }
 }
 
-/// Copy `src` to `dst` until EOF; after each write, `on_copied(total)`. The buffer is allocated
-/// only once data arrives, so idle connections hold none.
+/// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`.
 async fn pump(
     src: &TcpStream,
     dst: &TcpStream,
     ctx: &ProxyCtx,
     mut on_copied: impl FnMut(u64),
 ) -> io::Result<u64> {
-    // The buffer starts small, doubles while reads fill it (bulk transfers reach
-    // `copy_buffer_bytes`), and is released whenever a read drains the socket, so idle and
-    // request/response connections hold no buffer between messages.
-    let mut buf: Vec<u8> = Vec::new();
+    // Reads land in a per-thread scratch buffer and are written on at once; only bytes the
+    // destination cannot take right now are kept, in `pending`, which is released as soon as it
+    // is flushed. Idle and request/response connections therefore hold no buffer at all.
+    let mut pending: Vec<u8> = Vec::new();
     let mut total = 0u64;
     loop {
         src.readable().await?;
-        if buf.is_empty() {
-            buf = vec![0u8; MIN_COPY_BUFFER.min(ctx.copy_buffer_bytes)];
-        }
-        let n = match src.try_read(&mut buf) {
+        let read = SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            if scratch.len() < ctx.copy_buffer_bytes {
+                scratch.resize(ctx.copy_buffer_bytes, 0);
+            }
+            let buf = &mut scratch[..ctx.copy_buffer_bytes];
+            let n = src.try_read(buf)?;
+            let mut off = 0;
+            while off < n {
+                match dst.try_write(&buf[off..n]) {
+                    Ok(w) => off += w,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(e),
+                }
+            }
+            pending.extend_from_slice(&buf[off..n]);
+            Ok(n)
+        });
+        let n = match read {
             Ok(0) => return Ok(total),
             Ok(n) => n,
             // Sockets in a sockhash may report readable spuriously: wait again.
@@ -401,22 +423,16 @@ async fn pump(
             Err(e) => return Err(e),
         };
         let mut off = 0;
-        while off < n {
+        while off < pending.len() {
             dst.writable().await?;
-            match dst.try_write(&buf[off..n]) {
+            match dst.try_write(&pending[off..]) {
                 Ok(w) => off += w,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
         }
+        pending = Vec::new();
         total += n as u64;
         on_copied(total);
-        if n == buf.len() {
-            if buf.len() < ctx.copy_buffer_bytes {
-                buf = vec![0u8; (buf.len() * 2).min(ctx.copy_buffer_bytes)];
-            }
-        } else {
-            buf = Vec::new();
-        }
     }
 }
