@@ -549,6 +549,17 @@ impl Lb {
         http_get(self.admin, path)
     }
 
+    /// Sum of the samples of metric `name` (exact family name, e.g. `lb_spliced_bytes_total`)
+    /// whose labels contain `label` (`""` for all); 0 when absent or unreachable.
+    pub fn metric(&self, name: &str, label: &str) -> f64 {
+        let (_, body) = self.get("/metrics").unwrap_or_default();
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next().is_some_and(|n| n == name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// `/status` as JSON.
     ///
     /// # Errors

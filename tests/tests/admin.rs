@@ -66,14 +66,9 @@ fn loopback_addr() -> Result<SocketAddr> {
 
 /// Sum of the samples of `name` whose line contains `label` (the exposition's text).
 fn metric(lb: &Lb, name: &str, label: &str) -> Result<f64> {
-    let (code, body) = lb.get("/metrics")?;
+    let (code, _) = lb.get("/metrics")?;
     ensure!(code == 200, "/metrics answered {code}");
-    Ok(body
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next().is_some_and(|n| n == name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+    Ok(lb.metric(name, label))
 }
 
 fn json(body: &str) -> Result<Value> {
@@ -485,32 +480,6 @@ fn hostile_input_does_not_hurt_the_daemon() -> Result<()> {
     Ok(())
 }
 
-/// Make `h` silent, or not: a permanent neighbour entry with a MAC nobody has sends its frames
-/// nowhere, so a connect hangs without RST or ICMP. (`Host::blackhole` takes the link down, and
-/// after the ARP entry fails the kernel answers "No route to host" at once.)
-fn silence(h: &Host, on: bool) -> Result<()> {
-    let ip = h.ip.to_string();
-    if on {
-        sh(
-            "ip",
-            &[
-                "neigh",
-                "replace",
-                &ip,
-                "lladdr",
-                "02:00:5e:00:53:01",
-                "dev",
-                &h.veth,
-                "nud",
-                "permanent",
-            ],
-        )?;
-    } else {
-        sh("ip", &["neigh", "del", &ip, "dev", &h.veth])?;
-    }
-    Ok(())
-}
-
 /// CPU time `pid` has used (user + system).
 fn cpu_time(pid: u32) -> Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -554,7 +523,7 @@ fn check_runs_are_shared_and_cancelled_with_their_callers() -> Result<()> {
     let mut h = Host::new()?;
     h.serve(9000, "s0")?;
     // A silent server: every check runs until its 3 s timeout.
-    silence(&h, true)?;
+    h.blackhole(true)?;
     let dir = TempDir::new()?;
     let cfg = dir.write(
         "lb.toml",
@@ -654,7 +623,7 @@ fn check_runs_are_shared_and_cancelled_with_their_callers() -> Result<()> {
         .context("timed-out run not cancelled")?;
 
     // The server comes back: a check run now answers 200.
-    silence(&h, false)?;
+    h.blackhole(false)?;
     wait_until(Duration::from_secs(10), || {
         Ok(lb.get("/check?timeout=2s")?.0 == 200)
     })?;

@@ -61,11 +61,7 @@ impl Setup {
     }
 
     fn metric(&self, name: &str, label: &str) -> f64 {
-        let (_, body) = self.lb.get("/metrics").unwrap_or_default();
-        body.lines()
-            .filter(|l| l.starts_with(name) && l.contains(label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        self.lb.metric(name, label)
     }
 }
 

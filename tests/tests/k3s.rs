@@ -36,14 +36,10 @@ fn wait_state(lb: &Lb, server: &str, want: &str, timeout: Duration) -> Result<()
 }
 
 fn killed(lb: &Lb, reason: &str) -> f64 {
-    let (_, body) = lb.get("/metrics").unwrap_or_default();
-    body.lines()
-        .filter(|l| {
-            l.starts_with("lb_connections_killed_total")
-                && l.contains(&format!("reason=\"{reason}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    lb.metric(
+        "lb_connections_killed_total",
+        &format!("reason=\"{reason}\""),
+    )
 }
 
 fn all_reconnect_to(holders: &[Holder], server: &str) -> Result<()> {

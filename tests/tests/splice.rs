@@ -15,17 +15,39 @@ use serde_json::Value;
 const MIB: u64 = 1024 * 1024;
 const T: Duration = Duration::from_secs(180);
 
-fn metric(lb: &Lb, name: &str, label: &str) -> f64 {
-    let (_, body) = lb.get("/metrics").unwrap_or_default();
-    body.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 fn ok(v: &Value) -> Result<()> {
     ensure!(v["ok"] == true, "client failed: {v}");
     Ok(())
+}
+
+/// A test cgroup, one server and lb in bpf mode listening on `ip` (a free port).
+struct Fixture {
+    cg: TestCgroup,
+    host: Host,
+    lb: Lb,
+    listen: String,
+}
+
+impl Fixture {
+    fn new(ip: &str) -> Result<Fixture> {
+        let cg = TestCgroup::new()?;
+        let listen = format!("{ip}:{}", free_port()?);
+        let (host, lb) = one_server(&cg, &listen, &[])?;
+        Ok(Fixture {
+            cg,
+            host,
+            lb,
+            listen,
+        })
+    }
+
+    /// Clients run in the fixture's cgroup.
+    fn place(&self) -> Place<'_> {
+        Place {
+            cgroup: Some(&self.cg.path),
+            netns: None,
+        }
+    }
 }
 
 /// One host serving on :9000, lb in bpf mode listening on `listen`, attached to `cg`.
@@ -54,18 +76,13 @@ fn one_gib_each_way_on_one_connection() -> Result<()> {
     if skip_unless_root("one_gib_each_way_on_one_connection") {
         return Ok(());
     }
-    let cg = TestCgroup::new()?;
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (_h, lb) = one_server(&cg, &listen, &[])?;
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let f = Fixture::new("127.0.0.1")?;
+    let (listen, place, _h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let gib = (1024 * MIB).to_string();
     ok(&run_client(&place, listen.parse()?, &["up", &gib], T)?)?;
     ok(&run_client(&place, listen.parse()?, &["down", &gib], T)?)?;
-    let spliced = metric(&lb, "lb_spliced_bytes_total", "client_to_server");
-    let copied = metric(&lb, "lb_copied_bytes_total", "client_to_server");
+    let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server");
+    let copied = lb.metric("lb_copied_bytes_total", "client_to_server");
     // Protocol headers: "UP\n" and "DOWN <n> 7\n".
     let sent = 1024 * MIB + 3 + format!("DOWN {gib} 7\n").len() as u64;
     ensure!(
@@ -81,13 +98,8 @@ fn hundred_concurrent_random_sizes() -> Result<()> {
     if skip_unless_root("hundred_concurrent_random_sizes") {
         return Ok(());
     }
-    let cg = TestCgroup::new()?;
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (_h, lb) = one_server(&cg, &listen, &[])?;
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let f = Fixture::new("127.0.0.1")?;
+    let (listen, place, _h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let v = run_client(
         &place,
         listen.parse()?,
@@ -96,7 +108,7 @@ fn hundred_concurrent_random_sizes() -> Result<()> {
     )?;
     ok(&v)?;
     ensure!(
-        metric(&lb, "lb_spliced_bytes_total", "client_to_server") > 0.0,
+        lb.metric("lb_spliced_bytes_total", "client_to_server") > 0.0,
         "nothing spliced"
     );
     Ok(())
@@ -116,13 +128,8 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
     if skip_unless_root("stalled_server_holds_back_an_epoll_client_within_the_bound") {
         return Ok(());
     }
-    let cg = TestCgroup::new()?;
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (h, _lb) = one_server(&cg, &listen, &[])?;
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let f = Fixture::new("127.0.0.1")?;
+    let (listen, place, h, _lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let stall_ms = 3000u64;
     let mut child = client_command(
         &place,
@@ -187,13 +194,8 @@ fn ipv6_listener_splices() -> Result<()> {
     if skip_unless_root("ipv6_listener_splices") {
         return Ok(());
     }
-    let cg = TestCgroup::new()?;
-    let listen = format!("[::1]:{}", free_port()?);
-    let (_h, lb) = one_server(&cg, &listen, &[])?;
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let f = Fixture::new("[::1]")?;
+    let (listen, place, _h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     ok(&run_client(
         &place,
         listen.parse()?,
@@ -207,7 +209,7 @@ fn ipv6_listener_splices() -> Result<()> {
         T,
     )?)?;
     ensure!(
-        metric(&lb, "lb_spliced_bytes_total", "client_to_server") > 0.0,
+        lb.metric("lb_spliced_bytes_total", "client_to_server") > 0.0,
         "IPv6 client was not spliced"
     );
     Ok(())
@@ -240,7 +242,7 @@ fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
         &["many", "20", &MIB.to_string(), "--random"],
         T,
     )?)?;
-    let spliced = metric(&lb, "lb_spliced_bytes_total", "client_to_server");
+    let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server");
     ensure!(
         spliced > 0.0,
         "client in another namespace / child cgroup was not spliced"

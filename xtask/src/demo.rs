@@ -54,14 +54,6 @@ fn table(lb: &Lb) -> Result<String> {
     Ok(out)
 }
 
-fn metric(lb: &Lb, prefix: &str) -> f64 {
-    let (_, body) = lb.get("/metrics").unwrap_or_default();
-    body.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// Run the demo.
 ///
 /// # Errors
@@ -112,10 +104,7 @@ pub fn run() -> Result<()> {
     };
 
     step("a 64 MiB upload, checked byte for byte by the server");
-    let before = metric(
-        &lb,
-        "lb_spliced_bytes_total{balancer=\"apiserver\",direction=\"client_to_server\"}",
-    );
+    let before = lb.metric("lb_spliced_bytes_total", "client_to_server");
     let v = run_client(
         &place,
         listen,
@@ -123,10 +112,7 @@ pub fn run() -> Result<()> {
         Duration::from_secs(60),
     )?;
     ensure!(v["ok"] == true, "upload failed: {v}");
-    let spliced = metric(
-        &lb,
-        "lb_spliced_bytes_total{balancer=\"apiserver\",direction=\"client_to_server\"}",
-    ) - before;
+    let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server") - before;
     println!(
         "   ok in {:.3} s; the kernel spliced {:.1} MiB of it (client socket -> server socket, no userspace copy)",
         v["secs"].as_f64().unwrap_or(0.0),
