@@ -665,32 +665,24 @@ impl Balancer {
                             && cfg.policy == Policy::Failover
                             && cfg.failback
                         {
-                            // Fail back: close connections on ACTIVE servers less preferred than this one.
-                            for j in idx + 1..inner.servers.len() {
-                                let other = &mut inner.servers[j];
-                                if other.state == ServerState::Active && other.in_set {
-                                    transition(
-                                        &self.name,
-                                        other,
-                                        ServerState::Healthy,
-                                        "fail-back to a preferred server",
-                                    );
-                                    let taken: Vec<ConnEntry> =
-                                        other.conns.drain().map(|(_, c)| c).collect();
-                                    kills.push((other.spec.clone(), taken, KillReason::Failback));
+                            // Fail back: close connections on ACTIVE servers less preferred than
+                            // this one (later in the set, or the default outside the set).
+                            for (j, other) in inner.servers.iter_mut().enumerate() {
+                                let less_preferred = j > idx || !other.in_set;
+                                if j == idx || !less_preferred || other.state != ServerState::Active
+                                {
+                                    continue;
                                 }
-                            }
-                            let (head, tail) = inner.servers.split_at_mut(idx);
-                            let _ = tail;
-                            for other in head
-                                .iter_mut()
-                                .filter(|o| !o.in_set && o.state == ServerState::Active)
-                            {
+                                let to = if other.in_set {
+                                    ServerState::Healthy
+                                } else {
+                                    ServerState::Standby
+                                };
                                 transition(
                                     &self.name,
                                     other,
-                                    ServerState::Standby,
-                                    "fail-back from the default server",
+                                    to,
+                                    "fail-back to a preferred server",
                                 );
                                 let taken: Vec<ConnEntry> =
                                     other.conns.drain().map(|(_, c)| c).collect();
