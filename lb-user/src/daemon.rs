@@ -151,6 +151,7 @@ pub async fn run(
         .map(|(i, b)| Balancer::new(u32::try_from(i).unwrap_or(0), b.clone()))
         .collect();
     for b in &balancers {
+        b.set_node_kill_hook(crate::kill::node_kill_hook());
         let m = metrics.clone();
         let name = b.name.clone();
         b.set_kill_hook(Arc::new(
@@ -213,7 +214,9 @@ pub async fn run(
         let daemon = daemon.clone();
         tasks.spawn(async move {
             let bs = daemon.balancers.load_full();
-            futures::future::join_all(bs.iter().map(|b| daemon.health.check_all(b))).await;
+            // `health.loop = false`: no check runs until a dial or `/check` asks for one.
+            let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
+            futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
             daemon.first_checks_done.store(true, Ordering::Relaxed);
             for b in bs.iter() {
                 daemon.health.start(b.clone(), daemon.shutdown.clone());
