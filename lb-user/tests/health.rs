@@ -951,3 +951,25 @@ fn node_kill_destroys_a_loopback_connection() {
         Err(e) => panic!("node kill failed: {e}"),
     }
 }
+
+/// A server with 10,000 registered connections fails its check: every connection's kill
+/// switch fires inside the failing `record_check` call, which returns quickly (the proxy's
+/// accept loop never waits on it: kills are token cancellations).
+#[tokio::test]
+async fn failing_check_kills_ten_thousand_connections_quickly() {
+    let down = closed_port().await.to_string();
+    let b = balancer(std::slice::from_ref(&down), cfg(CheckKind::Tcp));
+    let guards: Vec<_> = (0..10_000).map(|_| b.register(&down)).collect();
+    assert_eq!(b.connection_count(), 10_000);
+    let svc = HealthService::new(Arc::new(Metrics::new()), TaskTracker::new());
+    let start = Instant::now();
+    assert!(!svc.check_and_record(&b, &down).await);
+    let took = start.elapsed();
+    eprintln!(
+        "check + kill of 10,000 connections: {:.1} ms",
+        took.as_secs_f64() * 1e3
+    );
+    assert!(guards.iter().all(|g| g.cancel.is_cancelled()));
+    assert_eq!(b.connection_count(), 0);
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+}

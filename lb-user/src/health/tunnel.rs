@@ -185,7 +185,8 @@ struct Pending {
     sent: Instant,
     periodic: bool,
     waiters: Vec<Reply>,
-    _inflight: InflightGuard,
+    /// Periodic pings count as running checks; on-demand ones are counted by their caller.
+    _inflight: Option<InflightGuard>,
 }
 
 /// The task that keeps one tunnel.
@@ -309,7 +310,7 @@ impl Tunnel {
                     sent: Instant::now(),
                     periodic,
                     waiters: waiter.into_iter().collect(),
-                    _inflight: InflightGuard::new(&self.shared.metrics),
+                    _inflight: periodic.then(|| InflightGuard::new(&self.shared.metrics)),
                 };
                 pending = Some(p);
                 match timeout(limit, ws.send(Message::Ping(payload))).await {
