@@ -671,6 +671,18 @@ impl Balancer {
                             next = ServerState::Active;
                         }
                         transition(&self.name, s, next, "health check passed");
+                        if next == ServerState::Active && cfg.policy == Policy::Failover {
+                            for (j, other) in inner.servers.iter_mut().enumerate() {
+                                if j != idx && other.state == ServerState::Active {
+                                    transition(
+                                        &self.name,
+                                        other,
+                                        ServerState::Healthy,
+                                        "another server became active",
+                                    );
+                                }
+                            }
+                        }
                         if next == ServerState::Preferred
                             && cfg.policy == Policy::Failover
                             && cfg.failback

@@ -1,21 +1,70 @@
-//! Command line: `lb run`, `lb config check`, and the admin client commands.
+//! Command line: `lb run`, the admin client commands (`lb status`, `lb servers`, `lb check`),
+//! `lb config check`, and `lb completions` / `lb man`. One file per subcommand under `cli/`;
+//! every option also reads an `LB_*` environment variable (flags win).
+//!
+//! Exit codes: 0 success (for `lb check`: healthy); 1 failure (`lb check`: unhealthy or the
+//! daemon unreachable); 2 invalid usage or configuration (clap's own usage errors are 2 too).
 
-use std::{net::SocketAddr, path::PathBuf};
+pub mod check;
+pub mod config;
+pub mod docs;
+pub mod servers;
+pub mod status;
+mod table;
 
-use clap::{Args, Parser, Subcommand};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
-use crate::config::{DatapathMode, Overrides};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::{
+    admin::client::{AdminClient, ClientError, Endpoint},
+    config::{DEFAULT_ADMIN_LISTEN, DatapathMode, Overrides, parse_duration},
+};
+
+/// Exit code for a failure (and for `lb check`, unhealthy).
+pub const EXIT_FAILURE: u8 = 1;
+/// Exit code for invalid usage or configuration.
+pub const EXIT_USAGE: u8 = 2;
 
 /// lb: a client-side TCP load balancer with an eBPF splice data path.
 #[derive(Debug, Parser)]
-#[command(name = "lb", version, about)]
+#[command(name = "lb", version, about, propagate_version = true)]
 pub struct Cli {
-    /// Log filter (tracing EnvFilter syntax), e.g. `info`, `lb=debug`.
-    #[arg(long, global = true, env = "LB_LOG", default_value = "info")]
-    pub log: String,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info`, `lb=debug`; `RUST_LOG` when absent,
+    /// else `info`.
+    #[arg(
+        long = "log-level",
+        visible_alias = "log",
+        global = true,
+        env = "LB_LOG"
+    )]
+    pub log_level: Option<String>,
+    /// Log format.
+    #[arg(long, global = true, env = "LB_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// The command.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `--output` of the client commands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// A table for people.
+    #[default]
+    Text,
+    /// The admin API's JSON, for programs.
+    Json,
 }
 
 /// Subcommands.
@@ -23,9 +72,62 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon.
     Run(RunArgs),
+    /// Show every balancer and its servers (state, connections, last check).
+    Status(status::StatusArgs),
+    /// Change a balancer's servers: set, add, remove, drain, enable, disable, kill.
+    Servers(servers::ServersArgs),
+    /// Run the health checks now; exit 0 when healthy, 1 when not.
+    Check(check::CheckArgs),
     /// Configuration helpers.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Print a shell completion script to stdout.
+    Completions(docs::CompletionsArgs),
+    /// Print the man page to stdout, or write one page per command into a directory.
+    Man(docs::ManArgs),
+}
+
+/// How the client commands reach the daemon.
+#[derive(Clone, Debug, Args)]
+pub struct AdminArgs {
+    /// Admin API: `host:port`, `http://host:port`, `unix:/path` or `/path`.
+    #[arg(long, global = true, env = "LB_ADMIN", default_value = DEFAULT_ADMIN_LISTEN)]
+    pub admin: Endpoint,
+    /// File holding the admin bearer token (`[admin] token_file` of the daemon).
+    #[arg(long, global = true, env = "LB_ADMIN_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Bound on one request to the admin API (`lb check` adds its own timeout).
+    #[arg(long, global = true, env = "LB_ADMIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+}
+
+impl AdminArgs {
+    /// A client with these settings, its request bound raised by `extra`.
+    ///
+    /// # Errors
+    /// [`ClientError::Token`] when the token file is unusable.
+    pub fn client(&self, extra: Duration) -> Result<AdminClient, ClientError> {
+        AdminClient::new(
+            self.admin.clone(),
+            self.token_file.as_deref(),
+            self.request_timeout + extra,
+        )
+    }
+}
+
+/// Print a client error and pick the exit code: 2 for requests the daemon refused as invalid
+/// (400, 404, 409, 413), 1 otherwise.
+pub fn report_error(e: &ClientError) -> ExitCode {
+    eprintln!("lb: {e}");
+    match e {
+        ClientError::Status { status, .. }
+            if status.is_client_error() && status.as_u16() != 401 =>
+        {
+            ExitCode::from(EXIT_USAGE)
+        }
+        ClientError::Token { .. } => ExitCode::from(EXIT_USAGE),
+        _ => ExitCode::from(EXIT_FAILURE),
+    }
 }
 
 /// `lb run`.
@@ -75,9 +177,48 @@ impl RunArgs {
 /// `lb config ...`.
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
-    /// Validate a config file: exit 0 when valid, 2 with the key and reason when not.
+    /// Validate a config file: exit 0 when valid, 2 with the key, value and reason when not.
     Check {
         /// The file.
         file: PathBuf,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn client_commands_parse() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "servers",
+            "--admin",
+            "unix:/run/lb.sock",
+            "set",
+            "--balancer",
+            "api",
+            "198.18.0.2:80",
+            "198.18.0.3:80",
+        ])
+        .unwrap();
+        let Command::Servers(s) = cli.command else {
+            panic!("not servers")
+        };
+        assert_eq!(s.admin.admin, Endpoint::Unix("/run/lb.sock".into()));
+        let check = Cli::try_parse_from(["lb", "check", "--timeout", "250ms"]).unwrap();
+        let Command::Check(c) = check.command else {
+            panic!("not check")
+        };
+        assert_eq!(c.timeout, Some(Duration::from_millis(250)));
+        assert!(Cli::try_parse_from(["lb", "check", "--timeout", "soon"]).is_err());
+        assert!(Cli::try_parse_from(["lb", "status", "--output", "yaml"]).is_err());
+    }
 }

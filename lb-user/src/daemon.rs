@@ -214,9 +214,7 @@ pub async fn run(
         let daemon = daemon.clone();
         tasks.spawn(async move {
             let bs = daemon.balancers.load_full();
-            // `health.loop = false`: no check runs until a dial or `/check` asks for one.
-            let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
-            futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
+            futures::future::join_all(bs.iter().map(|b| daemon.health.check_all(b))).await;
             daemon.first_checks_done.store(true, Ordering::Relaxed);
             for b in bs.iter() {
                 daemon.health.start(b.clone(), daemon.shutdown.clone());

@@ -48,9 +48,9 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
-    /// The kernel lacks a program type.
-    #[error("kernel lacks the {0} program type")]
-    MissingProgramType(&'static str),
+    /// The kernel lacks a program type, map type or helper.
+    #[error("kernel lacks the {0}")]
+    MissingFeature(&'static str),
     /// The object could not be loaded.
     #[error("loading the BPF object failed: {0}")]
     Load(#[source] aya::EbpfError),
@@ -96,6 +96,57 @@ pub fn detect_cgroup2() -> Result<PathBuf, DatapathError> {
         })
         .next()
         .ok_or(DatapathError::NoCgroup2)
+}
+
+/// Check every kernel feature the splice needs, naming the first one missing: program types
+/// (sockops, sk_msg), map types (sockhash, LRU hash, per-CPU array, ring buffer) and helpers
+/// (`bpf_get_netns_cookie` in sockops and sk_msg, `bpf_msg_redirect_hash`).
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] naming it; the daemon then copies in userspace.
+pub fn probe_kernel() -> Result<(), DatapathError> {
+    use aya::{maps::MapType, programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for (ty, name) in [
+        (ProgramType::SockOps, "sockops program type"),
+        (ProgramType::SkMsg, "sk_msg program type"),
+    ] {
+        if !sys::is_program_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, name) in [
+        (MapType::SockHash, "sockhash map"),
+        (MapType::LruHash, "LRU hash map"),
+        (MapType::PerCpuArray, "per-CPU array map"),
+        (MapType::RingBuf, "ring buffer map (5.8+)"),
+    ] {
+        if !sys::is_map_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, helper, name) in [
+        (
+            ProgramType::SockOps,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sockops (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sk_msg (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_msg_redirect_hash,
+            "bpf_msg_redirect_hash",
+        ),
+    ] {
+        if !sys::is_helper_supported(ty, helper).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    Ok(())
 }
 
 /// Kernel splice counters of one balancer, summed over CPUs.
@@ -157,6 +208,21 @@ pub struct Pair {
 }
 
 impl Pair {
+    /// Credit bound (bytes): three quarters of the socket buffer, leaving room for the kernel's
+    /// per-buffer overhead, so a redirected send never meets a full socket.
+    fn credit_cap(&self) -> u64 {
+        self.limit / 4 * 3
+    }
+
+    /// Set `credit_end`/`refresh_at` from the server socket's queue (`SIOCOUTQ`): the program may
+    /// redirect until the queue would pass the cap, and asks again a quarter of the way there.
+    fn grant(&self, ctl: &mut PairCtl, redirected: u64) {
+        let outq = outq_bytes(self.server_fd).unwrap_or(u64::MAX);
+        let room = self.credit_cap().saturating_sub(outq);
+        ctl.credit_end = redirected + room;
+        ctl.refresh_at = redirected + room / 4;
+    }
+
     /// The map key.
     pub fn key(&self) -> SockKey {
         self.key
@@ -207,14 +273,7 @@ impl Datapath {
             path: cgroup.clone(),
             source,
         })?;
-        for (ty, name) in [
-            (aya::programs::ProgramType::SockOps, "sockops"),
-            (aya::programs::ProgramType::SkMsg, "sk_msg"),
-        ] {
-            if !aya::sys::is_program_supported(ty).unwrap_or(false) {
-                return Err(DatapathError::MissingProgramType(name));
-            }
-        }
+        probe_kernel()?;
         let mut ebpf = Ebpf::load(EBPF_OBJ).map_err(DatapathError::Load)?;
 
         let take = |ebpf: &mut Ebpf, name: &'static str| {
@@ -318,15 +377,30 @@ impl Datapath {
     ///
     /// # Errors
     /// [`DatapathError::Map`]; the caller then copies in userspace.
-    pub fn pair(&self, key: SockKey, server: &impl AsRawFd) -> Result<Arc<Pair>, DatapathError> {
+    pub fn pair(
+        &self,
+        key: SockKey,
+        server: &(impl AsRawFd + std::os::fd::AsFd),
+    ) -> Result<Arc<Pair>, DatapathError> {
         let limit = self.max_buffered;
         let ctl = PairCtl {
             copied: 0,
-            credit_end: limit,
-            refresh_at: limit / 2,
+            credit_end: limit / 4 * 3,
+            refresh_at: limit / 4,
             mode: MODE_REDIRECT,
             _pad: 0,
         };
+        // The server socket holds at most `limit` bytes (the kernel doubles SO_SNDBUF for its
+        // bookkeeping), which bounds lb's own copies; the credit (3/4 of it) must be what stops
+        // redirecting: when a server socket is full, a redirected non-blocking send fails with
+        // EAGAIN while the client's own socket stays writable and is never woken again (measured
+        // here: the client hangs).
+        let buf = usize::try_from(limit / 2).unwrap_or(usize::MAX);
+        if let Err(e) =
+            nix::sys::socket::setsockopt(server, nix::sys::socket::sockopt::SndBufForce, &buf)
+        {
+            debug!(error = %e, "SO_SNDBUFFORCE refused; relying on autotuning");
+        }
         let pair = Arc::new(Pair {
             key,
             server_fd: server.as_raw_fd(),
@@ -353,6 +427,10 @@ impl Datapath {
     pub fn set_copied(&self, pair: &Pair, copied: u64) {
         let mut ctl = pair.ctl.lock().expect("poisoned");
         ctl.copied = copied;
+        // lb's own writes share the server socket with the redirected bytes: recompute the credit
+        // from the socket's queue so that both together stay within the bound.
+        let redirected = self.flow(&pair.key).map_or(0, |f| f.redirected);
+        pair.grant(&mut ctl, redirected);
         if let Err(e) = self
             .pairs_map
             .lock()
@@ -460,14 +538,11 @@ impl Datapath {
             return;
         };
         let Some(flow) = self.flow(key) else { return };
-        let outq = outq_bytes(pair.server_fd).unwrap_or(pair.limit);
-        let room = pair.limit.saturating_sub(outq);
         let mut ctl = pair.ctl.lock().expect("poisoned");
         if ctl.mode != MODE_REDIRECT {
             return;
         }
-        ctl.credit_end = flow.redirected + room;
-        ctl.refresh_at = flow.redirected + room / 2;
+        pair.grant(&mut ctl, flow.redirected);
         if let Err(e) = self
             .pairs_map
             .lock()

@@ -11,15 +11,17 @@ mod tunnel;
 use std::{
     collections::{HashMap, HashSet},
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use futures::{
     FutureExt as _,
-    future::{BoxFuture, Shared as SharedFuture},
+    future::{BoxFuture, WeakShared},
 };
-use prometheus_client::metrics::gauge::Gauge;
 use tokio::{
     net::TcpStream,
     sync::mpsc,
@@ -175,31 +177,18 @@ pub fn next_interval(cfg: &HealthConfig, status: &ServerStatus) -> Duration {
     }
 }
 
-/// Counts one running check in `lb_inflight_checks` while it lives.
-struct InflightGuard(Gauge);
-
-impl InflightGuard {
-    fn new(metrics: &Metrics) -> InflightGuard {
-        metrics.inflight_checks.inc();
-        InflightGuard(metrics.inflight_checks.clone())
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-type CheckFuture = SharedFuture<BoxFuture<'static, bool>>;
+/// A running check, as its waiters see it; the entry in [`Shared::inflight`] is weak, so a check
+/// nobody waits for any more is dropped (cancelled) and records nothing.
+type WeakCheck = WeakShared<BoxFuture<'static, bool>>;
 
 /// State shared by the service, its check tasks and its tunnels.
 #[derive(Debug)]
 struct Shared {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
-    /// The check running now per (balancer, server): later callers wait for it.
-    inflight: Mutex<HashMap<(String, String), CheckFuture>>,
+    /// The check running now per (balancer, server), with its id: later callers wait for it.
+    inflight: Mutex<HashMap<(String, String), (u64, WeakCheck)>>,
+    next_check: AtomicU64,
     tunnels: tunnel::Tunnels,
 }
 
@@ -238,7 +227,7 @@ impl Shared {
     /// Run one check of `server` now (a ping over its tunnel when one is kept) and record it.
     async fn run_check(self: Arc<Self>, balancer: Arc<Balancer>, server: String) -> bool {
         let cfg = balancer.config().health;
-        let _inflight = InflightGuard::new(&self.metrics);
+        let _inflight = self.metrics.inflight_guard();
         let start = Instant::now();
         let result = match (cfg.kind, self.tunnels.ping(&balancer.name, &server)) {
             (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
@@ -264,6 +253,7 @@ impl HealthService {
                 metrics,
                 tasks,
                 inflight: Mutex::new(HashMap::new()),
+                next_check: AtomicU64::new(0),
                 tunnels: tunnel::Tunnels::default(),
             }),
         })
@@ -271,26 +261,35 @@ impl HealthService {
 
     /// Check `server` of `balancer` now and record the result; returns whether it passed. When
     /// a check of that server is already running (scheduler, dial, `/check`), this waits for
-    /// it instead of starting another: at most one check per server is in flight. The check
-    /// runs as its own task, so it finishes (within `timeout`) even if the caller goes away.
+    /// it instead of starting another: at most one check per server is in flight. A check whose
+    /// callers have all gone (a dropped `/check`, a client that left during check-before-dial)
+    /// is cancelled and records nothing.
     pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
         let key = (balancer.name.clone(), server.to_string());
         let fut = {
             let mut inflight = self.shared.inflight.lock().expect("poisoned");
-            if let Some(f) = inflight.get(&key) {
-                f.clone()
-            } else {
-                let shared = self.shared.clone();
-                let b = balancer.clone();
-                let k = key.clone();
-                let task = self.shared.tasks.spawn(async move {
-                    let ok = shared.clone().run_check(b, k.1.clone()).await;
-                    shared.inflight.lock().expect("poisoned").remove(&k);
-                    ok
-                });
-                let f = async move { task.await.unwrap_or(false) }.boxed().shared();
-                inflight.insert(key, f.clone());
-                f
+            match inflight.get(&key).and_then(|(_, weak)| weak.upgrade()) {
+                Some(running) => running,
+                None => {
+                    let id = self.shared.next_check.fetch_add(1, Ordering::Relaxed);
+                    let shared = self.shared.clone();
+                    let b = balancer.clone();
+                    let k = key.clone();
+                    let check = async move {
+                        let ok = shared.clone().run_check(b, k.1.clone()).await;
+                        let mut inflight = shared.inflight.lock().expect("poisoned");
+                        if inflight.get(&k).is_some_and(|(i, _)| *i == id) {
+                            inflight.remove(&k);
+                        }
+                        ok
+                    }
+                    .boxed()
+                    .shared();
+                    if let Some(weak) = check.downgrade() {
+                        inflight.insert(key, (id, weak));
+                    }
+                    check
+                }
             }
         };
         fut.await

@@ -4,40 +4,66 @@ use std::process::ExitCode;
 
 use clap::Parser as _;
 use lb::{
-    cli::{Cli, Command, ConfigCommand},
+    cli::{self, Cli, Command, ConfigCommand, LogFormat},
     config::{Config, EXIT_INVALID_CONFIG},
 };
 
+fn init_logging(cli: &Cli) {
+    let filter = cli
+        .log_level
+        .clone()
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|e| {
+        eprintln!("lb: invalid log filter {filter:?} ({e}); using info");
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// A small runtime for the client commands.
+fn client_runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("lb: cannot start the runtime: {e}");
+            None
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&cli);
     match cli.command {
-        Command::Config(ConfigCommand::Check { file }) => match Config::from_file(&file) {
-            Ok(cfg) => {
-                println!(
-                    "{}: valid ({} balancer(s))",
-                    file.display(),
-                    cfg.balancers.len()
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(EXIT_INVALID_CONFIG as u8)
-            }
-        },
+        Command::Config(ConfigCommand::Check { file }) => cli::config::check(&file),
+        Command::Completions(args) => cli::docs::completions(&args),
+        Command::Man(args) => cli::docs::man(&args),
+        Command::Status(args) => {
+            client_runtime().map_or(ExitCode::FAILURE, |rt| rt.block_on(cli::status::run(&args)))
+        }
+        Command::Servers(args) => client_runtime().map_or(ExitCode::FAILURE, |rt| {
+            rt.block_on(cli::servers::run(&args))
+        }),
+        Command::Check(args) => {
+            client_runtime().map_or(ExitCode::FAILURE, |rt| rt.block_on(cli::check::run(&args)))
+        }
         Command::Run(args) => {
             let overrides = args.overrides();
             let cfg = match Config::load(args.config.as_deref(), &overrides) {
                 Ok(cfg) => cfg,
                 Err(e) => {
                     eprintln!("lb: invalid configuration: {e}");
-                    return ExitCode::from(EXIT_INVALID_CONFIG as u8);
+                    return ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2));
                 }
             };
             let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -238,6 +238,16 @@ impl Metrics {
         }
     }
 
+    /// Count one check as running until the returned guard drops, so a check whose future is
+    /// dropped midway (an on-demand check nobody waits for any more) leaves `lb_inflight_checks`
+    /// as it found it.
+    pub fn inflight_guard(&self) -> InflightGuard {
+        self.inflight_checks.inc();
+        InflightGuard {
+            gauge: self.inflight_checks.clone(),
+        }
+    }
+
     /// Count `n` bytes copied in userspace.
     pub fn copied(&self, balancer: &str, direction: &'static str, n: u64) {
         self.copied_bytes
@@ -269,6 +279,7 @@ impl Metrics {
                     balancer: b.name.clone(),
                 })
                 .get();
+            self.touch_balancer(&b.name);
             if let Some(dp) = datapath {
                 let st = dp.stats(b.id);
                 self.bump_kernel(
@@ -305,6 +316,25 @@ impl Metrics {
         out
     }
 
+    /// Create the per-balancer series that exist from the start at 0 (dials by status, bytes by
+    /// direction), so they are exposed before the first event and `rate()` sees it.
+    fn touch_balancer(&self, balancer: &str) {
+        for status in ["ok", "error"] {
+            let _ = self.dial_duration.get_or_create(&DialLabels {
+                balancer: balancer.to_string(),
+                status: status.into(),
+            });
+        }
+        for direction in ["client_to_server", "server_to_client"] {
+            let l = DirectionLabels {
+                balancer: balancer.to_string(),
+                direction: direction.into(),
+            };
+            let _ = self.spliced_bytes.get_or_create(&l);
+            let _ = self.copied_bytes.get_or_create(&l);
+        }
+    }
+
     fn bump_kernel(
         &self,
         family: &Family<DirectionLabels, Counter>,
@@ -322,6 +352,18 @@ impl Metrics {
                 direction: direction.to_string(),
             })
             .inc_by(now.saturating_sub(prev));
+    }
+}
+
+/// One running check in `lb_inflight_checks`; decrements on drop (see [`Metrics::inflight_guard`]).
+#[derive(Debug)]
+pub struct InflightGuard {
+    gauge: Gauge,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 

@@ -135,9 +135,12 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
         let budget = deadline
             .saturating_duration_since(start)
             .min(cfg.dial_timeout.0);
-        let result = tokio::time::timeout(budget, dial_one(&spec, cfg.proxy.as_deref()))
-            .await
-            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
+        let result = tokio::time::timeout(
+            budget,
+            dial_one(&spec, cfg.proxy.as_deref(), &no_proxy_env()),
+        )
+        .await
+        .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
         let status = if result.is_ok() { "ok" } else { "error" };
         ctx.metrics
             .dial_duration
@@ -172,11 +175,11 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
 ///
 /// # Errors
 /// The last connect error, or the proxy's refusal.
-pub async fn dial_one(spec: &str, proxy: Option<&str>) -> io::Result<TcpStream> {
+pub async fn dial_one(spec: &str, proxy: Option<&str>, no_proxy: &str) -> io::Result<TcpStream> {
     let (host, _port) =
         parse_host_port(spec).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     if let Some(proxy) = proxy
-        && !no_proxy_matches(&host)
+        && !no_proxy_matches(no_proxy, &host)
     {
         let (phost, pport) =
             parse_proxy_url(proxy).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
@@ -227,10 +230,15 @@ async fn connect_any(spec: &str) -> io::Result<TcpStream> {
     Err(last)
 }
 
-fn no_proxy_matches(host: &str) -> bool {
-    let list = std::env::var("NO_PROXY")
+/// `NO_PROXY` (or `no_proxy`) from the environment: hosts that are dialed directly.
+pub fn no_proxy_env() -> String {
+    std::env::var("NO_PROXY")
         .or_else(|_| std::env::var("no_proxy"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Whether `host` is listed in a `NO_PROXY` value (`*`, exact names, or domain suffixes).
+pub fn no_proxy_matches(list: &str, host: &str) -> bool {
     list.split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())

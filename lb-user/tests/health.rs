@@ -973,3 +973,53 @@ async fn failing_check_kills_ten_thousand_connections_quickly() {
     assert_eq!(b.connection_count(), 0);
     assert!(took < Duration::from_secs(1), "took {took:?}");
 }
+
+/// A check whose only caller goes away is cancelled: `lb_inflight_checks` drops back at once
+/// and no result is recorded; the next caller starts a fresh check.
+#[tokio::test]
+async fn abandoned_check_is_cancelled() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = Arc::new(AtomicUsize::new(0));
+    let h2 = heads.clone();
+    // Reads the request, then answers only after 1 s.
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let h = h2.clone();
+            tokio::spawn(async move {
+                read_head(&mut s).await;
+                h.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let _ = s.write_all(&response(200, "late")).await;
+            });
+        }
+    });
+    let server = addr.to_string();
+    let b = balancer(
+        std::slice::from_ref(&server),
+        HealthConfig {
+            timeout: ms(3000),
+            ..http_cfg("http://{server}/slow")
+        },
+    );
+    let metrics = Arc::new(Metrics::new());
+    let svc = HealthService::new(metrics.clone(), TaskTracker::new());
+    let gone = tokio::time::timeout(
+        Duration::from_millis(300),
+        svc.check_and_record(&b, &server),
+    )
+    .await;
+    assert!(gone.is_err(), "the caller gave up");
+    assert_eq!(heads.load(Ordering::Relaxed), 1, "the check had started");
+    assert_eq!(metrics.inflight_checks.get(), 0);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        checks(&metrics, &server, "success") + checks(&metrics, &server, "failure"),
+        0
+    );
+    assert!(b.last_checked(&server).is_none());
+    // A new caller runs a new check to the end.
+    assert!(svc.check_and_record(&b, &server).await);
+    assert_eq!(heads.load(Ordering::Relaxed), 2);
+    assert_eq!(checks(&metrics, &server, "success"), 1);
+}

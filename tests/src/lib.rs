@@ -292,28 +292,31 @@ impl Host {
         }
     }
 
-    /// Blackhole the host: its interface goes down inside the namespace, so packets to it vanish
-    /// (no RST, no ICMP), as with a crashed machine or a partition.
+    /// Blackhole the host: the root side's neighbour entry for it points at a MAC nobody has, so
+    /// every packet toward it vanishes (no RST, no ICMP, connects hang), as with a crashed machine
+    /// or a partition; the host's own link stays up.
     ///
     /// # Errors
     /// `ip` failure.
     pub fn blackhole(&self, on: bool) -> Result<()> {
-        let peer = format!("{}p", self.veth);
-        self.exec_ok(
-            "ip",
-            &["link", "set", &peer, if on { "down" } else { "up" }],
-        )?;
-        if !on {
-            let _ = self.exec_ok(
+        let ip = self.ip.to_string();
+        if on {
+            sh(
                 "ip",
                 &[
-                    "route",
+                    "neigh",
                     "replace",
-                    "default",
-                    "via",
-                    &self.gateway.to_string(),
+                    &ip,
+                    "lladdr",
+                    "02:00:00:00:00:01",
+                    "dev",
+                    &self.veth,
+                    "nud",
+                    "permanent",
                 ],
-            );
+            )?;
+        } else {
+            sh("ip", &["neigh", "del", &ip, "dev", &self.veth])?;
         }
         Ok(())
     }
@@ -627,7 +630,13 @@ pub struct Place<'a> {
 /// Build the command for `lbt client --connect addr <action...>` placed as asked.
 pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
     let lbt = lbt_bin();
-    let mut inner = format!("exec {} client --connect {addr}", lbt.display());
+    // `ip netns exec` mounts a fresh /sys, hiding the cgroup tree: join the cgroup first, then
+    // enter the namespace.
+    let netns = place
+        .netns
+        .map(|ns| format!("ip netns exec {ns} "))
+        .unwrap_or_default();
+    let mut inner = format!("exec {netns}{} client --connect {addr}", lbt.display());
     for a in action {
         inner.push(' ');
         inner.push_str(a);
@@ -635,18 +644,8 @@ pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> C
     if let Some(cg) = place.cgroup {
         inner = format!("echo $$ > {}/cgroup.procs && {inner}", cg.display());
     }
-    let mut cmd = match place.netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, "sh", "-c", &inner]);
-            c
-        }
-        None => {
-            let mut c = Command::new("sh");
-            c.args(["-c", &inner]);
-            c
-        }
-    };
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &inner]);
     cmd.stdin(Stdio::null());
     cmd
 }
@@ -679,7 +678,12 @@ pub fn run_client(
     }
     let out = child.wait_with_output()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().context("lbt client printed nothing")?;
+    let last = text.lines().last().with_context(|| {
+        format!(
+            "lbt client printed nothing; stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
     serde_json::from_str(last).with_context(|| {
         format!(
             "lbt output {last:?}; stderr {}",
@@ -716,10 +720,10 @@ impl Holder {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str(&line) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
+                if let Ok(v) = serde_json::from_str(&line)
+                    && tx.send(v).is_err()
+                {
+                    return;
                 }
             }
         });

@@ -250,3 +250,69 @@ fn bpf_detaches_on_sigterm() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
+    if skip_unless_root("auto_falls_back_to_userspace_with_one_warning") {
+        return Ok(());
+    }
+    let mut h = Host::new()?;
+    h.serve(9000, "s0")?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let server = h.addr(9000).to_string();
+    let lb = Lb::start(&[
+        "--listen",
+        &listen,
+        "--server",
+        &server,
+        "--datapath",
+        "auto",
+        "--cgroup",
+        "/nonexistent-cgroup",
+    ])?;
+    let st = lb.status()?;
+    ensure!(st["datapath"] == "userspace", "auto must fall back: {st}");
+    let why = st["datapath_fallback"].as_str().unwrap_or("");
+    ensure!(
+        why.contains("/nonexistent-cgroup"),
+        "the reason must name the cgroup: {why}"
+    );
+    let log = lb.log_text();
+    ensure!(
+        log.matches("falling back").count() == 1,
+        "expected one fallback warning: {log}"
+    );
+    let v = run_client(&Place::default(), listen.parse()?, &["up", "1000000"], T)?;
+    ok(&v)
+}
+
+#[test]
+fn bpf_mode_fails_with_the_reason() -> Result<()> {
+    if skip_unless_root("bpf_mode_fails_with_the_reason") {
+        return Ok(());
+    }
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args([
+            "run",
+            "--listen",
+            &listen,
+            "--server",
+            "198.18.0.2:1",
+            "--datapath",
+            "bpf",
+            "--cgroup",
+            "/nonexistent-cgroup",
+        ])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "lb --datapath bpf must fail without its cgroup"
+    );
+    ensure!(
+        err.contains("/nonexistent-cgroup"),
+        "the error must name the cgroup: {err}"
+    );
+    Ok(())
+}

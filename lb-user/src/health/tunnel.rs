@@ -19,8 +19,8 @@ use tokio_tungstenite::{
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use super::{CheckError, InflightGuard, Shared, connect_tcp, http::target, jittered, tls};
-use crate::{balancer::Balancer, config::HealthConfig};
+use super::{CheckError, Shared, connect_tcp, http::target, jittered, tls};
+use crate::{balancer::Balancer, config::HealthConfig, metrics::InflightGuard};
 
 /// A byte stream a WebSocket runs over: plain TCP or TLS.
 pub(super) trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -310,7 +310,7 @@ impl Tunnel {
                     sent: Instant::now(),
                     periodic,
                     waiters: waiter.into_iter().collect(),
-                    _inflight: periodic.then(|| InflightGuard::new(&self.shared.metrics)),
+                    _inflight: periodic.then(|| self.shared.metrics.inflight_guard()),
                 };
                 pending = Some(p);
                 match timeout(limit, ws.send(Message::Ping(payload))).await {

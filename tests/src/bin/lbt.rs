@@ -77,7 +77,13 @@ enum Action {
     /// Ask the server to reset the connection; reports how the read side ended.
     Rst,
     /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
-    Many { conns: u32, bytes: u64 },
+    Many {
+        conns: u32,
+        bytes: u64,
+        /// Each connection sends a pseudo-random size in 0..=bytes (so they end in random order).
+        #[arg(long)]
+        random: bool,
+    },
     /// Upload n bytes from a non-blocking (epoll) client; reports CPU time used.
     EpollUp {
         n: u64,
@@ -444,16 +450,33 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             };
             Ok(json!({"ok": line == "bye", "how": how}))
         }
-        Action::Many { conns, bytes } => {
+        Action::Many {
+            conns,
+            bytes,
+            random,
+        } => {
             let handles: Vec<_> = (0..conns)
                 .map(|i| {
+                    let n = if random {
+                        let mut b = [0u8; 8];
+                        PatternStream::new(u64::from(i) + 1000).fill(&mut b);
+                        u64::from_le_bytes(b) % (bytes + 1)
+                    } else {
+                        bytes
+                    };
+                    let chunk = if random {
+                        1 + (n as usize % 65536)
+                    } else {
+                        1024
+                    };
+                    let seed = u64::from(i) + 11;
                     std::thread::spawn(move || {
                         client(
                             addr,
                             Action::Up {
-                                n: bytes,
-                                chunk: 1024,
-                                seed: u64::from(i) + 11,
+                                n,
+                                chunk,
+                                seed,
                                 stall_ms: None,
                             },
                         )

@@ -1,0 +1,128 @@
+//! The admin API's request and response bodies, shared by the server handlers and
+//! [`super::client::AdminClient`] (so `lb status`, `lb servers` and `lb check` parse exactly
+//! what the daemon sends).
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::balancer::{ServerState, ServerStatus};
+
+/// `/status` body.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct StatusBody {
+    /// `bpf` or `userspace`.
+    pub datapath: String,
+    /// Why `auto` fell back, if it did.
+    pub datapath_fallback: Option<String>,
+    /// Balancers, in config order.
+    pub balancers: Vec<BalancerStatus>,
+}
+
+/// One balancer in `/status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BalancerStatus {
+    /// Name.
+    pub name: String,
+    /// Listen addresses.
+    pub listen: Vec<SocketAddr>,
+    /// Policy (`failover`, `round-robin`, ...).
+    pub policy: String,
+    /// Servers, in preference order; the default last when it is only STANDBY.
+    pub servers: Vec<ServerStatus>,
+}
+
+/// Body of every error answer (4xx and 5xx but the probes'): `{"error": "..."}`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ErrorBody {
+    /// What was wrong, naming the offending input.
+    pub error: String,
+}
+
+/// `PUT /balancers/NAME/servers`: the whole server set. An absent `default` means no default
+/// server (the set is replaced as a whole).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SetServersRequest {
+    /// `host:port` entries in order of preference; must not be empty.
+    pub servers: Vec<String>,
+    /// Server of last resort.
+    #[serde(default)]
+    pub default: Option<String>,
+}
+
+/// `POST /balancers/NAME/servers`: add one server at the end of the set.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AddServerRequest {
+    /// `host:port`.
+    pub server: String,
+}
+
+/// Answer of the server set changes (`PUT`, `POST` and `DELETE` on `/balancers/NAME/servers`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ServersResponse {
+    /// Balancer name.
+    pub balancer: String,
+    /// Whether the set changed (an identical `PUT` changes nothing).
+    pub changed: bool,
+    /// The servers after the change.
+    pub servers: Vec<ServerStatus>,
+}
+
+/// Answer of `POST /balancers/NAME/servers/ADDR/{drain,disable,enable,kill}`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ActionResponse {
+    /// Balancer name.
+    pub balancer: String,
+    /// The server as given.
+    pub server: String,
+    /// `drain`, `disable`, `enable` or `kill`.
+    pub action: String,
+    /// Connections reset by this action (`disable` and `kill`).
+    pub killed: usize,
+    /// The servers after the action.
+    pub servers: Vec<ServerStatus>,
+}
+
+/// `/check` body (with status 200 when `healthy`, else 503).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CheckReport {
+    /// Every balancer checked has a usable server and the run finished within the timeout.
+    pub healthy: bool,
+    /// The caller's timeout passed before the run finished.
+    pub timed_out: bool,
+    /// The timeout applied after clamping, in milliseconds.
+    pub timeout_ms: u64,
+    /// How long this caller waited, in milliseconds.
+    pub elapsed_ms: u64,
+    /// This caller joined a run another caller had started.
+    pub shared: bool,
+    /// Per balancer results.
+    pub balancers: Vec<BalancerCheck>,
+}
+
+/// One balancer in a [`CheckReport`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BalancerCheck {
+    /// Name.
+    pub name: String,
+    /// It has a usable (HEALTHY, PREFERRED or ACTIVE) server after the run.
+    pub healthy: bool,
+    /// Per server results.
+    pub servers: Vec<ServerCheck>,
+}
+
+/// One server in a [`CheckReport`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ServerCheck {
+    /// `host:port`.
+    pub address: String,
+    /// This run's result: `true` passed, `false` failed, `null` not finished when the caller
+    /// stopped waiting.
+    pub ok: Option<bool>,
+    /// State after the run (rise/fall applied).
+    pub state: ServerState,
+    /// This run's error, when it failed.
+    pub error: Option<String>,
+}

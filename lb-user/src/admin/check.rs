@@ -1,0 +1,247 @@
+//! `/check?balancer=NAME&timeout=DUR`: run the health checks now.
+//!
+//! Callers with the same scope (one balancer, or all) share one run. A run is a task on the
+//! daemon's runtime driven by [`HealthService::check_all`](crate::health::HealthService::check_all);
+//! each caller holds a clone of a shared future that owns the task and aborts it on drop. So a
+//! caller that times out or disconnects (hyper then drops its handler) stops waiting, and when
+//! the last one goes the run is aborted: no check outlives its callers, which
+//! `lb_inflight_checks` shows.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Json,
+    extract::{Query, State, rejection::QueryRejection},
+    http::StatusCode,
+    response::{IntoResponse, Response},
+};
+use futures::{
+    FutureExt as _,
+    future::{BoxFuture, Shared, WeakShared},
+};
+use serde::Deserialize;
+use tracing::debug;
+
+use super::{
+    AdminState, ApiError,
+    api::{BalancerCheck, CheckReport, ServerCheck},
+};
+use crate::{balancer::Balancer, daemon::Daemon};
+
+/// Shortest timeout a caller can ask for; shorter ones are raised to it.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(100);
+/// Longest timeout; longer ones are lowered to it.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(60);
+/// Timeout when the caller gives none.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+type RunFuture = Shared<BoxFuture<'static, ()>>;
+
+/// A run in progress.
+struct Slot {
+    id: u64,
+    started: Instant,
+    run: WeakShared<BoxFuture<'static, ()>>,
+}
+
+/// The runs in progress, by scope (`None`: every balancer).
+pub(super) struct CheckRuns {
+    daemon: Arc<Daemon>,
+    runtime: tokio::runtime::Handle,
+    runs: Mutex<HashMap<Option<String>, Slot>>,
+    next_id: AtomicU64,
+}
+
+/// Aborts the run's task when the shared future holding it is dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl CheckRuns {
+    pub(super) fn new(daemon: Arc<Daemon>, runtime: tokio::runtime::Handle) -> Arc<CheckRuns> {
+        Arc::new(CheckRuns {
+            daemon,
+            runtime,
+            runs: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// Join the run of `scope` in progress, or start one over `balancers`. Returns the run's
+    /// start, whether it was joined, and the future to wait on.
+    fn join(
+        self: &Arc<Self>,
+        scope: Option<String>,
+        balancers: Vec<Arc<Balancer>>,
+    ) -> (Instant, bool, RunFuture) {
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = runs.get(&scope)
+            && let Some(run) = slot.run.upgrade()
+        {
+            return (slot.started, true, run);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let health = self.daemon.health.clone();
+        let task = self.runtime.spawn(async move {
+            futures::future::join_all(balancers.iter().map(|b| health.check_all(b))).await;
+        });
+        let guard = AbortOnDrop(task.abort_handle());
+        let this = self.clone();
+        let key = scope.clone();
+        let run: RunFuture = async move {
+            let _guard = guard;
+            let _ = task.await;
+            // Finished: later callers start a fresh run instead of reading this one.
+            let mut runs = this.runs.lock().unwrap_or_else(|p| p.into_inner());
+            if runs.get(&key).is_some_and(|s| s.id == id) {
+                runs.remove(&key);
+            }
+        }
+        .boxed()
+        .shared();
+        if let Some(weak) = run.downgrade() {
+            runs.insert(
+                scope,
+                Slot {
+                    id,
+                    started,
+                    run: weak,
+                },
+            );
+        }
+        (started, false, run)
+    }
+}
+
+/// Query parameters of `/check`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CheckQuery {
+    balancer: Option<String>,
+    timeout: Option<String>,
+}
+
+/// Parse and clamp `timeout` to [[`MIN_TIMEOUT`], [`MAX_TIMEOUT`]].
+fn parse_timeout(raw: Option<&str>) -> Result<Duration, String> {
+    let Some(raw) = raw else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    let d = crate::config::parse_duration(raw).map_err(|e| format!("timeout: {e}"))?;
+    Ok(d.clamp(MIN_TIMEOUT, MAX_TIMEOUT))
+}
+
+pub(super) async fn handler(
+    State(s): State<Arc<AdminState>>,
+    query: Result<Query<CheckQuery>, QueryRejection>,
+) -> Response {
+    let Query(q) = match query {
+        Ok(q) => q,
+        Err(e) => return ApiError::bad_request(e.body_text()).into_response(),
+    };
+    let timeout = match parse_timeout(q.timeout.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return ApiError::bad_request(e).into_response(),
+    };
+    let balancers: Vec<Arc<Balancer>> = match &q.balancer {
+        Some(name) => match s.daemon.balancer(name) {
+            Some(b) => vec![b],
+            None => {
+                return ApiError::not_found(format!("no balancer named {name:?}")).into_response();
+            }
+        },
+        None => s.daemon.balancers.load().iter().cloned().collect(),
+    };
+    let waited = Instant::now();
+    let (started, shared, run) = s.checks.join(q.balancer.clone(), balancers.clone());
+    let timed_out = tokio::time::timeout(timeout, run).await.is_err();
+    let report = report(
+        &balancers,
+        started,
+        timeout,
+        waited.elapsed(),
+        shared,
+        timed_out,
+    );
+    debug!(balancer = ?q.balancer, healthy = report.healthy, timed_out, shared, "/check");
+    let code = if report.healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(report)).into_response()
+}
+
+/// Results of the run that started at `started`: a server's result belongs to it when it was
+/// recorded after that instant.
+fn report(
+    balancers: &[Arc<Balancer>],
+    started: Instant,
+    timeout: Duration,
+    elapsed: Duration,
+    shared: bool,
+    timed_out: bool,
+) -> CheckReport {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let balancers: Vec<BalancerCheck> = balancers
+        .iter()
+        .map(|b| {
+            let servers = b
+                .status()
+                .into_iter()
+                .map(|st| {
+                    let ours = b.last_checked(&st.address).is_some_and(|t| t >= started);
+                    ServerCheck {
+                        ok: ours.then_some(st.last_error.is_none()),
+                        error: if ours { st.last_error } else { None },
+                        state: st.state,
+                        address: st.address,
+                    }
+                })
+                .collect();
+            BalancerCheck {
+                name: b.name.clone(),
+                healthy: b.has_usable_server(),
+                servers,
+            }
+        })
+        .collect();
+    CheckReport {
+        healthy: !timed_out && balancers.iter().all(|b| b.healthy),
+        timed_out,
+        timeout_ms: ms(timeout),
+        elapsed_ms: ms(elapsed),
+        shared,
+        balancers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_is_clamped_and_validated() {
+        assert_eq!(parse_timeout(None).unwrap(), DEFAULT_TIMEOUT);
+        assert_eq!(
+            parse_timeout(Some("250ms")).unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(parse_timeout(Some("1ms")).unwrap(), MIN_TIMEOUT);
+        assert_eq!(parse_timeout(Some("10m")).unwrap(), MAX_TIMEOUT);
+        assert!(parse_timeout(Some("soon")).is_err());
+        assert!(parse_timeout(Some("-1s")).is_err());
+        assert!(parse_timeout(Some("")).is_err());
+    }
+}

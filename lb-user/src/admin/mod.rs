@@ -1,0 +1,649 @@
+//! Admin HTTP API: the daemon's own health for orchestrators (`/livez`, `/readyz`, `/check`),
+//! `/status`, `/metrics`, server set changes, and config reload (SIGHUP).
+//!
+//! It runs on its own current-thread runtime on a dedicated thread, so a saturated data path
+//! cannot starve it, and the probes answer from snapshots (an atomic heartbeat and a readiness
+//! value refreshed every 100 ms) without taking a balancer lock. It listens on loopback by
+//! default, optionally also on a unix socket (mode 0600), and with `[admin] token_file` wants
+//! `Authorization: Bearer TOKEN` on everything but the two probes. Request heads must arrive
+//! within 5 s, bodies are limited to 64 KiB, handlers are bounded in time, connections in
+//! number and lifetime.
+
+pub mod api;
+mod check;
+pub mod client;
+mod probes;
+mod servers;
+
+use std::{
+    net::SocketAddr,
+    os::unix::fs::{FileTypeExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use axum::{
+    Json, Router,
+    extract::{DefaultBodyLimit, Request, State},
+    http::{HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{delete, get, post, put},
+};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, error, info, warn};
+
+pub use api::{BalancerStatus, StatusBody};
+
+use crate::{
+    config::{Config, ConfigError, Overrides},
+    daemon::Daemon,
+};
+
+/// Heartbeat older than this makes `/livez` fail.
+pub const HEARTBEAT_STALE: Duration = Duration::from_secs(5);
+/// Largest request body accepted (bytes); more is refused with 413.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// A request head (line and headers) must arrive within this, or the connection is closed.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on handling one request but `/check` (which has its own, at most 60 s).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on one admin connection's life, keep-alive included.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
+/// Admin connections served at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Largest buffered request head (bytes).
+const MAX_HEAD_BYTES: usize = 16 * 1024;
+
+/// Errors starting the admin API.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// The TCP listener could not be bound.
+    #[error("admin: cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The bind error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The unix socket could not be made.
+    #[error("admin: cannot listen on unix socket {path}: {source}")]
+    UnixSocket {
+        /// The socket path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The bearer token file is unreadable or empty.
+    #[error("admin: token file {path}: {reason}")]
+    TokenFile {
+        /// The file.
+        path: PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// The admin thread could not be started.
+    #[error("admin: cannot start the admin thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// Build the `/status` body from the running daemon.
+pub fn status(daemon: &Daemon) -> StatusBody {
+    StatusBody {
+        datapath: daemon.datapath_mode.to_string(),
+        datapath_fallback: daemon.datapath_fallback.clone(),
+        balancers: daemon
+            .balancers
+            .load()
+            .iter()
+            .map(|b| {
+                let cfg = b.config();
+                BalancerStatus {
+                    name: b.name.clone(),
+                    listen: cfg.listen.clone(),
+                    policy: cfg.policy.to_string(),
+                    servers: b.status(),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// What the handlers share.
+struct AdminState {
+    daemon: Arc<Daemon>,
+    probes: probes::Probes,
+    checks: Arc<check::CheckRuns>,
+    token: TokenCache,
+}
+
+/// An error answer: status plus `{"error": message}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(api::ErrorBody {
+                error: self.message,
+            }),
+        )
+            .into_response()
+    }
+}
+
+fn router(state: Arc<AdminState>) -> Router {
+    let probes = Router::new()
+        .route("/livez", get(probes::livez))
+        .route("/readyz", get(probes::readyz));
+    let check = Router::new()
+        .route("/check", get(check::handler))
+        .layer(middleware::from_fn(|req: Request, next: Next| {
+            bounded(check::MAX_TIMEOUT + Duration::from_secs(5), req, next)
+        }));
+    let api = Router::new()
+        .route("/status", get(status_handler))
+        .route("/metrics", get(metrics))
+        .route(
+            "/balancers/{name}/servers",
+            put(servers::set).post(servers::add),
+        )
+        .route("/balancers/{name}/servers/{addr}", delete(servers::remove))
+        .route(
+            "/balancers/{name}/servers/{addr}/{action}",
+            post(servers::action),
+        )
+        .layer(middleware::from_fn(|req: Request, next: Next| {
+            bounded(REQUEST_TIMEOUT, req, next)
+        }));
+    let protected = check
+        .merge(api)
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    probes
+        .merge(protected)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!("no endpoint {} {}", req.method(), req.uri().path()))
+}
+
+/// Bound a handler in time: past `limit` the caller gets 503 and the handler is dropped.
+async fn bounded(limit: Duration, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => {
+            warn!(path, limit = ?limit, "admin request timed out");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("request timed out after {limit:?}"),
+            )
+            .into_response()
+        }
+    }
+}
+
+/// The bearer token, read from `[admin] token_file` again whenever the file changes (so a
+/// rotated token takes effect without a restart).
+#[derive(Debug, Default)]
+struct TokenCache {
+    cached: Mutex<Option<CachedToken>>,
+}
+
+/// A token and the file state it was read from.
+#[derive(Debug)]
+struct CachedToken {
+    path: PathBuf,
+    modified: SystemTime,
+    len: u64,
+    token: Arc<str>,
+}
+
+impl TokenCache {
+    fn get(&self, path: &Path) -> Result<Arc<str>, String> {
+        let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+        let mtime = meta.modified().map_err(|e| e.to_string())?;
+        let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = cached.as_ref()
+            && c.path == path
+            && c.modified == mtime
+            && c.len == meta.len()
+        {
+            return Ok(c.token.clone());
+        }
+        let token: Arc<str> = read_token(path)?.into();
+        *cached = Some(CachedToken {
+            path: path.to_path_buf(),
+            modified: mtime,
+            len: meta.len(),
+            token: token.clone(),
+        });
+        Ok(token)
+    }
+}
+
+/// Read a token file: its content without surrounding white space, which must not be empty.
+fn read_token(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err("the file is empty".into());
+    }
+    if token.len() > 4096 {
+        return Err("the token is longer than 4096 bytes".into());
+    }
+    Ok(token.to_string())
+}
+
+/// Compare without an early exit on the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn authorize(State(s): State<Arc<AdminState>>, req: Request, next: Next) -> Response {
+    let Some(path) = s.daemon.config.load().admin.token_file.clone() else {
+        return next.run(req).await;
+    };
+    let expected = match s.token.get(&path) {
+        Ok(t) => t,
+        Err(reason) => {
+            error!(file = %path.display(), reason, "admin token file unreadable; refusing requests");
+            return ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the admin token file is unreadable (see lb's log)",
+            )
+            .into_response();
+        }
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), expected.as_bytes())) {
+        return next.run(req).await;
+    }
+    let mut resp = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "a valid `Authorization: Bearer TOKEN` header is required",
+    )
+    .into_response();
+    resp.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp
+}
+
+async fn status_handler(State(s): State<Arc<AdminState>>) -> Json<StatusBody> {
+    Json(status(&s.daemon))
+}
+
+async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
+    let d = &s.daemon;
+    let body = d.metrics.render(&d.balancers.load(), d.datapath.as_deref());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// A connection from either listener.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Io for T {}
+
+enum Listener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener, PathBuf),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<Box<dyn Io>> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                let _ = s.set_nodelay(true);
+                Ok(Box::new(s))
+            }
+            Listener::Unix(l, _) => Ok(Box::new(l.accept().await?.0)),
+        }
+    }
+}
+
+/// Serve one connection: HTTP/1.1, head read bounded, closed at shutdown or after
+/// [`CONNECTION_LIFETIME`]. A client that goes away mid-request drops the handler's future.
+async fn serve_connection(io: Box<dyn Io>, app: Router, shutdown: CancellationToken) {
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES)
+        .serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        () = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::time::timeout(Duration::from_secs(1), conn.as_mut()).await.unwrap_or(Ok(()))
+        }
+        () = tokio::time::sleep(CONNECTION_LIFETIME) => {
+            conn.as_mut().graceful_shutdown();
+            tokio::time::timeout(Duration::from_secs(1), conn.as_mut()).await.unwrap_or(Ok(()))
+        }
+    };
+    if let Err(e) = result {
+        debug!(error = %e, "admin connection ended with an error");
+    }
+}
+
+async fn accept_loop(
+    listener: Listener,
+    app: Router,
+    shutdown: CancellationToken,
+    conns: TaskTracker,
+    limit: Arc<tokio::sync::Semaphore>,
+) {
+    loop {
+        let io = tokio::select! {
+            () = shutdown.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(io) => io,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            warn!(
+                limit = MAX_CONNECTIONS,
+                "too many admin connections; closing a new one"
+            );
+            continue;
+        };
+        let (app, shutdown) = (app.clone(), shutdown.clone());
+        conns.spawn(async move {
+            serve_connection(io, app, shutdown).await;
+            drop(permit);
+        });
+    }
+    if let Listener::Unix(_, path) = &listener {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Bind a unix socket at `path` with mode 0600, replacing a stale socket (never another kind of
+/// file).
+fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener, AdminError> {
+    let err = |source| AdminError::UnixSocket {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(err)?,
+        Ok(_) => {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "the path exists and is not a socket",
+            )));
+        }
+        Err(_) => {}
+    }
+    let l = std::os::unix::net::UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    l.set_nonblocking(true).map_err(err)?;
+    Ok(l)
+}
+
+/// Bind the admin listeners and serve them on a dedicated thread with its own runtime.
+///
+/// # Errors
+/// [`AdminError`]: a listener that cannot be bound, an unusable token file, or no thread.
+pub async fn start(daemon: Arc<Daemon>) -> Result<(), AdminError> {
+    let cfg = daemon.config.load().admin.clone();
+    if let Some(path) = &cfg.token_file {
+        read_token(path).map_err(|reason| AdminError::TokenFile {
+            path: path.clone(),
+            reason,
+        })?;
+        if let Ok(m) = std::fs::metadata(path)
+            && m.permissions().mode() & 0o077 != 0
+        {
+            warn!(file = %path.display(), "admin token file is readable by group or others");
+        }
+    } else if !cfg.listen.ip().is_loopback() {
+        warn!(listen = %cfg.listen, "admin API on a non-loopback address without a token_file: anyone who reaches it can change servers");
+    }
+    let tcp = std::net::TcpListener::bind(cfg.listen).map_err(|source| AdminError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    tcp.set_nonblocking(true)
+        .map_err(|source| AdminError::Bind {
+            addr: cfg.listen,
+            source,
+        })?;
+    let unix = cfg
+        .unix_socket
+        .as_deref()
+        .map(|p| bind_unix(p).map(|l| (l, p.to_path_buf())))
+        .transpose()?;
+    info!(listen = %cfg.listen, unix_socket = ?cfg.unix_socket, token = cfg.token_file.is_some(), "admin API listening");
+
+    // Checks started by /check run on the daemon's runtime; the admin thread only waits.
+    let main_rt = tokio::runtime::Handle::current();
+    std::thread::Builder::new()
+        .name("lb-admin".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    error!(error = %e, "admin runtime");
+                    return;
+                }
+            };
+            rt.block_on(serve(daemon, tcp, unix, main_rt));
+        })
+        .map_err(AdminError::Thread)?;
+    Ok(())
+}
+
+async fn serve(
+    daemon: Arc<Daemon>,
+    tcp: std::net::TcpListener,
+    unix: Option<(std::os::unix::net::UnixListener, PathBuf)>,
+    main_rt: tokio::runtime::Handle,
+) {
+    let state = Arc::new(AdminState {
+        probes: probes::Probes::new(&daemon),
+        checks: check::CheckRuns::new(daemon.clone(), main_rt),
+        token: TokenCache::default(),
+        daemon: daemon.clone(),
+    });
+    let app = router(state.clone());
+    let shutdown = daemon.shutdown.clone();
+    let conns = TaskTracker::new();
+    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut loops = Vec::new();
+    match tokio::net::TcpListener::from_std(tcp) {
+        Ok(l) => loops.push(tokio::spawn(accept_loop(
+            Listener::Tcp(l),
+            app.clone(),
+            shutdown.clone(),
+            conns.clone(),
+            limit.clone(),
+        ))),
+        Err(e) => error!(error = %e, "admin listener"),
+    }
+    if let Some((l, path)) = unix {
+        match tokio::net::UnixListener::from_std(l) {
+            Ok(l) => loops.push(tokio::spawn(accept_loop(
+                Listener::Unix(l, path),
+                app.clone(),
+                shutdown.clone(),
+                conns.clone(),
+                limit.clone(),
+            ))),
+            Err(e) => error!(error = %e, "admin unix listener"),
+        }
+    }
+    probes::refresh_until(&state.probes, &daemon, &shutdown).await;
+    for l in loops {
+        let _ = l.await;
+    }
+    conns.close();
+    let _ = tokio::time::timeout(Duration::from_secs(2), conns.wait()).await;
+}
+
+/// What a reload changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ReloadSummary {
+    /// Balancers whose config changed and was applied.
+    pub changed: Vec<String>,
+    /// Balancers left as they were (identical config).
+    pub unchanged: Vec<String>,
+    /// Changes that need a restart and were not applied (new or removed balancers, listeners,
+    /// admin listeners, data path).
+    pub need_restart: Vec<String>,
+}
+
+/// Load the config again and apply it to the balancers whose config changed; unchanged ones are
+/// not touched (their connections stay). Nothing is applied when the new config is invalid.
+///
+/// # Errors
+/// The [`ConfigError`] of the new config; the running config then stays in force.
+pub fn reload_config(
+    daemon: &Arc<Daemon>,
+    path: Option<&Path>,
+    overrides: &Overrides,
+) -> Result<ReloadSummary, ConfigError> {
+    let mut new = Config::load(path, overrides)?;
+    let old = daemon.config.load_full();
+    let mut summary = ReloadSummary::default();
+    if new.admin.listen != old.admin.listen || new.admin.unix_socket != old.admin.unix_socket {
+        summary
+            .need_restart
+            .push("[admin] listen or unix_socket".into());
+    }
+    if new.datapath != old.datapath {
+        summary.need_restart.push("[datapath]".into());
+    }
+    for ob in &old.balancers {
+        if !new.balancers.iter().any(|nb| nb.name == ob.name) {
+            summary
+                .need_restart
+                .push(format!("removing balancer {}", ob.name));
+        }
+    }
+    for nb in &mut new.balancers {
+        let Some(b) = daemon.balancer(&nb.name) else {
+            summary
+                .need_restart
+                .push(format!("new balancer {}", nb.name));
+            continue;
+        };
+        let current = b.config();
+        if current.listen != nb.listen {
+            summary
+                .need_restart
+                .push(format!("balancer {} listen", nb.name));
+            nb.listen.clone_from(&current.listen);
+        }
+        if current == *nb {
+            summary.unchanged.push(nb.name.clone());
+            continue;
+        }
+        match b.replace_config(nb.clone()) {
+            Ok(_) => summary.changed.push(nb.name.clone()),
+            Err(e) => warn!(balancer = %b.name, error = %e, "reload refused for this balancer"),
+        }
+    }
+    // Keep what could not change in the stored config, so it describes what runs.
+    new.admin.listen = old.admin.listen;
+    new.admin.unix_socket.clone_from(&old.admin.unix_socket);
+    new.datapath = old.datapath.clone();
+    new.balancers = daemon.balancers.load().iter().map(|b| b.config()).collect();
+    daemon.config.store(Arc::new(new));
+    Ok(summary)
+}
+
+/// SIGHUP: [`reload_config`], logging the outcome; an invalid new config is logged and the old
+/// one keeps running.
+pub fn reload(daemon: &Arc<Daemon>, path: Option<&Path>, overrides: &Overrides) {
+    match reload_config(daemon, path, overrides) {
+        Ok(s) => {
+            for what in &s.need_restart {
+                warn!(change = %what, "reload: this change needs a restart; not applied");
+            }
+            info!(changed = ?s.changed, unchanged = ?s.unchanged, "config reloaded");
+        }
+        Err(e) => warn!(error = %e, "reload refused: config invalid; the running config stays"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_compare() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+    }
+
+    #[test]
+    fn token_file_rules() {
+        let dir = std::env::temp_dir().join(format!("lb-admin-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        std::fs::write(&f, "  s3cret\n").unwrap();
+        assert_eq!(read_token(&f).unwrap(), "s3cret");
+        std::fs::write(&f, "\n").unwrap();
+        assert!(read_token(&f).unwrap_err().contains("empty"));
+        assert!(read_token(&dir.join("missing")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,135 @@
+//! Server set changes: `PUT /balancers/NAME/servers` (replace the set), `POST
+//! /balancers/NAME/servers` (add one), `DELETE /balancers/NAME/servers/ADDR` (remove one) and
+//! `POST /balancers/NAME/servers/ADDR/{drain,disable,enable,kill}`.
+//!
+//! Bodies are parsed here rather than by axum's `Json` so every malformed body, unknown field or
+//! wrong type is a 400 with serde's message (axum would answer 415 or 422).
+
+use std::sync::Arc;
+
+use axum::{
+    Json,
+    body::Bytes,
+    extract::{Path, State, rejection::PathRejection},
+    http::StatusCode,
+};
+use serde::de::DeserializeOwned;
+
+use super::{
+    AdminState, ApiError,
+    api::{ActionResponse, AddServerRequest, ServersResponse, SetServersRequest},
+};
+use crate::balancer::{Balancer, Hold, KillReason, SetError};
+
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::bad_request("a JSON body is required"));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+fn find(s: &AdminState, name: &str) -> Result<Arc<Balancer>, ApiError> {
+    s.daemon
+        .balancer(name)
+        .ok_or_else(|| ApiError::not_found(format!("no balancer named {name:?}")))
+}
+
+fn set_error(e: SetError) -> ApiError {
+    match e {
+        SetError::UnknownServer(_) => ApiError::not_found(e.to_string()),
+        SetError::Empty
+        | SetError::Duplicate(_)
+        | SetError::Unparsable { .. }
+        | SetError::OwnListener(_) => ApiError::bad_request(e.to_string()),
+    }
+}
+
+fn path_error(e: PathRejection) -> ApiError {
+    ApiError::bad_request(e.body_text())
+}
+
+/// `PUT /balancers/NAME/servers` `{"servers": [...], "default": "..."}`.
+pub(super) async fn set(
+    State(s): State<Arc<AdminState>>,
+    name: Result<Path<String>, PathRejection>,
+    body: Bytes,
+) -> Result<Json<ServersResponse>, ApiError> {
+    let Path(name) = name.map_err(path_error)?;
+    let b = find(&s, &name)?;
+    let req: SetServersRequest = parse_body(&body)?;
+    if req.servers.is_empty() {
+        return Err(ApiError::bad_request(SetError::Empty.to_string()));
+    }
+    let changed = b
+        .set_servers(&req.servers, req.default.as_deref())
+        .map_err(set_error)?;
+    Ok(Json(ServersResponse {
+        balancer: b.name.clone(),
+        changed,
+        servers: b.status(),
+    }))
+}
+
+/// `POST /balancers/NAME/servers` `{"server": "host:port"}`: 409 when it is already there.
+pub(super) async fn add(
+    State(s): State<Arc<AdminState>>,
+    name: Result<Path<String>, PathRejection>,
+    body: Bytes,
+) -> Result<Json<ServersResponse>, ApiError> {
+    let Path(name) = name.map_err(path_error)?;
+    let b = find(&s, &name)?;
+    let req: AddServerRequest = parse_body(&body)?;
+    let changed = b.add_server(&req.server).map_err(|e| match e {
+        SetError::Duplicate(_) => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        other => set_error(other),
+    })?;
+    Ok(Json(ServersResponse {
+        balancer: b.name.clone(),
+        changed,
+        servers: b.status(),
+    }))
+}
+
+/// `DELETE /balancers/NAME/servers/ADDR`: 404 for a server not in the set, 400 for the last one.
+pub(super) async fn remove(
+    State(s): State<Arc<AdminState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<ServersResponse>, ApiError> {
+    let Path((name, addr)) = path.map_err(path_error)?;
+    let b = find(&s, &name)?;
+    let changed = b.remove_server(&addr).map_err(set_error)?;
+    Ok(Json(ServersResponse {
+        balancer: b.name.clone(),
+        changed,
+        servers: b.status(),
+    }))
+}
+
+/// `POST /balancers/NAME/servers/ADDR/{drain,disable,enable,kill}`.
+pub(super) async fn action(
+    State(s): State<Arc<AdminState>>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
+) -> Result<Json<ActionResponse>, ApiError> {
+    let Path((name, addr, action)) = path.map_err(path_error)?;
+    let b = find(&s, &name)?;
+    let killed = match action.as_str() {
+        "drain" => b.set_hold(&addr, Hold::Drain),
+        "disable" => b.set_hold(&addr, Hold::Disabled),
+        "enable" => b.set_hold(&addr, Hold::None),
+        "kill" => b.kill_server(&addr, KillReason::Admin),
+        other => {
+            return Err(ApiError::not_found(format!(
+                "no action {other:?}: use drain, disable, enable or kill"
+            )));
+        }
+    }
+    .map_err(set_error)?;
+    Ok(Json(ActionResponse {
+        balancer: b.name.clone(),
+        server: addr,
+        action,
+        killed,
+        servers: b.status(),
+    }))
+}

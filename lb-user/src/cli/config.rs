@@ -1,0 +1,26 @@
+//! `lb config check FILE`: validate a config file without starting anything.
+
+use std::{path::Path, process::ExitCode};
+
+use crate::config::{Config, EXIT_INVALID_CONFIG};
+
+/// Validate `file`: print a summary and exit 0, or print the error (naming the key, the value
+/// and the reason) and exit 2.
+pub fn check(file: &Path) -> ExitCode {
+    match Config::from_file(file) {
+        Ok(cfg) => {
+            let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
+            println!(
+                "{}: valid ({} balancer(s): {})",
+                file.display(),
+                cfg.balancers.len(),
+                names.join(", ")
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("lb: {}: invalid: {e}", file.display());
+            ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2))
+        }
+    }
+}

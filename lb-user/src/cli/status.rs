@@ -1,0 +1,64 @@
+//! `lb status [--output text|json]`: every balancer and its servers, from `GET /status`.
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::Args;
+use hyper::Method;
+
+use super::{AdminArgs, Output, report_error, table};
+use crate::admin::api::StatusBody;
+
+/// `lb status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// How the daemon is reached.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    /// `text` (a table) or `json` (the API's body).
+    #[arg(long, short, env = "LB_OUTPUT", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+/// Render `/status` as text: one block per balancer with its server table.
+pub fn render(s: &StatusBody) -> String {
+    let mut out = format!("datapath: {}", s.datapath);
+    if let Some(why) = &s.datapath_fallback {
+        out.push_str(&format!(" (fell back: {why})"));
+    }
+    out.push('\n');
+    for b in &s.balancers {
+        let listen: Vec<String> = b.listen.iter().map(ToString::to_string).collect();
+        out.push_str(&format!(
+            "\nbalancer {}  listen {}  policy {}\n",
+            b.name,
+            listen.join(","),
+            b.policy
+        ));
+        out.push_str(&table::servers("  ", &b.servers));
+    }
+    out
+}
+
+/// Run `lb status`: exit 0, or 1 when the daemon cannot be reached.
+pub async fn run(args: &StatusArgs) -> ExitCode {
+    let client = match args.admin.client(Duration::ZERO) {
+        Ok(c) => c,
+        Err(e) => return report_error(&e),
+    };
+    match client
+        .json::<StatusBody>(Method::GET, "/status", None::<&()>)
+        .await
+    {
+        Ok(s) => {
+            match args.output {
+                Output::Text => print!("{}", render(&s)),
+                Output::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&s).unwrap_or_else(|e| e.to_string())
+                ),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => report_error(&e),
+    }
+}

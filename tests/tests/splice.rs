@@ -1,0 +1,309 @@
+//! The kernel splice (issue 3): nothing lost or reordered, bounded buffering with real
+//! backpressure, IPv6, clients in other namespaces and child cgroups, clean restarts.
+
+use std::{
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    Host, Lb, Place, TestCgroup, client_command, free_port, run_client, sh, skip_unless_root,
+};
+use serde_json::Value;
+
+const MIB: u64 = 1024 * 1024;
+const T: Duration = Duration::from_secs(180);
+
+fn metric(lb: &Lb, name: &str, label: &str) -> f64 {
+    let (_, body) = lb.get("/metrics").unwrap_or_default();
+    body.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn ok(v: &Value) -> Result<()> {
+    ensure!(v["ok"] == true, "client failed: {v}");
+    Ok(())
+}
+
+/// One host serving on :9000, lb in bpf mode listening on `listen`, attached to `cg`.
+fn one_server(cg: &TestCgroup, listen: &str, extra: &[&str]) -> Result<(Host, Lb)> {
+    let mut h = Host::new()?;
+    h.serve(9000, "s0")?;
+    let server = h.addr(9000).to_string();
+    let cgp = cg.path.display().to_string();
+    let mut args = vec![
+        "--listen",
+        listen,
+        "--server",
+        &server,
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        &cgp,
+    ];
+    args.extend_from_slice(extra);
+    let lb = Lb::start(&args)?;
+    Ok((h, lb))
+}
+
+#[test]
+fn one_gib_each_way_on_one_connection() -> Result<()> {
+    if skip_unless_root("one_gib_each_way_on_one_connection") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_h, lb) = one_server(&cg, &listen, &[])?;
+    let place = Place {
+        cgroup: Some(&cg.path),
+        netns: None,
+    };
+    let gib = (1024 * MIB).to_string();
+    ok(&run_client(&place, listen.parse()?, &["up", &gib], T)?)?;
+    ok(&run_client(&place, listen.parse()?, &["down", &gib], T)?)?;
+    let spliced = metric(&lb, "lb_spliced_bytes_total", "client_to_server");
+    let copied = metric(&lb, "lb_copied_bytes_total", "client_to_server");
+    // Protocol headers: "UP\n" and "DOWN <n> 7\n".
+    let sent = 1024 * MIB + 3 + format!("DOWN {gib} 7\n").len() as u64;
+    ensure!(
+        spliced + copied == sent as f64,
+        "spliced {spliced} + copied {copied} != {sent} sent"
+    );
+    ensure!(spliced > 0.0, "nothing spliced");
+    Ok(())
+}
+
+#[test]
+fn hundred_concurrent_random_sizes() -> Result<()> {
+    if skip_unless_root("hundred_concurrent_random_sizes") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_h, lb) = one_server(&cg, &listen, &[])?;
+    let place = Place {
+        cgroup: Some(&cg.path),
+        netns: None,
+    };
+    let v = run_client(
+        &place,
+        listen.parse()?,
+        &["many", "100", &(8 * MIB).to_string(), "--random"],
+        T,
+    )?;
+    ok(&v)?;
+    ensure!(
+        metric(&lb, "lb_spliced_bytes_total", "client_to_server") > 0.0,
+        "nothing spliced"
+    );
+    Ok(())
+}
+
+/// Largest Send-Q of lb's sockets toward `server` (bytes), from `ss`.
+fn send_q_toward(server: &str) -> u64 {
+    let out = sh("ss", &["-Htn", "dst", server]).unwrap_or_default();
+    out.lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
+    if skip_unless_root("stalled_server_holds_back_an_epoll_client_within_the_bound") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (h, _lb) = one_server(&cg, &listen, &[])?;
+    let place = Place {
+        cgroup: Some(&cg.path),
+        netns: None,
+    };
+    let stall_ms = 3000u64;
+    let mut child = client_command(
+        &place,
+        listen.parse()?,
+        &[
+            "epoll-up",
+            &(64 * MIB).to_string(),
+            "--stall-ms",
+            &stall_ms.to_string(),
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()?;
+    // Sample the queue toward the stalled server while the client is held back.
+    let start = Instant::now();
+    let mut max_q = 0;
+    while start.elapsed() < Duration::from_millis(stall_ms - 300) {
+        max_q = max_q.max(send_q_toward(&h.addr(9000).to_string()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        ensure!(
+            Instant::now() < deadline,
+            "epoll client did not finish after the server resumed reading"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output()?;
+    let v: Value = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .context("no output")?,
+    )?;
+    ok(&v)?;
+    let cpu = v["stall_cpu_s"].as_f64().context("stall_cpu_s")?;
+    let wall = v["stall_wall_s"].as_f64().context("stall_wall_s")?;
+    ensure!(
+        cpu / wall < 0.05,
+        "the held-back epoll client burned {:.1}% of a core",
+        100.0 * cpu / wall
+    );
+    ensure!(
+        max_q > 0,
+        "saw no queue toward the stalled server (sampling broken?)"
+    );
+    ensure!(
+        max_q <= 4 * MIB,
+        "queued {max_q} bytes toward the stalled server, bound is {}",
+        4 * MIB
+    );
+    eprintln!(
+        "held back: client CPU {:.2}% of a core, largest queue toward server {max_q} bytes",
+        100.0 * cpu / wall
+    );
+    Ok(())
+}
+
+#[test]
+fn ipv6_listener_splices() -> Result<()> {
+    if skip_unless_root("ipv6_listener_splices") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let listen = format!("[::1]:{}", free_port()?);
+    let (_h, lb) = one_server(&cg, &listen, &[])?;
+    let place = Place {
+        cgroup: Some(&cg.path),
+        netns: None,
+    };
+    ok(&run_client(
+        &place,
+        listen.parse()?,
+        &["up", &(64 * MIB).to_string()],
+        T,
+    )?)?;
+    ok(&run_client(
+        &place,
+        listen.parse()?,
+        &["down", &(16 * MIB).to_string()],
+        T,
+    )?)?;
+    ensure!(
+        metric(&lb, "lb_spliced_bytes_total", "client_to_server") > 0.0,
+        "IPv6 client was not spliced"
+    );
+    Ok(())
+}
+
+#[test]
+fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
+    if skip_unless_root("client_in_another_namespace_and_child_cgroup") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let child = cg.child("pods")?;
+    let client_ns = Host::new()?;
+    // lb listens on the root side of the client namespace's link.
+    let listen = format!("{}:{}", client_ns.gateway, free_port()?);
+    let (_h, lb) = one_server(&cg, &listen, &[])?;
+    let place = Place {
+        cgroup: Some(&child.path),
+        netns: Some(&client_ns.ns),
+    };
+    ok(&run_client(
+        &place,
+        listen.parse()?,
+        &["up", &(32 * MIB).to_string()],
+        T,
+    )?)?;
+    ok(&run_client(
+        &place,
+        listen.parse()?,
+        &["many", "20", &MIB.to_string(), "--random"],
+        T,
+    )?)?;
+    let spliced = metric(&lb, "lb_spliced_bytes_total", "client_to_server");
+    ensure!(
+        spliced > 0.0,
+        "client in another namespace / child cgroup was not spliced"
+    );
+    // A client in the root namespace and the child cgroup as well.
+    let local = Place {
+        cgroup: Some(&child.path),
+        netns: None,
+    };
+    ok(&run_client(
+        &local,
+        listen.parse()?,
+        &["up", &(8 * MIB).to_string()],
+        T,
+    )?)?;
+    Ok(())
+}
+
+fn sockops_on(cg: &TestCgroup) -> usize {
+    sh(
+        "bpftool",
+        &["cgroup", "show", &cg.path.display().to_string()],
+    )
+    .unwrap_or_default()
+    .lines()
+    .filter(|l| l.contains("sock_ops"))
+    .count()
+}
+
+#[test]
+fn restart_leaves_no_duplicate_programs() -> Result<()> {
+    if skip_unless_root("restart_leaves_no_duplicate_programs") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_h, mut lb) = one_server(&cg, &listen, &[])?;
+    ensure!(
+        sockops_on(&cg) == 1,
+        "expected one sockops program while running"
+    );
+    lb.terminate(Duration::from_secs(35))?;
+    ensure!(sockops_on(&cg) == 0, "program left after SIGTERM");
+    let (_h2, lb2) = one_server(&cg, &listen, &[])?;
+    ensure!(
+        sockops_on(&cg) == 1,
+        "expected exactly one sockops program after restart"
+    );
+    // SIGKILL: the link dies with the process.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(lb2.pid())?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sockops_on(&cg) != 0 {
+        ensure!(Instant::now() < deadline, "program left after SIGKILL");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(lb2);
+    let (_h3, _lb3) = one_server(&cg, &listen, &[])?;
+    ensure!(
+        sockops_on(&cg) == 1,
+        "expected exactly one sockops program after SIGKILL and restart"
+    );
+    Ok(())
+}
