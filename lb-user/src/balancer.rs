@@ -533,8 +533,9 @@ impl Balancer {
             .and_then(|s| s.last_check_at)
     }
 
-    /// Servers to dial, best first. `failover`: by state, then set order (the default server last
-    /// among equals). Spreading policies pick one usable server first, then the failover order.
+    /// Servers to dial, best first. `failover`: by state (ACTIVE, PREFERRED, HEALTHY, RECOVERING,
+    /// UNCHECKED, STANDBY, FAILED), then set order. Spreading policies pick one usable server
+    /// first, then the failover order.
     /// FAILED servers come last but are still tried (K3s #10240), and held servers never.
     pub fn dial_order(&self) -> Vec<String> {
         let policy = self.cfg.lock().expect("poisoned").policy;
@@ -545,7 +546,7 @@ impl Balancer {
             .enumerate()
             .filter(|(_, s)| s.hold == Hold::None && s.state != ServerState::Invalid)
             .collect();
-        order.sort_by_key(|(i, s)| (std::cmp::Reverse(rank(s.state)), s.is_default, *i));
+        order.sort_by_key(|(i, s)| (std::cmp::Reverse(rank(s.state)), *i));
         let mut specs: Vec<String> = order.iter().map(|(_, s)| s.spec.clone()).collect();
         let usable: Vec<(String, usize)> = order
             .iter()

@@ -66,6 +66,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2));
                 }
             };
+            raise_nofile_limit();
             let rt = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -84,5 +85,19 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+/// A node daemon holds two descriptors per connection: raise the soft open-files limit to the
+/// hard limit (as HAProxy does from its maxconn), and say what it is.
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
+            Err(e) => tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit"),
+        },
+        Ok((soft, _)) => tracing::info!(limit = soft, "open-files limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
     }
 }

@@ -28,6 +28,9 @@ use crate::{
 pub type PreDial =
     Arc<dyn Fn(Arc<Balancer>, String) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
 
+/// First copy buffer of a connection (bytes); it grows to `copy_buffer_bytes` under bulk load.
+const MIN_COPY_BUFFER: usize = 16 * 1024;
+
 /// Shared context of every connection.
 pub struct ProxyCtx {
     /// Kernel data path, when attached.
@@ -154,6 +157,11 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
                 balancer.record_dial(&spec, Ok(()));
                 return Ok((spec, stream));
             }
+            Err(e) if is_local_exhaustion(&e) => {
+                // Out of descriptors or memory here says nothing about the server.
+                warn!(balancer = %balancer.name, server = %spec, error = %e, "dial failed for a local reason; not held against the server");
+                errors.push(format!("{spec}: {e}"));
+            }
             Err(e) => {
                 debug!(balancer = %balancer.name, server = %spec, error = %e, "dial failed");
                 balancer.record_dial(&spec, Err(e.to_string()));
@@ -228,6 +236,15 @@ async fn connect_any(spec: &str) -> io::Result<TcpStream> {
         }
     }
     Err(last)
+}
+
+/// True for errors that come from this host running out of a resource (descriptors, buffers,
+/// memory) rather than from the server: they must not count toward a server's `fall`.
+pub fn is_local_exhaustion(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 /// `NO_PROXY` (or `no_proxy`) from the environment: hosts that are dialed directly.
@@ -384,12 +401,15 @@ async fn pump(
     ctx: &ProxyCtx,
     mut on_copied: impl FnMut(u64),
 ) -> Result<u64, (io::Error, bool)> {
+    // The buffer starts small, doubles while reads fill it (bulk transfers reach
+    // `copy_buffer_bytes`), and is released whenever a read drains the socket, so idle and
+    // request/response connections hold no buffer between messages.
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0u64;
     loop {
         src.readable().await.map_err(|e| (e, true))?;
         if buf.is_empty() {
-            buf = vec![0u8; ctx.copy_buffer_bytes];
+            buf = vec![0u8; MIN_COPY_BUFFER.min(ctx.copy_buffer_bytes)];
         }
         let n = match src.try_read(&mut buf) {
             Ok(0) => return Ok(total),
@@ -409,5 +429,12 @@ async fn pump(
         }
         total += n as u64;
         on_copied(total);
+        if n == buf.len() {
+            if buf.len() < ctx.copy_buffer_bytes {
+                buf = vec![0u8; (buf.len() * 2).min(ctx.copy_buffer_bytes)];
+            }
+        } else {
+            buf = Vec::new();
+        }
     }
 }

@@ -1,8 +1,10 @@
 //! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench).
 
+mod bench;
 mod demo;
 mod setup;
 mod util;
+mod vm;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -27,8 +29,27 @@ enum Cmd {
     },
     /// Test hosts in namespaces, real traffic, a failover you can watch.
     Demo,
-    /// Everything CI runs: fmt, clippy, unit and privileged integration tests.
+    /// Everything CI runs: fmt, clippy, unit and privileged integration tests, the quick bench,
+    /// then the 6.1 VM run.
     Test,
+    /// lb side by side with a direct connection, HAProxy and nginx; results in bench/results/.
+    Bench {
+        /// Fewer, shorter runs (a smoke check; results go to bench/results/raw/quick/).
+        #[arg(long)]
+        quick: bool,
+    },
+    /// The privileged integration tests inside qemu guests on Debian kernels.
+    VmTest {
+        /// Which kernel: 6.1, 6.12 or all.
+        #[arg(long, default_value = "all", value_parser = ["6.1", "6.12", "all"])]
+        kernel: String,
+        /// Hard limit for one guest, boot to power-off, in seconds.
+        #[arg(long, default_value_t = vm::DEFAULT_TIMEOUT.as_secs())]
+        timeout: u64,
+        /// Passed to each test executable in the guest, e.g. a test name filter.
+        #[arg(last = true)]
+        test_args: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -56,6 +77,24 @@ fn main() -> Result<()> {
         Cmd::Test => {
             setup::run()?;
             util::test()
+        }
+        Cmd::Bench { quick } => {
+            setup::run()?;
+            util::build_release()?;
+            bench::run(quick)
+        }
+        Cmd::VmTest {
+            kernel,
+            timeout,
+            test_args,
+        } => {
+            setup::run()?;
+            let labels: Vec<&str> = match kernel.as_str() {
+                "all" => vm::SERIES.iter().map(|s| s.label).collect(),
+                one => vec![one],
+            };
+            let outcomes = vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args)?;
+            vm::verdict(&outcomes)
         }
     }
 }

@@ -5,6 +5,8 @@
 //! - `DOWN <n> <seed>\n` → n pseudo-random bytes, FIN; then read until EOF.
 //! - `ECHO\n` → echo until EOF, then FIN.
 //! - `NAME\n` → `<name>\n`, then hold until EOF.
+//! - `ONCE <n>\n` → read n bytes, echo them, close first (the server holds TIME_WAIT, so
+//!   clients making many short connections do not run out of ports).
 //! - `STALL <ms>\n` → read nothing for ms, then as `UP`.
 //! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
 //!
@@ -90,6 +92,26 @@ enum Action {
         #[arg(long)]
         stall_ms: Option<u64>,
     },
+    /// Bulk transfer on `conns` parallel connections, n bytes each, checked; `dir` is `up` or
+    /// `down`. Reports the total bytes and the wall time until the last one finished.
+    Bulk { dir: String, conns: u32, n: u64 },
+    /// New connections per second: `workers` threads each loop connect, one `size`-byte
+    /// request/response (`ONCE`), close, for `ms` milliseconds.
+    Cps {
+        ms: u64,
+        #[arg(long, default_value_t = 2)]
+        workers: u32,
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+    },
+    /// Open `conns` idle connections (each learns the server's name), print a `ready` event,
+    /// then wait until every one is closed or reset and print `all_closed` (or `timeout` after
+    /// `max_ms`). Raises its own open-files limit to the hard limit.
+    Idle {
+        conns: u32,
+        #[arg(long, default_value_t = 120_000)]
+        max_ms: u64,
+    },
 }
 
 fn main() {
@@ -111,7 +133,7 @@ fn main() {
 fn serve(listen: &[SocketAddr], name: &str) {
     let mut handles = Vec::new();
     for addr in listen {
-        let l = match TcpListener::bind(addr) {
+        let l = match listen_on(*addr) {
             Ok(l) => l,
             Err(e) => {
                 eprintln!("lbt serve: cannot listen on {addr}: {e}");
@@ -133,6 +155,20 @@ fn serve(listen: &[SocketAddr], name: &str) {
     for h in handles {
         let _ = h.join();
     }
+}
+
+/// A listener with a deep accept queue: std's `bind` asks for 128, which a burst of 1000
+/// connects overflows on a slow machine (a TCG guest), dropping SYNs, health checks included.
+fn listen_on(addr: SocketAddr) -> io::Result<TcpListener> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    Ok(sock.into())
 }
 
 fn read_retry(s: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -211,6 +247,12 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
             write_retry(&mut w, b"bye\n")?;
             std::thread::sleep(Duration::from_millis(50));
             socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO))?;
+            Ok(())
+        }
+        ["ONCE", n] => {
+            let mut buf = vec![0u8; n.parse().unwrap_or(0)];
+            reader.read_exact(&mut buf)?;
+            write_retry(&mut w, &buf)?;
             Ok(())
         }
         ["NAME"] => {
@@ -430,6 +472,9 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             Ok(json!({"ok": true, "event": "done"}))
         }
         Action::EpollUp { n, stall_ms } => epoll_up(addr, n, stall_ms),
+        Action::Bulk { dir, conns, n } => bulk(addr, &dir, conns, n),
+        Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
+        Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
         Action::Rst => {
             let mut s = connect(addr)?;
             write_retry(&mut s, b"RST\n")?;
@@ -497,6 +542,187 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             Ok(json!({"ok": ok == conns, "succeeded": ok, "conns": conns, "errors": errors}))
         }
     }
+}
+
+fn bulk(addr: SocketAddr, dir: &str, conns: u32, n: u64) -> io::Result<serde_json::Value> {
+    if dir != "up" && dir != "down" {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "direction is up or down",
+        ));
+    }
+    let start = Instant::now();
+    let handles: Vec<_> = (0..conns)
+        .map(|i| {
+            let action = if dir == "up" {
+                Action::Up {
+                    n,
+                    chunk: 65536,
+                    seed: u64::from(i) + 1,
+                    stall_ms: None,
+                }
+            } else {
+                Action::Down {
+                    n,
+                    seed: u64::from(i) + 7,
+                }
+            };
+            std::thread::spawn(move || client(addr, action))
+        })
+        .collect();
+    let (mut ok, mut bytes, mut errors) = (0u32, 0u64, Vec::new());
+    for h in handles {
+        match h.join() {
+            Ok(Ok(v)) if v["ok"] == true => {
+                ok += 1;
+                bytes += v["bytes"].as_u64().unwrap_or(0);
+            }
+            Ok(Ok(v)) => errors.push(v.to_string()),
+            Ok(Err(e)) => errors.push(e.to_string()),
+            Err(_) => errors.push("panic".into()),
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    errors.truncate(3);
+    Ok(json!({
+        "ok": ok == conns, "conns": conns, "bytes": bytes, "secs": secs,
+        "gbit_s": bytes as f64 * 8.0 / secs / 1e9, "errors": errors,
+    }))
+}
+
+fn cps(addr: SocketAddr, ms: u64, workers: u32, size: usize) -> io::Result<serde_json::Value> {
+    let start = Instant::now();
+    let end = start + Duration::from_millis(ms);
+    let one = move || -> io::Result<()> {
+        let mut s = connect(addr)?;
+        let mut msg = format!("ONCE {size}\n").into_bytes();
+        msg.resize(msg.len() + size, 0x33);
+        write_retry(&mut s, &msg)?;
+        let mut back = vec![0u8; size];
+        let mut got = 0;
+        while got < size {
+            match read_retry(&mut s, &mut back[got..])? {
+                0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                k => got += k,
+            }
+        }
+        // Wait for the server's FIN so the server side closes first.
+        let mut rest = [0u8; 16];
+        while read_retry(&mut s, &mut rest)? > 0 {}
+        if back.iter().all(|&b| b == 0x33) {
+            Ok(())
+        } else {
+            Err(io::Error::new(io::ErrorKind::InvalidData, "echo differs"))
+        }
+    };
+    let handles: Vec<_> = (0..workers.max(1))
+        .map(|_| {
+            std::thread::spawn(move || {
+                let (mut done, mut failed, mut last_error) = (0u64, 0u64, String::new());
+                while Instant::now() < end {
+                    match one() {
+                        Ok(()) => done += 1,
+                        Err(e) => {
+                            failed += 1;
+                            last_error = e.to_string();
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                }
+                (done, failed, last_error)
+            })
+        })
+        .collect();
+    let (mut done, mut failed, mut errors) = (0u64, 0u64, Vec::new());
+    for h in handles {
+        let (d, f, e) = h.join().unwrap_or((0, 1, "panic".into()));
+        done += d;
+        failed += f;
+        if !e.is_empty() {
+            errors.push(e);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    Ok(json!({
+        "ok": done > 0 && failed == 0, "conns": done, "failed": failed, "secs": secs,
+        "per_s": done as f64 / secs, "errors": errors,
+    }))
+}
+
+fn raise_nofile() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}
+
+fn idle(addr: SocketAddr, conns: u32, max_ms: u64) -> io::Result<serde_json::Value> {
+    use std::os::fd::AsFd as _;
+
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    raise_nofile();
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(max_ms);
+    let mut socks = Vec::with_capacity(conns as usize);
+    for _ in 0..conns {
+        let mut s = connect(addr)?;
+        write_retry(&mut s, b"NAME\n")?;
+        read_line(&mut s)?;
+        socks.push(s);
+    }
+    println!(
+        "{}",
+        json!({"event": "ready", "conns": conns, "ms": start.elapsed().as_millis() as u64})
+    );
+    let _ = io::stdout().flush();
+    let ready_at = Instant::now();
+    let (mut resets, mut eofs, mut others) = (0u32, 0u32, 0u32);
+    let mut first_ms = None;
+    let mut buf = [0u8; 256];
+    while !socks.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(json!({"ok": false, "event": "timeout", "open": socks.len(),
+                "resets": resets, "eofs": eofs}));
+        }
+        let ms = u16::try_from(left.as_millis().min(1000)).unwrap_or(1000);
+        let mut fds: Vec<PollFd<'_>> = socks
+            .iter()
+            .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+            .collect();
+        poll(&mut fds, PollTimeout::from(ms)).map_err(io::Error::from)?;
+        let ended: Vec<bool> = fds
+            .iter()
+            .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
+        drop(fds);
+        let mut keep = Vec::with_capacity(socks.len());
+        for (mut s, ended) in socks.into_iter().zip(ended) {
+            if !ended {
+                keep.push(s);
+                continue;
+            }
+            match s.read(&mut buf) {
+                Ok(0) => eofs += 1,
+                Ok(_) => {
+                    keep.push(s);
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    keep.push(s);
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => resets += 1,
+                Err(_) => others += 1,
+            }
+            first_ms.get_or_insert(ready_at.elapsed().as_secs_f64() * 1e3);
+        }
+        socks = keep;
+    }
+    Ok(json!({
+        "ok": true, "event": "all_closed", "resets": resets, "eofs": eofs, "others": others,
+        "first_ms": first_ms, "last_ms": ready_at.elapsed().as_secs_f64() * 1e3,
+    }))
 }
 
 fn cpu_time() -> Duration {

@@ -1,0 +1,509 @@
+//! The contenders: a direct connection, lb with each data path, HAProxy and nginx, each started
+//! with a generated config on a loopback port and stopped on drop.
+
+use std::{
+    fmt::Write as _,
+    io::{Read as _, Write as _},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use lb_tests::{Lb, free_port};
+use serde::Serialize;
+
+/// Who carries the client's connection to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Kind {
+    /// The client dials the server itself: the limit.
+    Direct,
+    /// lb with the kernel data path (upstream splice, copy downstream).
+    LbBpf,
+    /// lb copying in userspace.
+    LbUserspace,
+    /// HAProxy in tcp mode.
+    Haproxy,
+    /// nginx with the stream module.
+    Nginx,
+}
+
+impl Kind {
+    /// Every contender, in table order.
+    pub const ALL: [Kind; 5] = [
+        Kind::Direct,
+        Kind::LbBpf,
+        Kind::LbUserspace,
+        Kind::Haproxy,
+        Kind::Nginx,
+    ];
+
+    /// Short name used in tables, JSON and charts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Direct => "direct",
+            Kind::LbBpf => "lb bpf",
+            Kind::LbUserspace => "lb userspace",
+            Kind::Haproxy => "haproxy",
+            Kind::Nginx => "nginx",
+        }
+    }
+
+    /// Whether it checks servers actively and ends the sessions of a failed one (scenarios 6, 7).
+    pub fn kills_sessions(self) -> bool {
+        matches!(self, Kind::LbBpf | Kind::LbUserspace | Kind::Haproxy)
+    }
+
+    /// Whether a proxy process sits in the path.
+    pub fn is_proxy(self) -> bool {
+        self != Kind::Direct
+    }
+}
+
+/// Health checks every contender with checks uses: tcp connect every 1 s, 1 s timeout, one
+/// failure marks a server down, two successes bring it back.
+pub const CHECK_INTERVAL_MS: u64 = 1000;
+
+/// Cgroups the clients run in: the bpf contender's clients in the cgroup lb attaches to, every
+/// other contender's in a plain one, so no contender pays for another's sockops program.
+#[derive(Debug)]
+pub struct Cgroups {
+    /// Attached by `lb --datapath bpf`.
+    pub bpf: lb_tests::TestCgroup,
+    /// Nothing attached.
+    pub plain: lb_tests::TestCgroup,
+}
+
+impl Cgroups {
+    /// The cgroup `kind`'s clients run in.
+    pub fn for_kind(&self, kind: Kind) -> &Path {
+        if kind == Kind::LbBpf {
+            &self.bpf.path
+        } else {
+            &self.plain.path
+        }
+    }
+}
+
+enum Proc {
+    None,
+    Lb(Lb),
+    Child(Child),
+}
+
+/// A started contender. Proxies are stopped and their temp dir removed on drop.
+pub struct Running {
+    /// Which one.
+    pub kind: Kind,
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    proc_: Proc,
+    dir: Option<PathBuf>,
+    primary: SocketAddr,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} at {}", self.kind.name(), self.addr)
+    }
+}
+
+fn temp_dir(kind: Kind) -> Result<PathBuf> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "lb-bench-{}-{}-{}",
+        std::process::id(),
+        kind.name().replace(' ', "-"),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn lb_config(mode: &str, listen: SocketAddr, servers: &[SocketAddr]) -> String {
+    let list: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
+    format!(
+        r#"[datapath]
+mode = "{mode}"
+
+[[balancer]]
+name = "bench"
+listen = ["{listen}"]
+servers = [{servers}]
+policy = "failover"
+dial_timeout = "2s"
+
+[balancer.health]
+kind = "tcp"
+interval = "{CHECK_INTERVAL_MS}ms"
+timeout = "1s"
+rise = 2
+fall = 1
+on_unhealthy = "kill"
+"#,
+        servers = list.join(", ")
+    )
+}
+
+/// The open-files hard limit of this process (inherited by the proxies).
+fn files_limit() -> u64 {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(1024, |(_, hard)| hard)
+}
+
+fn haproxy_config(dir: &Path, listen: SocketAddr, servers: &[SocketAddr]) -> String {
+    // HAProxy wants 2 files per connection plus a few, and refuses to start without them.
+    let maxconn = (files_limit().saturating_sub(100) / 2).min(60_000);
+    let mut cfg = format!(
+        "global
+    maxconn {maxconn}
+    stats socket {sock} mode 600 level admin
+
+defaults
+    mode tcp
+    maxconn {maxconn}
+    timeout connect 2s
+    timeout client 10m
+    timeout server 10m
+    timeout check 1s
+
+listen bench
+    bind {listen}
+",
+        sock = dir.join("admin.sock").display()
+    );
+    for (i, s) in servers.iter().enumerate() {
+        let _ = writeln!(
+            cfg,
+            "    server s{i} {s} check inter {CHECK_INTERVAL_MS}ms fall 1 rise 2 on-marked-down shutdown-sessions{}",
+            if i > 0 { " backup" } else { "" }
+        );
+    }
+    cfg
+}
+
+fn nginx_config(dir: &Path, listen: SocketAddr, servers: &[SocketAddr]) -> String {
+    let module = Path::new("/usr/lib/nginx/modules/ngx_stream_module.so");
+    let mut cfg = String::new();
+    if module.exists() {
+        let _ = writeln!(cfg, "load_module {};", module.display());
+    }
+    let _ = write!(
+        cfg,
+        "daemon off;
+master_process on;
+worker_processes auto;
+worker_rlimit_nofile {files};
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections {conns}; }}
+stream {{
+    upstream bench {{
+",
+        dir = dir.display(),
+        files = files_limit(),
+        conns = files_limit().saturating_sub(200),
+    );
+    for (i, s) in servers.iter().enumerate() {
+        let _ = writeln!(
+            cfg,
+            "        server {s}{};",
+            if i > 0 { " backup" } else { "" }
+        );
+    }
+    let _ = write!(
+        cfg,
+        "    }}
+    server {{
+        listen {listen};
+        proxy_pass bench;
+        proxy_timeout 10m;
+        proxy_half_close on;
+    }}
+}}
+"
+    );
+    cfg
+}
+
+/// Wait until `addr` accepts a connection (the proxy listens).
+fn wait_listening(addr: SocketAddr, child: &mut Child, what: &str, log: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Some(st) = child.try_wait()? {
+            bail!(
+                "{what} exited with {st}: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    bail!("{what} did not listen on {addr} within 15 s")
+}
+
+impl Running {
+    /// Start `kind` in front of `servers` (the first preferred, the rest backups).
+    ///
+    /// # Errors
+    /// The proxy does not start or become ready.
+    pub fn start(kind: Kind, servers: &[SocketAddr], cgroups: &Cgroups) -> Result<Running> {
+        let primary = *servers.first().context("no servers")?;
+        if kind == Kind::Direct {
+            return Ok(Running {
+                kind,
+                addr: primary,
+                proc_: Proc::None,
+                dir: None,
+                primary,
+            });
+        }
+        let dir = temp_dir(kind)?;
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let proc_ = match kind {
+            Kind::Direct => Proc::None,
+            Kind::LbBpf | Kind::LbUserspace => {
+                let mode = if kind == Kind::LbBpf {
+                    "bpf"
+                } else {
+                    "userspace"
+                };
+                let cfg = dir.join("lb.toml");
+                std::fs::write(&cfg, lb_config(mode, addr, servers))?;
+                let cg = cgroups.for_kind(kind).display().to_string();
+                let lb = Lb::start(&["--config", &cfg.display().to_string(), "--cgroup", &cg])?;
+                lb.wait_ready(Duration::from_secs(15))?;
+                Proc::Lb(lb)
+            }
+            Kind::Haproxy => {
+                let cfg = dir.join("haproxy.cfg");
+                std::fs::write(&cfg, haproxy_config(&dir, addr, servers))?;
+                let log = dir.join("haproxy.log");
+                let mut child = Command::new("haproxy")
+                    .args(["-db", "-f"])
+                    .arg(&cfg)
+                    .stdin(Stdio::null())
+                    .stdout(std::fs::File::create(&log)?)
+                    .stderr(std::fs::File::create(dir.join("haproxy.err"))?)
+                    .spawn()
+                    .context("spawning haproxy")?;
+                wait_listening(addr, &mut child, "haproxy", &dir.join("haproxy.err"))?;
+                Proc::Child(child)
+            }
+            Kind::Nginx => {
+                let cfg = dir.join("nginx.conf");
+                std::fs::write(&cfg, nginx_config(&dir, addr, servers))?;
+                let mut child = Command::new("nginx")
+                    .arg("-e")
+                    .arg(dir.join("error.log"))
+                    .arg("-p")
+                    .arg(&dir)
+                    .arg("-c")
+                    .arg(&cfg)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(dir.join("nginx.err"))?)
+                    .spawn()
+                    .context("spawning nginx")?;
+                wait_listening(addr, &mut child, "nginx", &dir.join("error.log"))?;
+                Proc::Child(child)
+            }
+        };
+        Ok(Running {
+            kind,
+            addr,
+            proc_,
+            dir: Some(dir),
+            primary,
+        })
+    }
+
+    /// Every process of the proxy: the main one and its children (nginx workers).
+    pub fn pids(&self) -> Vec<u32> {
+        let main = match &self.proc_ {
+            Proc::None => return Vec::new(),
+            Proc::Lb(lb) => lb.pid(),
+            Proc::Child(c) => c.id(),
+        };
+        let mut pids = vec![main];
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if proc_stat(pid).is_some_and(|st| st.ppid == main) {
+                    pids.push(pid);
+                }
+            }
+        }
+        pids
+    }
+
+    /// CPU seconds (user + system) the proxy's processes used so far.
+    pub fn cpu_secs(&self) -> f64 {
+        self.pids()
+            .into_iter()
+            .filter_map(proc_stat)
+            .map(|s| s.cpu_secs)
+            .sum()
+    }
+
+    /// Resident memory of the proxy's processes (bytes).
+    pub fn rss_bytes(&self) -> u64 {
+        self.pids()
+            .into_iter()
+            .filter_map(|pid| {
+                let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                let line = st.lines().find(|l| l.starts_with("VmRSS:"))?;
+                let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                Some(kib * 1024)
+            })
+            .sum()
+    }
+
+    /// Whether the proxy has marked the preferred server down (None: cannot tell).
+    pub fn primary_down(&self) -> Option<bool> {
+        match &self.proc_ {
+            Proc::None => None,
+            Proc::Lb(lb) => {
+                let st = lb.status().ok()?;
+                let want = self.primary.to_string();
+                st["balancers"].as_array()?.iter().find_map(|b| {
+                    b["servers"].as_array()?.iter().find_map(|s| {
+                        (s["address"].as_str()? == want).then(|| s["state"] == "FAILED")
+                    })
+                })
+            }
+            Proc::Child(_) if self.kind == Kind::Haproxy => {
+                let sock = self.dir.as_ref()?.join("admin.sock");
+                let mut s = std::os::unix::net::UnixStream::connect(sock).ok()?;
+                s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+                s.write_all(b"show stat\n").ok()?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).ok()?;
+                // CSV: pxname, svname, ..., status is field 17.
+                out.lines().find_map(|l| {
+                    let f: Vec<&str> = l.split(',').collect();
+                    (f.len() > 17 && f[0] == "bench" && f[1] == "s0")
+                        .then(|| f[17].starts_with("DOWN"))
+                })
+            }
+            Proc::Child(_) => None,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.proc_, Proc::None) {
+            Proc::None => {}
+            Proc::Lb(mut lb) => {
+                let _ = lb.terminate(Duration::from_secs(5));
+            }
+            Proc::Child(mut c) => {
+                let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+                // SIGTERM: both stop at once and take their workers with them.
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(dir) = self.dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Fields of /proc/PID/stat the bench reads.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcStat {
+    /// Parent pid.
+    pub ppid: u32,
+    /// utime + stime in seconds.
+    pub cpu_secs: f64,
+}
+
+/// Read /proc/PID/stat.
+pub fn proc_stat(pid: u32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces: fields start after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state(0) ppid(1) ... utime(11) stime(12).
+    let ppid = f.get(1)?.parse().ok()?;
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ProcStat {
+        ppid,
+        cpu_secs: ticks / clock_ticks(),
+    })
+}
+
+fn clock_ticks() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .map_or(100.0, |t| t as f64)
+}
+
+/// Jiffies from the `cpu` line of /proc/stat: (softirq, total).
+pub fn cpu_jiffies() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = text.lines().find(|l| l.starts_with("cpu ")) else {
+        return (0, 0);
+    };
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest fields are inside user/nice).
+    let total = f.iter().take(8).sum();
+    (f.get(6).copied().unwrap_or(0), total)
+}
+
+/// Kernel memory held by TCP sockets (bytes): buffer pages from /proc/net/sockstat
+/// (`TCP: ... mem N`, N in pages) plus the socket objects themselves (the `TCP`, `TCPv6` and
+/// `sock_inode_cache` slabs of /proc/slabinfo, active objects × object size). Idle sockets hold
+/// almost no buffers, so the objects are most of it.
+pub fn kernel_socket_bytes() -> u64 {
+    let sockstat = std::fs::read_to_string("/proc/net/sockstat").unwrap_or_default();
+    let pages = sockstat
+        .lines()
+        .find(|l| l.starts_with("TCP:"))
+        .and_then(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let i = f.iter().position(|w| *w == "mem")?;
+            f.get(i + 1)?.parse::<u64>().ok()
+        })
+        .unwrap_or(0);
+    let slabinfo = std::fs::read_to_string("/proc/slabinfo").unwrap_or_default();
+    let objects: u64 = slabinfo
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if !matches!(f.first(), Some(&("TCP" | "TCPv6" | "sock_inode_cache"))) {
+                return None;
+            }
+            let active: u64 = f.get(1)?.parse().ok()?;
+            let size: u64 = f.get(3)?.parse().ok()?;
+            Some(active * size)
+        })
+        .sum();
+    pages * 4096 + objects
+}
+
+/// CPU seconds used by waited-for children of this process so far.
+pub fn children_cpu_secs() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    getrusage(UsageWho::RUSAGE_CHILDREN).map_or(0.0, |u| {
+        let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+        t(u.user_time()) + t(u.system_time())
+    })
+}

@@ -1,0 +1,245 @@
+//! What goes into a guest: static (musl) builds of `lb`, `lbt` and the test executables, the
+//! host's iproute2 and bpftool with their shared libraries, busybox, kernel modules and the init.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{cpio::Archive, fetch};
+use crate::util;
+
+/// The musl target: its binaries run on any kernel with nothing else in the initramfs.
+const TARGET: &str = "x86_64-unknown-linux-musl";
+
+/// Integration test targets of `lb-tests` run in the guests.
+pub const TESTS: &[&str] = &["datapath"];
+
+/// Modules the tests need (with their dependencies; those built in are skipped).
+const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag"];
+
+/// Host programs copied in with their shared libraries, at the same paths.
+const HOST_TOOLS: &[&str] = &["/usr/sbin/ip", "/usr/sbin/bpftool"];
+
+/// Busybox applets not linked: iproute2 stands in for them.
+const SHADOWED_APPLETS: &[&str] = &["ip", "tc"];
+
+const INIT: &str = include_str!("init.sh");
+
+/// Where the guest finds the binaries.
+const GUEST_LB: &str = "/opt/lb/lb";
+const GUEST_LBT: &str = "/opt/lb/lbt";
+const GUEST_TESTS: &str = "/opt/lb/tests";
+
+/// Host paths of the static binaries.
+#[derive(Debug)]
+pub struct Binaries {
+    lb: PathBuf,
+    lbt: PathBuf,
+    /// (target name, executable).
+    tests: Vec<(String, PathBuf)>,
+}
+
+/// Build `lb`, `lbt` and the test executables for the musl target in one cargo invocation (so
+/// features unify once), release because TCG runs them many times slower than the host does.
+///
+/// # Errors
+/// Build failure, or cargo naming no executable for a binary or test target.
+pub fn build_binaries() -> Result<Binaries> {
+    let mut args = vec![
+        "build",
+        "--release",
+        "--target",
+        TARGET,
+        "-p",
+        "lb-user",
+        "-p",
+        "lb-tests",
+        "--bins",
+        "--message-format=json-render-diagnostics",
+    ];
+    for t in TESTS {
+        args.extend(["--test", t]);
+    }
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let out = Command::new(env!("CARGO"))
+        .args(&args)
+        .current_dir(util::root())
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot start cargo")?;
+    if !out.status.success() {
+        bail!("cargo {} failed ({})", args.join(" "), out.status);
+    }
+    let (mut lb, mut lbt, mut tests) = (None, None, Vec::new());
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let target = &msg["target"];
+        let kind = |k: &str| {
+            target["kind"]
+                .as_array()
+                .is_some_and(|ks| ks.iter().any(|x| x == k))
+        };
+        let (Some(name), Some(exe)) = (target["name"].as_str(), msg["executable"].as_str()) else {
+            continue;
+        };
+        let exe = PathBuf::from(exe);
+        match name {
+            "lb" if kind("bin") => lb = Some(exe),
+            "lbt" if kind("bin") => lbt = Some(exe),
+            t if kind("test") && TESTS.contains(&t) => tests.push((t.to_string(), exe)),
+            _ => {}
+        }
+    }
+    for t in TESTS {
+        if !tests.iter().any(|(n, _)| n == t) {
+            bail!("cargo named no executable for test target {t}");
+        }
+    }
+    Ok(Binaries {
+        lb: lb.context("cargo named no lb executable")?,
+        lbt: lbt.context("cargo named no lbt executable")?,
+        tests,
+    })
+}
+
+/// A binary without its debug sections (smaller initramfs, faster to load under TCG); the
+/// original when `strip` is missing.
+fn stripped(path: &Path) -> Result<Vec<u8>> {
+    let tmp = std::env::temp_dir().join(format!(
+        "lb-vm-strip-{}-{}",
+        std::process::id(),
+        path.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    let ok = Command::new("strip")
+        .arg("--strip-debug")
+        .arg("-o")
+        .arg(&tmp)
+        .arg(path)
+        .status()
+        .is_ok_and(|s| s.success());
+    let bytes = if ok {
+        std::fs::read(&tmp)
+    } else {
+        std::fs::read(path)
+    };
+    let _ = std::fs::remove_file(&tmp);
+    bytes.with_context(|| format!("reading {}", path.display()))
+}
+
+/// Shared libraries of a dynamic executable, by `ldd` (the loader included).
+fn libraries(exe: &str) -> Result<Vec<String>> {
+    let out = Command::new("ldd")
+        .arg(exe)
+        .output()
+        .context("cannot start ldd")?;
+    if !out.status.success() {
+        // Static: nothing to copy.
+        return Ok(Vec::new());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let path = match l.split_once("=>") {
+                Some((_, rest)) => rest.trim(),
+                None => l,
+            };
+            let path = path.split(" (").next()?.trim();
+            path.starts_with('/').then(|| path.to_string())
+        })
+        .collect())
+}
+
+fn add_host_file(a: &mut Archive, path: &str) -> Result<()> {
+    if a.has(path) {
+        return Ok(());
+    }
+    let data = std::fs::read(path).with_context(|| format!("reading {path}"))?;
+    a.file(path, 0o755, &data)
+}
+
+/// Write the initramfs for `kernel` to `out`; `test_args` go to every test executable (a
+/// filter, say).
+///
+/// # Errors
+/// A missing package, tool or module.
+pub fn initramfs(
+    kernel: &fetch::Kernel,
+    bins: &Binaries,
+    test_args: &[String],
+    out: &Path,
+) -> Result<()> {
+    let cache = out.parent().context("initramfs path without a parent")?;
+    let mut a = Archive::default();
+    for d in ["dev", "proc", "sys", "run", "tmp", "root", "etc/lb-vm"] {
+        a.dir(d)?;
+    }
+    a.file("init", 0o755, INIT.as_bytes())?;
+
+    // busybox from Debian's busybox-static, every applet but those iproute2 provides.
+    let bb_deb = fetch::deb(&cache.join("debs"), "busybox-static", |n| {
+        (n == "busybox-static").then_some(0)
+    })?;
+    let bb_root = fetch::unpack(&bb_deb, &cache.join("x"))?;
+    let busybox = bb_root.join("bin/busybox");
+    a.file("bin/busybox", 0o755, &std::fs::read(&busybox)?)?;
+    let list = Command::new(&busybox)
+        .arg("--list-full")
+        .output()
+        .context("running busybox --list-full")?;
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        let name = applet.rsplit('/').next().unwrap_or(applet);
+        if !applet.contains('/') || SHADOWED_APPLETS.contains(&name) || a.has(applet) {
+            continue;
+        }
+        a.symlink(applet, "/bin/busybox")?;
+    }
+
+    for tool in HOST_TOOLS {
+        add_host_file(&mut a, tool)
+            .with_context(|| format!("{tool} is needed in the guest (cargo xtask setup)"))?;
+        for lib in libraries(tool)? {
+            add_host_file(&mut a, &lib)?;
+        }
+    }
+
+    a.file(GUEST_LB, 0o755, &stripped(&bins.lb)?)?;
+    a.file(GUEST_LBT, 0o755, &stripped(&bins.lbt)?)?;
+    let mut tests = String::new();
+    for (name, exe) in &bins.tests {
+        let path = format!("{GUEST_TESTS}/{name}");
+        a.file(&path, 0o755, &stripped(exe)?)?;
+        tests.push_str(&path);
+        tests.push('\n');
+    }
+    a.file("etc/lb-vm/tests", 0o644, tests.as_bytes())?;
+    a.file("etc/lb-vm/args", 0o644, test_args.join(" ").as_bytes())?;
+    a.file(
+        "etc/lb-vm/env",
+        0o644,
+        format!("export LB_BIN={GUEST_LB} LBT_BIN={GUEST_LBT} LB_VM=1\n").as_bytes(),
+    )?;
+
+    let mut names = String::new();
+    for (name, bytes) in fetch::modules(kernel, MODULES)? {
+        a.file(&format!("lib/modules/lb-vm/{name}.ko"), 0o644, &bytes)?;
+        names.push_str(&name);
+        names.push('\n');
+    }
+    a.file("etc/lb-vm/modules", 0o644, names.as_bytes())?;
+
+    let bytes = a.finish()?;
+    std::fs::write(out, &bytes).with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "vm: initramfs {} ({:.1} MiB), modules: {}",
+        out.display(),
+        bytes.len() as f64 / (1024.0 * 1024.0),
+        names.trim().replace('\n', " ")
+    );
+    Ok(())
+}
