@@ -346,6 +346,11 @@ pub struct CheckOutcome {
 /// Callback for kills, so metrics can count them: `(server, reason, count)`.
 pub type KillHook = Arc<dyn Fn(&str, KillReason, usize) + Send + Sync>;
 
+/// Callback for `kill_scope = "node"`: `(server)`, called (without locks held) after lb's own
+/// connections to a server that turned unhealthy (or whose drain ran out) were killed. It must
+/// not block.
+pub type NodeKillHook = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// One balancer: name, listeners, server set, policy and the connection registry.
 pub struct Balancer {
     /// Name from the config.
@@ -356,6 +361,7 @@ pub struct Balancer {
     inner: Mutex<Inner>,
     next_conn: AtomicU64,
     kill_hook: Mutex<Option<KillHook>>,
+    node_kill_hook: Mutex<Option<NodeKillHook>>,
     /// Bumped on every state change; the health scheduler and admin watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
 }
@@ -417,6 +423,7 @@ impl Balancer {
             inner: Mutex::new(Inner::default()),
             next_conn: AtomicU64::new(1),
             kill_hook: Mutex::new(None),
+            node_kill_hook: Mutex::new(None),
             changed: tokio::sync::watch::channel(0).0,
         });
         {
@@ -450,6 +457,21 @@ impl Balancer {
     /// Install the callback that counts kills.
     pub fn set_kill_hook(&self, hook: KillHook) {
         *self.kill_hook.lock().expect("poisoned") = Some(hook);
+    }
+
+    /// Install the node-wide kill for `kill_scope = "node"` (see [`NodeKillHook`]).
+    pub fn set_node_kill_hook(&self, hook: NodeKillHook) {
+        *self.node_kill_hook.lock().expect("poisoned") = Some(hook);
+    }
+
+    /// Run the node-wide kill of `spec` when the config asks for it.
+    fn node_kill(&self, spec: &str) {
+        if self.cfg.lock().expect("poisoned").health.kill_scope != crate::config::KillScope::Node {
+            return;
+        }
+        if let Some(hook) = self.node_kill_hook.lock().expect("poisoned").clone() {
+            hook(spec);
+        }
     }
 
     fn bump(&self) {
@@ -610,6 +632,7 @@ impl Balancer {
         let cfg = self.config();
         let (rise, fall) = (cfg.health.rise, cfg.health.fall);
         let mut kills: Vec<(String, Vec<ConnEntry>, KillReason)> = Vec::new();
+        let mut node_kills: Vec<String> = Vec::new();
         let mut out = CheckOutcome::default();
         {
             let mut inner = self.lock();
@@ -711,6 +734,7 @@ impl Balancer {
                                 let taken: Vec<ConnEntry> =
                                     s.conns.drain().map(|(_, c)| c).collect();
                                 kills.push((s.spec.clone(), taken, KillReason::Unhealthy));
+                                node_kills.push(s.spec.clone());
                             }
                             crate::config::OnUnhealthy::Drain => {
                                 s.drain_deadline =
@@ -726,6 +750,9 @@ impl Balancer {
         }
         for (spec, conns, reason) in kills {
             out.killed += self.kill_entries(&spec, conns, reason);
+        }
+        for spec in node_kills {
+            self.node_kill(&spec);
         }
         if out.from != out.to {
             self.bump();
@@ -750,7 +777,11 @@ impl Balancer {
         }
         kills
             .into_iter()
-            .map(|(spec, c)| self.kill_entries(&spec, c, KillReason::DrainTimeout))
+            .map(|(spec, c)| {
+                let n = self.kill_entries(&spec, c, KillReason::DrainTimeout);
+                self.node_kill(&spec);
+                n
+            })
             .sum()
     }
 

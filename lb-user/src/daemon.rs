@@ -151,6 +151,7 @@ pub async fn run(
         .map(|(i, b)| Balancer::new(u32::try_from(i).unwrap_or(0), b.clone()))
         .collect();
     for b in &balancers {
+        b.set_node_kill_hook(crate::kill::node_kill_hook());
         let m = metrics.clone();
         let name = b.name.clone();
         b.set_kill_hook(Arc::new(

@@ -1,64 +1,142 @@
-//! Health checks: check kinds, the per-balancer scheduler (one check in flight per server,
-//! `rise`/`fall` through [`Balancer::record_check`]) and check-before-dial.
+//! Health checks: the check kinds (`tcp`, `tls`, `http`, `tunnel`), the per-balancer scheduler
+//! (one check in flight per server, `interval` with jitter, `fast_interval` while a server is
+//! changing state, `down_interval` while it is FAILED), check-before-dial, on-demand checks and
+//! passive signals. Results go to [`Balancer::record_check`], which applies `rise`/`fall` and
+//! `on_unhealthy`.
+
+mod http;
+mod tls;
+mod tunnel;
 
 use std::{
+    collections::{HashMap, HashSet},
     net::SocketAddr,
-    sync::Arc,
-    time::{Duration, Instant},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
 };
 
+use futures::{
+    FutureExt as _,
+    future::{BoxFuture, WeakShared},
+};
+use tokio::{
+    net::TcpStream,
+    sync::mpsc,
+    time::{Instant, sleep_until},
+};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
-    balancer::Balancer,
+    balancer::{Balancer, ServerState, ServerStatus},
     config::{CheckKind, HealthConfig},
     metrics::{CheckLabels, Metrics, ServerLabels},
 };
 
-/// Errors of one check.
+/// Longest the scheduler sleeps without looking at drains and config changes.
+const MAX_IDLE: Duration = Duration::from_millis(250);
+
+/// Why one check failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
-    /// No answer within the timeout.
+    /// No answer within the check's timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
-    /// Connect or I/O failure.
+    /// Resolve, connect or I/O failure.
     #[error("{0}")]
     Io(#[from] std::io::Error),
-    /// The check kind is not available in this build.
-    #[error("check kind {0:?} is not supported")]
-    Unsupported(CheckKind),
+    /// The TLS handshake failed (untrusted or wrong certificate, refused client certificate,
+    /// no common protocol).
+    #[error("TLS handshake failed: {0}")]
+    Tls(#[source] std::io::Error),
+    /// The TLS settings could not be used (unreadable CA, certificate or key file).
+    #[error("TLS {what} {path}: {reason}")]
+    TlsConfig {
+        /// Which setting: `CA file`, `client certificate`, `client key`, ...
+        what: &'static str,
+        /// The file (`-` when none).
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// `sni` / `host` / the server's host is not a valid TLS server name.
+    #[error("{0:?} is not a valid server name")]
+    BadName(String),
+    /// `alpn` was set and the server chose none of those protocols.
+    #[error("server chose no ALPN protocol of {0:?}")]
+    NoAlpn(Vec<String>),
+    /// The URL template did not give a usable URL.
+    #[error("bad check url {url:?}: {reason}")]
+    Url {
+        /// The URL after `{server}` was replaced.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// HTTP protocol error (malformed response, connection closed mid-response).
+    #[error("http: {0}")]
+    Http(#[from] hyper::Error),
+    /// The status is not in `expect_status`.
+    #[error("unexpected HTTP status {0}")]
+    Status(u16),
+    /// The body does not contain `expect_body`.
+    #[error("response body does not contain {0:?}")]
+    Body(String),
+    /// The response is larger than `max_response_bytes`.
+    #[error("response larger than {0} bytes")]
+    TooLarge(usize),
+    /// WebSocket handshake or protocol error.
+    #[error("websocket: {0}")]
+    WebSocket(#[from] tokio_tungstenite::tungstenite::Error),
+    /// The tunnel closed.
+    #[error("tunnel closed by the server")]
+    TunnelClosed,
+    /// A ping got no pong within the timeout.
+    #[error("no pong within {0:?}")]
+    PongTimeout(Duration),
+    /// The kept tunnel is down or stopped.
+    #[error("tunnel: {0}")]
+    Tunnel(String),
 }
 
-/// Run one check of `server` (`host:port`) as configured, bounded by `cfg.timeout`.
+/// Run one check of `server` (`host:port`) as `cfg` says, bounded by `cfg.timeout` (fixed; no
+/// escalation). A `tunnel` check made here opens a WebSocket, waits for one pong and closes it;
+/// the scheduler keeps tunnels open instead.
 ///
 /// # Errors
 /// [`CheckError`] saying why the server is unhealthy.
 pub async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
-    let timeout = cfg.timeout.0;
+    let limit = cfg.timeout.0;
     let fut = async {
         match cfg.kind {
-            CheckKind::Tcp => tcp_check(server).await,
-            other => Err(CheckError::Unsupported(other)),
+            CheckKind::Tcp => connect_tcp(server).await.map(drop),
+            CheckKind::Tls => tls_check(cfg, server).await,
+            CheckKind::Http => http::check(cfg, server).await,
+            CheckKind::Tunnel => tunnel::check_once(cfg, server).await,
         }
     };
-    tokio::time::timeout(timeout, fut)
+    tokio::time::timeout(limit, fut)
         .await
-        .unwrap_or(Err(CheckError::Timeout(timeout)))
+        .unwrap_or(Err(CheckError::Timeout(limit)))
 }
 
-async fn tcp_check(server: &str) -> Result<(), CheckError> {
+/// Connect to `host:port`, trying every address it resolves to. The socket closes with RST
+/// (`SO_LINGER` 0) so checks leave no TIME_WAIT behind on either side.
+async fn connect_tcp(server: &str) -> Result<TcpStream, CheckError> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host(server).await?.collect();
     let mut last = std::io::Error::new(
         std::io::ErrorKind::NotFound,
         format!("{server} resolved to no address"),
     );
     for addr in addrs {
-        match tokio::net::TcpStream::connect(addr).await {
+        match TcpStream::connect(addr).await {
             Ok(s) => {
-                // Close with RST so checks leave no TIME_WAIT behind on either side.
                 let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
-                return Ok(());
+                let _ = s.set_nodelay(true);
+                return Ok(s);
             }
             Err(e) => last = e,
         }
@@ -66,26 +144,63 @@ async fn tcp_check(server: &str) -> Result<(), CheckError> {
     Err(last.into())
 }
 
-/// Runs checks for every balancer and records their results.
-#[derive(Debug)]
-pub struct HealthService {
-    metrics: Arc<Metrics>,
-    tasks: TaskTracker,
+/// Connect and finish a TLS handshake; with `alpn` set, the server must pick one of them.
+async fn tls_check(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
+    let tcp = connect_tcp(server).await?;
+    let (host, _) = crate::balancer::parse_host_port(server).map_err(|reason| CheckError::Url {
+        url: server.to_string(),
+        reason,
+    })?;
+    let stream = tls::handshake(cfg, &host, tcp, None).await?;
+    if !cfg.alpn.is_empty() && stream.get_ref().1.alpn_protocol().is_none() {
+        return Err(CheckError::NoAlpn(cfg.alpn.clone()));
+    }
+    Ok(())
 }
 
-impl HealthService {
-    /// New service; tasks are spawned on `tasks`.
-    pub fn new(metrics: Arc<Metrics>, tasks: TaskTracker) -> Arc<HealthService> {
-        Arc::new(HealthService { metrics, tasks })
-    }
+/// `d` shortened by up to 10 %, so checks of many servers spread out while `interval` stays an
+/// upper bound (FAILED within `interval × fall + timeout`).
+fn jittered(d: Duration) -> Duration {
+    d.mul_f64(0.9 + 0.1 * rand::random::<f64>())
+}
 
-    /// Check `server` of `balancer` now and record the result.
-    pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
-        let cfg = balancer.config().health;
-        let inflight = self.metrics.inflight_guard();
-        let start = Instant::now();
-        let result = check_once(&cfg, server).await;
-        drop(inflight);
+/// Time from one check's start to the next for a server in `status`: `down_interval` while
+/// FAILED, `fast_interval` while UNCHECKED, RECOVERING or failing but not yet FAILED, else
+/// `interval`.
+pub fn next_interval(cfg: &HealthConfig, status: &ServerStatus) -> Duration {
+    let fast = cfg.fast_interval.map_or(cfg.interval.0 / 2, |d| d.0);
+    match status.state {
+        ServerState::Failed => cfg.down_interval.map_or(cfg.interval.0, |d| d.0),
+        ServerState::Unchecked | ServerState::Recovering => fast,
+        _ if status.consecutive_failures > 0 => fast,
+        _ => cfg.interval.0,
+    }
+}
+
+/// A running check, as its waiters see it; the entry in [`Shared::inflight`] is weak, so a check
+/// nobody waits for any more is dropped (cancelled) and records nothing.
+type WeakCheck = WeakShared<BoxFuture<'static, bool>>;
+
+/// State shared by the service, its check tasks and its tunnels.
+#[derive(Debug)]
+struct Shared {
+    metrics: Arc<Metrics>,
+    tasks: TaskTracker,
+    /// The check running now per (balancer, server), with its id: later callers wait for it.
+    inflight: Mutex<HashMap<(String, String), (u64, WeakCheck)>>,
+    next_check: AtomicU64,
+    tunnels: tunnel::Tunnels,
+}
+
+impl Shared {
+    /// Count `result` in the metrics and give it to the balancer.
+    fn record(
+        &self,
+        balancer: &Arc<Balancer>,
+        server: &str,
+        result: Result<(), CheckError>,
+        took: Duration,
+    ) -> bool {
         let ok = result.is_ok();
         self.metrics
             .health_check_duration
@@ -93,7 +208,7 @@ impl HealthService {
                 balancer: balancer.name.clone(),
                 server: server.to_string(),
             })
-            .observe(start.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
         self.metrics
             .health_checks
             .get_or_create(&CheckLabels {
@@ -107,6 +222,77 @@ impl HealthService {
         }
         balancer.record_check(server, result.map_err(|e| e.to_string()));
         ok
+    }
+
+    /// Run one check of `server` now (a ping over its tunnel when one is kept) and record it.
+    async fn run_check(self: Arc<Self>, balancer: Arc<Balancer>, server: String) -> bool {
+        let cfg = balancer.config().health;
+        let _inflight = self.metrics.inflight_guard();
+        let start = Instant::now();
+        let result = match (cfg.kind, self.tunnels.ping(&balancer.name, &server)) {
+            (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
+                .await
+                .unwrap_or(Err(CheckError::PongTimeout(cfg.timeout.0))),
+            _ => check_once(&cfg, &server).await,
+        };
+        self.record(&balancer, &server, result, start.elapsed())
+    }
+}
+
+/// Runs checks for every balancer and records their results.
+#[derive(Debug)]
+pub struct HealthService {
+    shared: Arc<Shared>,
+}
+
+impl HealthService {
+    /// New service; its loops, checks and tunnels run on `tasks`.
+    pub fn new(metrics: Arc<Metrics>, tasks: TaskTracker) -> Arc<HealthService> {
+        Arc::new(HealthService {
+            shared: Arc::new(Shared {
+                metrics,
+                tasks,
+                inflight: Mutex::new(HashMap::new()),
+                next_check: AtomicU64::new(0),
+                tunnels: tunnel::Tunnels::default(),
+            }),
+        })
+    }
+
+    /// Check `server` of `balancer` now and record the result; returns whether it passed. When
+    /// a check of that server is already running (scheduler, dial, `/check`), this waits for
+    /// it instead of starting another: at most one check per server is in flight. A check whose
+    /// callers have all gone (a dropped `/check`, a client that left during check-before-dial)
+    /// is cancelled and records nothing.
+    pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
+        let key = (balancer.name.clone(), server.to_string());
+        let fut = {
+            let mut inflight = self.shared.inflight.lock().expect("poisoned");
+            match inflight.get(&key).and_then(|(_, weak)| weak.upgrade()) {
+                Some(running) => running,
+                None => {
+                    let id = self.shared.next_check.fetch_add(1, Ordering::Relaxed);
+                    let shared = self.shared.clone();
+                    let b = balancer.clone();
+                    let k = key.clone();
+                    let check = async move {
+                        let ok = shared.clone().run_check(b, k.1.clone()).await;
+                        let mut inflight = shared.inflight.lock().expect("poisoned");
+                        if inflight.get(&k).is_some_and(|(i, _)| *i == id) {
+                            inflight.remove(&k);
+                        }
+                        ok
+                    }
+                    .boxed()
+                    .shared();
+                    if let Some(weak) = check.downgrade() {
+                        inflight.insert(key, (id, weak));
+                    }
+                    check
+                }
+            }
+        };
+        fut.await
     }
 
     /// Check-before-dial: when the last result of `server` is older than `max_age` (or there is
@@ -123,28 +309,180 @@ impl HealthService {
         self.check_and_record(balancer, server).await
     }
 
-    /// Check every server of `balancer` once, concurrently.
+    /// Check every server of `balancer` once, concurrently, and record the results.
     pub async fn check_all(self: &Arc<Self>, balancer: &Arc<Balancer>) {
         let specs = balancer.server_specs();
         let futs = specs.iter().map(|s| self.check_and_record(balancer, s));
         futures::future::join_all(futs).await;
     }
 
-    /// Start the periodic loop of `balancer` (when `health.loop` is on) until `cancel` fires.
+    /// Start the scheduler of `balancer` until `cancel` fires. It follows config changes: with
+    /// `health.loop = false` it runs no checks (only drains expire), with `kind = "tunnel"` it
+    /// keeps one tunnel per server.
     pub fn start(self: &Arc<Self>, balancer: Arc<Balancer>, cancel: CancellationToken) {
+        let shared = self.shared.clone();
         let this = self.clone();
-        self.tasks.spawn(async move {
-            loop {
-                let cfg = balancer.config().health;
-                if cfg.loop_enabled {
-                    this.check_all(&balancer).await;
-                    balancer.expire_drains();
-                }
-                tokio::select! {
-                    () = cancel.cancelled() => return,
-                    () = tokio::time::sleep(cfg.interval.0) => {}
+        self.shared.tasks.spawn(async move {
+            Scheduler {
+                service: this,
+                shared,
+                balancer,
+                due: HashMap::new(),
+                running: HashSet::new(),
+            }
+            .run(cancel)
+            .await;
+        });
+    }
+}
+
+/// Passive signal from the proxy: `server` reset an established connection. With
+/// `health.passive` it counts as a failed check toward `fall`.
+pub fn record_server_reset(balancer: &Arc<Balancer>, server: &str) {
+    if balancer.config().health.passive {
+        debug!(balancer = %balancer.name, server, "server reset a connection; counting toward fall");
+        balancer.record_check(server, Err("connection reset by the server".into()));
+    }
+}
+
+/// The periodic loop of one balancer.
+struct Scheduler {
+    service: Arc<HealthService>,
+    shared: Arc<Shared>,
+    balancer: Arc<Balancer>,
+    /// When each server's next check starts.
+    due: HashMap<String, Instant>,
+    /// Servers whose scheduled check is running.
+    running: HashSet<String>,
+}
+
+impl Scheduler {
+    async fn run(mut self, cancel: CancellationToken) {
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Instant)>();
+        let mut changed = self.balancer.changed.subscribe();
+        loop {
+            let cfg = self.balancer.config().health;
+            self.balancer.expire_drains();
+            let statuses: Vec<ServerStatus> = self
+                .balancer
+                .status()
+                .into_iter()
+                .filter(|s| s.state != ServerState::Invalid)
+                .collect();
+            let specs: Vec<String> = statuses.iter().map(|s| s.address.clone()).collect();
+            self.due.retain(|s, _| specs.contains(s));
+            let now = Instant::now();
+            let mut wake = now + MAX_IDLE;
+            if cfg.loop_enabled && cfg.kind == CheckKind::Tunnel {
+                self.shared
+                    .tunnels
+                    .ensure(&self.shared, &self.balancer, &specs, &cfg);
+            } else {
+                self.shared.tunnels.stop(&self.balancer.name);
+            }
+            if cfg.loop_enabled && cfg.kind != CheckKind::Tunnel {
+                for st in &statuses {
+                    if self.running.contains(&st.address) {
+                        continue;
+                    }
+                    let due = *self
+                        .due
+                        .entry(st.address.clone())
+                        .or_insert_with(|| first_due(&self.balancer, &cfg, st, now));
+                    if due <= now {
+                        self.running.insert(st.address.clone());
+                        let service = self.service.clone();
+                        let balancer = self.balancer.clone();
+                        let spec = st.address.clone();
+                        let tx = done_tx.clone();
+                        self.shared.tasks.spawn(async move {
+                            let started = Instant::now();
+                            service.check_and_record(&balancer, &spec).await;
+                            let _ = tx.send((spec, started));
+                        });
+                    } else {
+                        wake = wake.min(due);
+                    }
                 }
             }
-        });
+            tokio::select! {
+                () = cancel.cancelled() => {
+                    self.shared.tunnels.stop(&self.balancer.name);
+                    return;
+                }
+                Some((spec, started)) = done_rx.recv() => {
+                    self.running.remove(&spec);
+                    let cfg = self.balancer.config().health;
+                    if let Some(st) = self.balancer.status().into_iter().find(|s| s.address == spec) {
+                        self.due.insert(spec, started + jittered(next_interval(&cfg, &st)));
+                    }
+                }
+                _ = changed.changed() => {}
+                () = sleep_until(wake) => {}
+            }
+        }
+    }
+}
+
+/// First check time of a server the scheduler has not seen: one interval after its last result
+/// (the daemon's first round, a dial), or now.
+fn first_due(balancer: &Balancer, cfg: &HealthConfig, st: &ServerStatus, now: Instant) -> Instant {
+    match balancer.last_checked(&st.address) {
+        Some(at) => {
+            let age = at.elapsed();
+            now + jittered(next_interval(cfg, st)).saturating_sub(age)
+        }
+        None => now,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{balancer::Hold, config::Dur};
+
+    fn status(state: ServerState, failures: u32) -> ServerStatus {
+        ServerStatus {
+            address: "198.18.0.2:1".into(),
+            state,
+            default: false,
+            hold: Hold::None,
+            connections: 0,
+            consecutive_failures: failures,
+            last_check: None,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn interval_follows_state() {
+        let cfg = HealthConfig {
+            interval: Dur(Duration::from_secs(2)),
+            fast_interval: None,
+            down_interval: Some(Dur(Duration::from_secs(10))),
+            ..HealthConfig::default()
+        };
+        let s = Duration::from_secs;
+        assert_eq!(next_interval(&cfg, &status(ServerState::Active, 0)), s(2));
+        assert_eq!(next_interval(&cfg, &status(ServerState::Healthy, 0)), s(2));
+        assert_eq!(next_interval(&cfg, &status(ServerState::Active, 1)), s(1));
+        assert_eq!(
+            next_interval(&cfg, &status(ServerState::Unchecked, 0)),
+            s(1)
+        );
+        assert_eq!(
+            next_interval(&cfg, &status(ServerState::Recovering, 0)),
+            s(1)
+        );
+        assert_eq!(next_interval(&cfg, &status(ServerState::Failed, 3)), s(10));
+    }
+
+    #[test]
+    fn jitter_only_shortens() {
+        let d = Duration::from_millis(1000);
+        for _ in 0..1000 {
+            let j = jittered(d);
+            assert!(j <= d && j >= Duration::from_millis(900), "{j:?}");
+        }
     }
 }

@@ -10,5 +10,6 @@ pub mod config;
 pub mod daemon;
 pub mod datapath;
 pub mod health;
+pub mod kill;
 pub mod metrics;
 pub mod proxy;

@@ -325,10 +325,13 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
     }
     match outcome {
         Outcome::Closed => {}
-        Outcome::Reset(e) => {
-            debug!(balancer = %balancer.name, server = %spec, error = %e, "connection reset; resetting both sides");
+        Outcome::Reset(e, side) => {
+            debug!(balancer = %balancer.name, server = %spec, error = %e, ?side, "connection reset; resetting both sides");
             abort(&client);
             abort(&server);
+            if side == Side::Server && e.kind() == io::ErrorKind::ConnectionReset {
+                crate::health::record_server_reset(&balancer, &spec);
+            }
         }
         Outcome::Killed => {
             let reason = guard.reason().map_or("killed", |r| r.label());
@@ -343,8 +346,15 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
 
 enum Outcome {
     Closed,
-    Reset(io::Error),
+    Reset(io::Error, Side),
     Killed,
+}
+
+/// Which socket an error came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Client,
+    Server,
 }
 
 /// Reset a socket: `SO_LINGER` 0, so closing it sends RST.
@@ -366,50 +376,58 @@ async fn relay(
                 dp.set_copied(p, copied);
             }
         })
-        .await?;
+        .await
+        .map_err(|(e, on_src)| (e, if on_src { Side::Client } else { Side::Server }))?;
         ctx.metrics.copied(balancer, "client_to_server", n);
-        socket2::SockRef::from(server).shutdown(Shutdown::Write)?;
-        Ok::<(), io::Error>(())
+        socket2::SockRef::from(server)
+            .shutdown(Shutdown::Write)
+            .map_err(|e| (e, Side::Server))?;
+        Ok::<(), (io::Error, Side)>(())
     };
     let down = async {
-        let n = pump(server, client, ctx, |_| {}).await?;
+        let n = pump(server, client, ctx, |_| {})
+            .await
+            .map_err(|(e, on_src)| (e, if on_src { Side::Server } else { Side::Client }))?;
         ctx.metrics.copied(balancer, "server_to_client", n);
-        socket2::SockRef::from(client).shutdown(Shutdown::Write)?;
-        Ok::<(), io::Error>(())
+        socket2::SockRef::from(client)
+            .shutdown(Shutdown::Write)
+            .map_err(|e| (e, Side::Client))?;
+        Ok::<(), (io::Error, Side)>(())
     };
     match tokio::try_join!(up, down) {
         Ok(((), ())) => Outcome::Closed,
-        Err(e) => Outcome::Reset(e),
+        Err((e, side)) => Outcome::Reset(e, side),
     }
 }
 
-/// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`.
+/// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`. An error says
+/// whether it came from `src` (`true`) or `dst`.
 async fn pump(
     src: &TcpStream,
     dst: &TcpStream,
     ctx: &ProxyCtx,
     mut on_copied: impl FnMut(u64),
-) -> io::Result<u64> {
+) -> Result<u64, (io::Error, bool)> {
     // Reads land in a per-thread scratch buffer and are written on at once; only bytes the
     // destination cannot take right now are kept, in `pending`, which is released as soon as it
     // is flushed. Idle and request/response connections therefore hold no buffer at all.
     let mut pending: Vec<u8> = Vec::new();
     let mut total = 0u64;
     loop {
-        src.readable().await?;
+        src.readable().await.map_err(|e| (e, true))?;
         let read = SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             if scratch.len() < ctx.copy_buffer_bytes {
                 scratch.resize(ctx.copy_buffer_bytes, 0);
             }
             let buf = &mut scratch[..ctx.copy_buffer_bytes];
-            let n = src.try_read(buf)?;
+            let n = src.try_read(buf).map_err(|e| (e, true))?;
             let mut off = 0;
             while off < n {
                 match dst.try_write(&buf[off..n]) {
                     Ok(w) => off += w,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err((e, false)),
                 }
             }
             pending.extend_from_slice(&buf[off..n]);
@@ -419,16 +437,16 @@ async fn pump(
             Ok(0) => return Ok(total),
             Ok(n) => n,
             // Sockets in a sockhash may report readable spuriously: wait again.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+            Err((e, true)) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(err) => return Err(err),
         };
         let mut off = 0;
         while off < pending.len() {
-            dst.writable().await?;
+            dst.writable().await.map_err(|e| (e, false))?;
             match dst.try_write(&pending[off..]) {
                 Ok(w) => off += w,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err((e, false)),
             }
         }
         pending = Vec::new();

@@ -11,7 +11,8 @@ use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, run_client, sh};
 
 use crate::util::root;
 
-/// The embedded default: one balancer, three servers, K3s-style failover, checks every 500 ms.
+/// The embedded default: one balancer, three servers, K3s-style failover, an HTTP check
+/// (`GET /healthz`) every 500 ms.
 const CONFIG: &str = r#"
 [datapath]
 mode = "auto"
@@ -24,7 +25,8 @@ policy = "failover"
 dial_timeout = "2s"
 
 [balancer.health]
-kind = "tcp"
+kind = "http"
+url = "http://{server}/healthz"
 interval = "500ms"
 timeout = "500ms"
 rise = 2
@@ -52,6 +54,28 @@ fn table(lb: &Lb) -> Result<String> {
         }
     }
     Ok(out)
+}
+
+/// Wait until no server is UNCHECKED or RECOVERING.
+fn wait_settled(lb: &Lb, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let st = lb.status()?;
+        let settling = st["balancers"]
+            .as_array()
+            .context("balancers")?
+            .iter()
+            .flat_map(|b| b["servers"].as_array().cloned().unwrap_or_default())
+            .any(|s| s["state"] == "UNCHECKED" || s["state"] == "RECOVERING");
+        if !settling {
+            return Ok(());
+        }
+        ensure!(
+            start.elapsed() < limit,
+            "servers not settled after {limit:?}: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Run the demo.
@@ -96,6 +120,9 @@ pub fn run() -> Result<()> {
         &cg.path.display().to_string(),
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
+    // Each server is checked on its own schedule: let all of them pass `rise` checks first, so
+    // the clients start on apiserver-1 and no fail-back moves them during the demo.
+    wait_settled(&lb, Duration::from_secs(10))?;
     print!("{}", table(&lb)?);
     let listen = format!("127.0.0.1:{port}").parse()?;
     let place = Place {
@@ -146,7 +173,7 @@ pub fn run() -> Result<()> {
         let closed_at = t0.elapsed();
         let again = h.wait_for("connected", Duration::from_secs(10))?;
         println!(
-            "   client {i}: connection {} after {:.2} s, reconnected to {} after {:.2} s",
+            "   client {i}: {} after {:.2} s, reconnected to {} after {:.2} s",
             closed["how"].as_str().unwrap_or("?"),
             closed_at.as_secs_f64(),
             again["server"].as_str().unwrap_or("?"),
