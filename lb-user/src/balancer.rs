@@ -279,6 +279,8 @@ struct Server {
     in_set: bool,
     consecutive_failures: u32,
     consecutive_successes: u32,
+    /// Resets by the server since the last passing check (passive signal).
+    passive_resets: u32,
     last_check: Option<SystemTime>,
     last_check_at: Option<Instant>,
     last_error: Option<String>,
@@ -301,6 +303,7 @@ impl Server {
             in_set,
             consecutive_failures: 0,
             consecutive_successes: 0,
+            passive_resets: 0,
             last_check: None,
             last_check_at: None,
             last_error: None,
@@ -646,6 +649,7 @@ impl Balancer {
             match result {
                 Ok(()) => {
                     s.consecutive_failures = 0;
+                    s.passive_resets = 0;
                     s.consecutive_successes = s.consecutive_successes.saturating_add(1);
                     s.last_error = None;
                     let next = match s.state {
@@ -759,6 +763,31 @@ impl Balancer {
             self.write_state_file();
         }
         out
+    }
+
+    /// Count a reset of an established connection by `spec` (passive signal): every `limit`
+    /// consecutive resets count as one failed check. Returns whether one was recorded.
+    pub fn record_passive_reset(self: &Arc<Self>, spec: &str, limit: u32) -> bool {
+        let due = {
+            let mut inner = self.lock();
+            let Some(s) = inner.servers.iter_mut().find(|s| s.spec == spec) else {
+                return false;
+            };
+            s.passive_resets += 1;
+            if s.passive_resets >= limit {
+                s.passive_resets = 0;
+                true
+            } else {
+                false
+            }
+        };
+        if due {
+            self.record_check(
+                spec,
+                Err(format!("{limit} connections reset by the server")),
+            );
+        }
+        due
     }
 
     /// Kill the connections of servers whose drain deadline passed; returns how many.
@@ -1237,6 +1266,24 @@ mod tests {
             Err(SetError::OwnListener(_))
         ));
         assert!(!b.set_servers(&["198.18.0.2:1".into()], None).unwrap());
+    }
+
+    #[test]
+    fn passive_resets_fail_a_server_only_at_the_limit() {
+        let b = balancer(&["198.18.0.2:1"], None, Policy::Failover);
+        b.record_check("198.18.0.2:1", Ok(()));
+        b.record_check("198.18.0.2:1", Ok(()));
+        for _ in 0..9 {
+            assert!(!b.record_passive_reset("198.18.0.2:1", 10));
+        }
+        assert_eq!(states(&b), [ServerState::Preferred]);
+        // A passing check starts the count again.
+        b.record_check("198.18.0.2:1", Ok(()));
+        assert!(!b.record_passive_reset("198.18.0.2:1", 10));
+        for _ in 0..9 {
+            b.record_passive_reset("198.18.0.2:1", 10);
+        }
+        assert_eq!(states(&b), [ServerState::Failed]);
     }
 
     #[test]

@@ -276,6 +276,9 @@ pub struct HealthConfig {
     pub max_age: Dur,
     /// Dial failures and resets seen by the proxy count toward `fall`.
     pub passive: bool,
+    /// With `passive`, this many consecutive resets by a server count as one failed check;
+    /// default 10 (HAProxy's `error-limit` default), so one reset never fails a busy server.
+    pub passive_reset_limit: u32,
     /// kill | drain | keep.
     pub on_unhealthy: OnUnhealthy,
     /// With `drain`, kill what is left after this long; default 30 s.
@@ -314,6 +317,7 @@ impl Default for HealthConfig {
             fall: 1,
             max_age: Dur(Duration::from_secs(5)),
             passive: true,
+            passive_reset_limit: 10,
             on_unhealthy: OnUnhealthy::Kill,
             drain_timeout: Dur(Duration::from_secs(30)),
             kill_scope: KillScope::Own,
@@ -676,6 +680,13 @@ impl Config {
                 return Err(ConfigError::invalid(
                     hkey("rise"),
                     h.rise,
+                    "must be at least 1",
+                ));
+            }
+            if h.passive_reset_limit == 0 {
+                return Err(ConfigError::invalid(
+                    hkey("passive_reset_limit"),
+                    h.passive_reset_limit,
                     "must be at least 1",
                 ));
             }

@@ -337,11 +337,12 @@ impl HealthService {
 }
 
 /// Passive signal from the proxy: `server` reset an established connection. With
-/// `health.passive` it counts as a failed check toward `fall`.
+/// `health.passive`, every `passive_reset_limit` consecutive resets count as a failed check.
 pub fn record_server_reset(balancer: &Arc<Balancer>, server: &str) {
-    if balancer.config().health.passive {
-        debug!(balancer = %balancer.name, server, "server reset a connection; counting toward fall");
-        balancer.record_check(server, Err("connection reset by the server".into()));
+    let health = balancer.config().health;
+    if health.passive {
+        debug!(balancer = %balancer.name, server, "server reset a connection; counting toward passive_reset_limit");
+        balancer.record_passive_reset(server, health.passive_reset_limit);
     }
 }
 

@@ -248,14 +248,14 @@ impl Metrics {
         }
     }
 
-    /// Count `n` bytes copied in userspace.
-    pub fn copied(&self, balancer: &str, direction: &'static str, n: u64) {
+    /// The `lb_copied_bytes_total` counter of one balancer and direction, to bump per chunk.
+    pub fn copied_counter(&self, balancer: &str, direction: &'static str) -> Counter {
         self.copied_bytes
             .get_or_create(&DirectionLabels {
                 balancer: balancer.to_string(),
                 direction: direction.to_string(),
             })
-            .inc_by(n);
+            .clone()
     }
 
     /// Refresh the snapshot gauges, then encode everything.

@@ -370,25 +370,33 @@ async fn relay(
     ctx: &ProxyCtx,
     balancer: &str,
 ) -> Outcome {
+    // Counted as each chunk lands, so the metric is current while connections live.
+    let up_bytes = ctx.metrics.copied_counter(balancer, "client_to_server");
+    let down_bytes = ctx.metrics.copied_counter(balancer, "server_to_client");
     let up = async {
-        let n = pump(client, server, ctx, |copied| {
+        let mut last = 0;
+        pump(client, server, ctx, |copied| {
             if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
                 dp.set_copied(p, copied);
             }
+            up_bytes.inc_by(copied - last);
+            last = copied;
         })
         .await
         .map_err(|(e, on_src)| (e, if on_src { Side::Client } else { Side::Server }))?;
-        ctx.metrics.copied(balancer, "client_to_server", n);
         socket2::SockRef::from(server)
             .shutdown(Shutdown::Write)
             .map_err(|e| (e, Side::Server))?;
         Ok::<(), (io::Error, Side)>(())
     };
     let down = async {
-        let n = pump(server, client, ctx, |_| {})
-            .await
-            .map_err(|(e, on_src)| (e, if on_src { Side::Server } else { Side::Client }))?;
-        ctx.metrics.copied(balancer, "server_to_client", n);
+        let mut last = 0;
+        pump(server, client, ctx, |copied| {
+            down_bytes.inc_by(copied - last);
+            last = copied;
+        })
+        .await
+        .map_err(|(e, on_src)| (e, if on_src { Side::Server } else { Side::Client }))?;
         socket2::SockRef::from(client)
             .shutdown(Shutdown::Write)
             .map_err(|e| (e, Side::Client))?;
