@@ -285,6 +285,8 @@ struct Server {
     last_check_at: Option<Instant>,
     last_error: Option<String>,
     preferred_since: Option<Instant>,
+    /// Set when the server went FAILED; a recovery from it (not a first check) fails back.
+    has_failed: bool,
     conns: HashMap<u64, ConnEntry>,
     drain_deadline: Option<Instant>,
 }
@@ -308,6 +310,7 @@ impl Server {
             last_check_at: None,
             last_error: None,
             preferred_since: None,
+            has_failed: false,
             conns: HashMap::new(),
             drain_deadline: None,
         }
@@ -676,6 +679,10 @@ impl Balancer {
                             next = ServerState::Active;
                         }
                         transition(&self.name, s, next, "health check passed");
+                        // Fail back only to a server returning from FAILED: the first checks
+                        // of a new server are not a recovery, and must not move clients around.
+                        let recovered =
+                            next == ServerState::Preferred && std::mem::take(&mut s.has_failed);
                         if next == ServerState::Active && cfg.policy == Policy::Failover {
                             for (j, other) in inner.servers.iter_mut().enumerate() {
                                 if j != idx && other.state == ServerState::Active {
@@ -688,10 +695,7 @@ impl Balancer {
                                 }
                             }
                         }
-                        if next == ServerState::Preferred
-                            && cfg.policy == Policy::Failover
-                            && cfg.failback
-                        {
+                        if recovered && cfg.policy == Policy::Failover && cfg.failback {
                             // Fail back: close connections on ACTIVE servers less preferred than
                             // this one (later in the set, or the default outside the set).
                             for (j, other) in inner.servers.iter_mut().enumerate() {
@@ -1111,6 +1115,7 @@ fn transition(balancer: &str, s: &mut Server, to: ServerState, cause: &str) {
     }
     if to == ServerState::Failed {
         s.consecutive_successes = 0;
+        s.has_failed = true;
     }
     s.state = to;
 }
@@ -1233,6 +1238,26 @@ mod tests {
         b.record_check("198.18.0.2:1", Ok(()));
         assert_eq!(g.reason(), Some(KillReason::Failback));
         assert_eq!(b.dial_order()[0], "198.18.0.2:1");
+    }
+
+    #[test]
+    fn first_checks_do_not_fail_back() {
+        let b = balancer(&["198.18.0.2:1", "198.18.0.3:1"], None, Policy::Failover);
+        b.record_check("198.18.0.3:1", Ok(()));
+        b.record_check("198.18.0.3:1", Ok(()));
+        b.record_dial("198.18.0.3:1", Ok(()));
+        let g = b.register("198.18.0.3:1");
+        b.record_check("198.18.0.2:1", Ok(()));
+        b.record_check("198.18.0.2:1", Ok(()));
+        assert!(
+            !g.cancel.is_cancelled(),
+            "a server's first passing checks are not a recovery"
+        );
+        assert_eq!(
+            b.dial_order()[0],
+            "198.18.0.3:1",
+            "the ACTIVE server keeps new clients"
+        );
     }
 
     #[test]
