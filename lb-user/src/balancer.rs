@@ -115,11 +115,11 @@ impl KillReason {
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {
-            KillReason::Unhealthy => "unhealthy",
+            KillReason::Unhealthy => "health",
             KillReason::Failback => "failback",
             KillReason::Removed => "removed",
-            KillReason::Admin => "admin",
-            KillReason::DrainTimeout => "drain_timeout",
+            KillReason::Admin => "manual",
+            KillReason::DrainTimeout => "drain",
             KillReason::Shutdown => "shutdown",
         }
     }

@@ -258,7 +258,7 @@ fn endpoints_answer_with_their_codes() -> Result<()> {
             "HELP/TYPE of {family} missing"
         );
     }
-    ensure!(metric(&lb, "lb_connections_killed_total", "reason=\"admin\"")? == 1.0);
+    ensure!(metric(&lb, "lb_connections_killed_total", "reason=\"manual\"")? == 1.0);
 
     // /check: 200 healthy with per-server results; parameters validated and clamped.
     let (c, b) = lb.get("/check")?;

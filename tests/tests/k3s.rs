@@ -130,7 +130,7 @@ fall = 1
     all_reconnect_to(&holders, "s2")?;
     ensure!(state_of(&lb, &addr[1])? == "ACTIVE", "s2 should be ACTIVE");
     ensure!(
-        killed(&lb, "unhealthy") >= 3.0,
+        killed(&lb, "health") >= 3.0,
         "unhealthy kills not counted"
     );
 
