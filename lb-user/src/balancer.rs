@@ -516,17 +516,21 @@ impl Balancer {
     }
 
     /// True when some server could take a connection now (usable, or UNCHECKED/RECOVERING/STANDBY).
+    ///
+    /// With `health.loop = false` an UNCHECKED server counts too: it is checked before its first
+    /// dial, so readiness must not wait for a check nobody schedules.
     pub fn has_usable_server(&self) -> bool {
+        let loop_enabled = self.cfg.lock().expect("poisoned").health.loop_enabled;
         self.lock().servers.iter().any(|s| {
             s.hold == Hold::None
-                && matches!(
+                && (matches!(
                     s.state,
                     ServerState::Healthy
                         | ServerState::Preferred
                         | ServerState::Active
                         | ServerState::Recovering
                         | ServerState::Standby
-                )
+                ) || (!loop_enabled && s.state == ServerState::Unchecked))
         })
     }
 

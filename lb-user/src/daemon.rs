@@ -209,12 +209,14 @@ pub async fn run(
         dp.start_refresher(daemon.shutdown.clone())?;
     }
 
-    // First round of checks, then the loops.
+    // First round of checks, then the loops. Balancers with `health.loop = false` get no round:
+    // their checks run only before dials and on `/check`.
     {
         let daemon = daemon.clone();
         tasks.spawn(async move {
             let bs = daemon.balancers.load_full();
-            futures::future::join_all(bs.iter().map(|b| daemon.health.check_all(b))).await;
+            let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
+            futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
             daemon.first_checks_done.store(true, Ordering::Relaxed);
             for b in bs.iter() {
                 daemon.health.start(b.clone(), daemon.shutdown.clone());

@@ -587,6 +587,31 @@ impl Lb {
         bail!("lb not ready within {timeout:?}: {}", self.log_text())
     }
 
+    /// Wait until no server is UNCHECKED or RECOVERING, so clients land where the policy says
+    /// and no first check moves them afterwards.
+    ///
+    /// # Errors
+    /// Not settled within `timeout`.
+    pub fn wait_settled(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let st = self.status()?;
+            let settling = st["balancers"]
+                .as_array()
+                .context("balancers")?
+                .iter()
+                .flat_map(|b| b["servers"].as_array().cloned().unwrap_or_default())
+                .any(|s| s["state"] == "UNCHECKED" || s["state"] == "RECOVERING");
+            if !settling {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("servers not settled within {timeout:?}: {st}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Send SIGTERM and wait up to `timeout` for exit; returns the exit code.
     ///
     /// # Errors

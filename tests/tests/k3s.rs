@@ -129,10 +129,7 @@ fall = 1
     }
     all_reconnect_to(&holders, "s2")?;
     ensure!(state_of(&lb, &addr[1])? == "ACTIVE", "s2 should be ACTIVE");
-    ensure!(
-        killed(&lb, "health") >= 3.0,
-        "unhealthy kills not counted"
-    );
+    ensure!(killed(&lb, "health") >= 3.0, "unhealthy kills not counted");
 
     // Fail-back: s1 recovers (RECOVERING → PREFERRED), s2's connections are closed, clients go back.
     hosts[0].blackhole(false)?;

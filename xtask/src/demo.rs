@@ -56,28 +56,6 @@ fn table(lb: &Lb) -> Result<String> {
     Ok(out)
 }
 
-/// Wait until no server is UNCHECKED or RECOVERING.
-fn wait_settled(lb: &Lb, limit: Duration) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        let st = lb.status()?;
-        let settling = st["balancers"]
-            .as_array()
-            .context("balancers")?
-            .iter()
-            .flat_map(|b| b["servers"].as_array().cloned().unwrap_or_default())
-            .any(|s| s["state"] == "UNCHECKED" || s["state"] == "RECOVERING");
-        if !settling {
-            return Ok(());
-        }
-        ensure!(
-            start.elapsed() < limit,
-            "servers not settled after {limit:?}: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Run the demo.
 ///
 /// # Errors
@@ -122,7 +100,7 @@ pub fn run() -> Result<()> {
     lb.wait_ready(Duration::from_secs(10))?;
     // Each server is checked on its own schedule: let all of them pass `rise` checks first, so
     // the clients start on apiserver-1 and no fail-back moves them during the demo.
-    wait_settled(&lb, Duration::from_secs(10))?;
+    lb.wait_settled(Duration::from_secs(10))?;
     print!("{}", table(&lb)?);
     let listen = format!("127.0.0.1:{port}").parse()?;
     let place = Place {

@@ -276,6 +276,7 @@ impl Running {
                 let cg = cgroups.for_kind(kind).display().to_string();
                 let lb = Lb::start(&["--config", &cfg.display().to_string(), "--cgroup", &cg])?;
                 lb.wait_ready(Duration::from_secs(15))?;
+                lb.wait_settled(Duration::from_secs(15))?;
                 Proc::Lb(lb)
             }
             Kind::Haproxy => {
