@@ -454,6 +454,11 @@ impl Balancer {
     /// # Errors
     /// As [`Balancer::set_servers`].
     pub fn replace_config(self: &Arc<Self>, cfg: BalancerConfig) -> Result<bool, SetError> {
+        // Check the set first, so a refused config leaves the old one whole.
+        validate_server_set(&cfg.servers, cfg.default_server.as_deref(), &cfg.listen)?;
+        if cfg.servers.is_empty() {
+            return Err(SetError::Empty);
+        }
         let servers = cfg.servers.clone();
         let default = cfg.default_server.clone();
         *self.cfg.lock().expect("poisoned") = cfg;

@@ -72,6 +72,21 @@ impl ConfigError {
     }
 }
 
+/// Check that `path` can be read (and, with `non_empty`, holds something).
+fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigError> {
+    match std::fs::read(path) {
+        Ok(bytes) if non_empty && bytes.iter().all(u8::is_ascii_whitespace) => Err(
+            ConfigError::invalid(key, path.display(), "the file is empty"),
+        ),
+        Ok(_) => Ok(()),
+        Err(e) => Err(ConfigError::invalid(
+            key,
+            path.display(),
+            format!("cannot read it: {e}"),
+        )),
+    }
+}
+
 /// A duration written as `250ms`, `10s`, `1m` (humantime syntax).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Dur(pub Duration);
@@ -613,6 +628,29 @@ impl Config {
                 format!("at most {} balancers", lb_common::MAX_BALANCERS),
             ));
         }
+        if let Some(path) = &self.admin.token_file {
+            readable_file("admin.token_file", path, true)?;
+        }
+        let all_listens: Vec<SocketAddr> = self
+            .balancers
+            .iter()
+            .flat_map(|b| b.listen.iter().copied())
+            .collect();
+        for (i, a) in all_listens.iter().enumerate() {
+            for b in &all_listens[i + 1..] {
+                let overlap = a.port() == b.port()
+                    && a.is_ipv4() == b.is_ipv4()
+                    && a != b
+                    && (a.ip().is_unspecified() || b.ip().is_unspecified());
+                if overlap {
+                    return Err(ConfigError::invalid(
+                        "balancer.listen",
+                        format!("{a} and {b}"),
+                        "a wildcard listener and another on the same port cannot both bind",
+                    ));
+                }
+            }
+        }
         let mut names = HashSet::new();
         let mut listens = HashSet::new();
         for (i, b) in self.balancers.iter().enumerate() {
@@ -648,10 +686,18 @@ impl Config {
                     return Err(ConfigError::invalid(key("listen"), l, "address used twice"));
                 }
             }
+            if b.servers.is_empty() {
+                return Err(ConfigError::invalid(
+                    key("servers"),
+                    "[]",
+                    "at least one server is required",
+                ));
+            }
+            // A server equal to any balancer's listener would make lb dial itself.
             crate::balancer::validate_server_set(
                 &b.servers,
                 b.default_server.as_deref(),
-                &b.listen,
+                &all_listens,
             )
             .map_err(|e| {
                 ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
@@ -743,10 +789,58 @@ impl Config {
                     "at least one status",
                 ));
             }
+            if h.max_response_bytes == 0 {
+                return Err(ConfigError::invalid(
+                    hkey("max_response_bytes"),
+                    0,
+                    "must be at least 1",
+                ));
+            }
+            for m in &h.expect_status {
+                let (lo, hi) = match *m {
+                    StatusMatch::Code(c) => (c, c),
+                    StatusMatch::Range(lo, hi) => (lo, hi),
+                };
+                if lo < 100 || hi > 599 {
+                    return Err(ConfigError::invalid(
+                        hkey("expect_status"),
+                        format!("{m:?}"),
+                        "HTTP status codes are 100-599",
+                    ));
+                }
+            }
+            if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
+                let probe = url.replace("{server}", "198.18.0.1:1");
+                let ok = probe
+                    .parse::<hyper::Uri>()
+                    .is_ok_and(|u| u.host().is_some_and(|h| !h.is_empty()));
+                if !ok {
+                    return Err(ConfigError::invalid(
+                        hkey("url"),
+                        url,
+                        "not a valid URL (with {server} as host:port)",
+                    ));
+                }
+            }
+            for (name, path) in [
+                ("ca_file", &h.ca_file),
+                ("cert_file", &h.cert_file),
+                ("key_file", &h.key_file),
+            ] {
+                if let Some(path) = path {
+                    readable_file(&hkey(name), path, false)?;
+                }
+            }
             if h.cert_file.is_some() != h.key_file.is_some() {
+                let given = h
+                    .cert_file
+                    .as_ref()
+                    .or(h.key_file.as_ref())
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default();
                 return Err(ConfigError::invalid(
                     hkey("cert_file"),
-                    format!("{:?}", h.cert_file),
+                    given,
                     "cert_file and key_file go together",
                 ));
             }
@@ -829,6 +923,65 @@ on_unhealthy = "kill"
         for (text, key) in cases {
             let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
             assert!(err.contains(key), "expected {key} in: {err}");
+        }
+    }
+
+    #[test]
+    fn refuses_what_could_never_run() {
+        let two = r#"
+[[balancer]]
+name = "a"
+listen = ["127.0.0.1:7001"]
+servers = ["127.0.0.1:7002"]
+
+[[balancer]]
+name = "b"
+listen = ["127.0.0.1:7002"]
+servers = ["198.18.0.2:1"]
+"#;
+        let err = Config::from_toml(two, "f").unwrap_err().to_string();
+        assert!(
+            err.contains("own listen address"),
+            "a server equal to another balancer's listener: {err}"
+        );
+        let cases = [
+            (
+                FULL.replace(
+                    "servers = [\"198.18.0.2:6443\", \"198.18.0.3:6443\"]",
+                    "servers = []",
+                ),
+                "at least one server",
+            ),
+            (
+                FULL.replace("https://{server}/ping", "http://{server/x y"),
+                "health.url",
+            ),
+            (
+                FULL.replace(
+                    "expect_status = [200, \"300-399\"]",
+                    "expect_status = [999]",
+                ),
+                "expect_status",
+            ),
+            (
+                FULL.replace(
+                    "kind = \"http\"",
+                    "kind = \"http\"\nca_file = \"/nonexistent/ca.pem\"",
+                ),
+                "ca_file",
+            ),
+            (
+                FULL.replace("[admin]", "[admin]\ntoken_file = \"/nonexistent/token\""),
+                "admin.token_file",
+            ),
+            (
+                FULL.replace("\"[::1]:6443\"", "\"0.0.0.0:6443\""),
+                "wildcard",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+            assert!(err.contains(want), "expected {want:?} in: {err}");
         }
     }
 

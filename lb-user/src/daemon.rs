@@ -85,6 +85,18 @@ impl Daemon {
     }
 }
 
+/// An error and its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        out.push_str(": ");
+        out.push_str(&src.to_string());
+        cur = src.source();
+    }
+    out
+}
+
 /// Attach the data path as `mode` asks.
 ///
 /// # Errors
@@ -103,7 +115,7 @@ pub fn attach_datapath(
         DatapathMode::Auto => match Datapath::load(d.cgroup.as_deref(), d.max_buffered_bytes) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
-                let reason = format!("{e:#}");
+                let reason = error_chain(&e);
                 warn!(reason = %reason, "kernel data path unavailable; falling back to the userspace copy path");
                 Ok((None, DatapathMode::Userspace, Some(reason)))
             }
@@ -143,6 +155,11 @@ pub async fn run(
         metrics: metrics.clone(),
         pre_dial: Some(pre_dial),
         tasks: TaskTracker::new(),
+        listeners: cfg
+            .balancers
+            .iter()
+            .flat_map(|b| b.listen.iter().copied())
+            .collect(),
     });
     let balancers: Vec<Arc<Balancer>> = cfg
         .balancers

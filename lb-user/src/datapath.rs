@@ -40,7 +40,7 @@ pub enum DatapathError {
     #[error("no cgroup v2 mount found in /proc/mounts (set datapath.cgroup)")]
     NoCgroup2,
     /// The cgroup directory could not be opened.
-    #[error("cannot open cgroup {path}: {source}")]
+    #[error("cannot open cgroup {path}")]
     OpenCgroup {
         /// The directory.
         path: PathBuf,
@@ -48,17 +48,20 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
+    /// The directory is not in a cgroup v2 hierarchy.
+    #[error("{0} is not a cgroup v2 directory (sockops attaches to cgroup v2 only)")]
+    NotCgroup2(PathBuf),
     /// The kernel lacks a program type, map type or helper.
     #[error("kernel lacks the {0}")]
     MissingFeature(&'static str),
     /// The object could not be loaded.
-    #[error("loading the BPF object failed: {0}")]
+    #[error("loading the BPF object failed")]
     Load(#[source] aya::EbpfError),
     /// A program or map is missing from the object.
     #[error("BPF object has no {0}")]
     Missing(&'static str),
     /// A program failed to load or attach.
-    #[error("{program}: {source}")]
+    #[error("program {program}")]
     Program {
         /// Program name.
         program: &'static str,
@@ -67,7 +70,7 @@ pub enum DatapathError {
         source: ProgramError,
     },
     /// A map operation failed.
-    #[error("map {map}: {source}")]
+    #[error("map {map}")]
     Map {
         /// Map name.
         map: &'static str,
@@ -273,6 +276,11 @@ impl Datapath {
             path: cgroup.clone(),
             source,
         })?;
+        let is_v2 = nix::sys::statfs::fstatfs(&cgroup_file)
+            .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC);
+        if !is_v2 {
+            return Err(DatapathError::NotCgroup2(cgroup));
+        }
         probe_kernel()?;
         let mut ebpf = Ebpf::load(EBPF_OBJ).map_err(DatapathError::Load)?;
 

@@ -20,6 +20,7 @@ fn init_logging(cli: &Cli) {
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => builder.init(),

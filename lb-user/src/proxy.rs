@@ -47,6 +47,8 @@ pub struct ProxyCtx {
     pub pre_dial: Option<PreDial>,
     /// Every connection task.
     pub tasks: TaskTracker,
+    /// lb's own listen addresses (every balancer): a dial that lands on one is a loop.
+    pub listeners: Vec<SocketAddr>,
 }
 
 impl std::fmt::Debug for ProxyCtx {
@@ -157,6 +159,18 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
             })
             .observe(start.elapsed().as_secs_f64());
         match result {
+            Ok(stream)
+                if stream
+                    .peer_addr()
+                    .is_ok_and(|p| is_own_listener(&ctx.listeners, p)) =>
+            {
+                // A host name that resolves to lb itself: refuse instead of dialing in a loop.
+                let e = format!("{spec} is one of lb's own listeners (a loop)");
+                warn!(balancer = %balancer.name, server = %spec, "dial reached lb's own listener; refusing the loop");
+                abort(&stream);
+                balancer.record_dial(&spec, Err(e.clone()));
+                errors.push(e);
+            }
             Ok(stream) => {
                 balancer.record_dial(&spec, Ok(()));
                 return Ok((spec, stream));
@@ -240,6 +254,25 @@ async fn connect_any(spec: &str) -> io::Result<TcpStream> {
         }
     }
     Err(last)
+}
+
+/// Whether `peer` is one of `listeners` (a wildcard listener matches any local address on its
+/// port).
+fn is_own_listener(listeners: &[SocketAddr], peer: SocketAddr) -> bool {
+    let peer_ip = match peer.ip() {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), std::net::IpAddr::V4),
+        ip => ip,
+    };
+    listeners.iter().any(|l| {
+        l.port() == peer.port()
+            && (l.ip() == peer_ip
+                || (l.ip().is_unspecified() && (peer_ip.is_loopback() || is_local_ip(peer_ip))))
+    })
+}
+
+/// Whether `ip` is an address of this host (can be bound).
+fn is_local_ip(ip: std::net::IpAddr) -> bool {
+    std::net::TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 /// True for errors that come from this host running out of a resource (descriptors, buffers,
