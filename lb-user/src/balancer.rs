@@ -26,6 +26,9 @@ use tracing::{info, warn};
 
 use crate::config::{BalancerConfig, Policy};
 
+/// Most servers one balancer takes (each is health-checked concurrently).
+pub const MAX_SERVERS: usize = 256;
+
 /// How long a server stays PREFERRED before it becomes HEALTHY (K3s: one minute).
 pub const PREFERRED_DURATION: Duration = Duration::from_secs(60);
 
@@ -131,6 +134,9 @@ pub enum SetError {
     /// An empty server list.
     #[error("the server list is empty")]
     Empty,
+    /// More servers than a balancer takes.
+    #[error("{0} servers; a balancer takes at most {MAX_SERVERS}")]
+    TooMany(usize),
     /// The same server twice.
     #[error("server {0} is listed twice")]
     Duplicate(String),
@@ -189,6 +195,9 @@ pub fn validate_server_set(
 ) -> Result<(), SetError> {
     if servers.is_empty() && default.is_none() {
         return Err(SetError::Empty);
+    }
+    if servers.len() > MAX_SERVERS {
+        return Err(SetError::TooMany(servers.len()));
     }
     let mut seen = std::collections::HashSet::new();
     for s in servers.iter().map(String::as_str).chain(default) {

@@ -324,6 +324,8 @@ impl Datapath {
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
         // so a node daemon's resident size reflects what it holds.
+        // (glibc only; musl returns memory by itself.)
+        #[cfg(target_env = "gnu")]
         // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
         #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
         unsafe {

@@ -39,6 +39,7 @@ fn set_error(e: SetError) -> ApiError {
     match e {
         SetError::UnknownServer(_) => ApiError::not_found(e.to_string()),
         SetError::Empty
+        | SetError::TooMany(_)
         | SetError::Duplicate(_)
         | SetError::Unparsable { .. }
         | SetError::OwnListener(_) => ApiError::bad_request(e.to_string()),
