@@ -20,6 +20,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -372,7 +373,7 @@ pub struct Balancer {
     pub name: String,
     /// Id used as the kernel's balancer index.
     pub id: u32,
-    cfg: Mutex<BalancerConfig>,
+    cfg: ArcSwap<BalancerConfig>,
     inner: Mutex<Inner>,
     next_conn: AtomicU64,
     kill_hook: Mutex<Option<KillHook>>,
@@ -409,8 +410,10 @@ impl Balancer {
     pub fn new(id: u32, cfg: BalancerConfig) -> Arc<Balancer> {
         let mut servers = cfg.servers.clone();
         let default = cfg.default_server.clone();
-        if let Some(path) = &cfg.state_file {
-            match read_state_file(path) {
+        let read = cfg.state_file.as_deref().map(read_state_file);
+        let on_disk = read.clone().and_then(Result::ok).flatten();
+        if let (Some(path), Some(read)) = (&cfg.state_file, read) {
+            match read {
                 Ok(Some(saved))
                     if saved.default.as_deref().map(normalize)
                         == default.as_deref().map(normalize) =>
@@ -434,7 +437,7 @@ impl Balancer {
         let b = Arc::new(Balancer {
             name: cfg.name.clone(),
             id,
-            cfg: Mutex::new(cfg),
+            cfg: ArcSwap::from_pointee(cfg),
             inner: Mutex::new(Inner::default()),
             next_conn: AtomicU64::new(1),
             kill_hook: Mutex::new(None),
@@ -445,7 +448,11 @@ impl Balancer {
             let mut inner = b.lock();
             inner.servers = build_servers(&servers, default.as_deref());
         }
-        b.write_state_file();
+        // Rewrite the file only when it does not already say this (missing, corrupt, or another
+        // set); afterwards it is written on every set change.
+        if on_disk.as_ref() != Some(&b.state()) {
+            b.write_state_file();
+        }
         b
     }
 
@@ -453,9 +460,9 @@ impl Balancer {
         self.inner.lock().expect("balancer lock poisoned")
     }
 
-    /// The balancer's config (a copy).
-    pub fn config(&self) -> BalancerConfig {
-        self.cfg.lock().expect("poisoned").clone()
+    /// The balancer's config: a snapshot, replaced whole on reload (readers never lock).
+    pub fn config(&self) -> Arc<BalancerConfig> {
+        self.cfg.load_full()
     }
 
     /// Replace the config (SIGHUP) and apply its server set.
@@ -470,7 +477,7 @@ impl Balancer {
         }
         let servers = cfg.servers.clone();
         let default = cfg.default_server.clone();
-        *self.cfg.lock().expect("poisoned") = cfg;
+        self.cfg.store(Arc::new(cfg));
         self.set_servers(&servers, default.as_deref())
     }
 
@@ -486,7 +493,7 @@ impl Balancer {
 
     /// Run the node-wide kill of `spec` when the config asks for it.
     fn node_kill(&self, spec: &str) {
-        if self.cfg.lock().expect("poisoned").health.kill_scope != crate::config::KillScope::Node {
+        if self.cfg.load().health.kill_scope != crate::config::KillScope::Node {
             return;
         }
         if let Some(hook) = self.node_kill_hook.lock().expect("poisoned").clone() {
@@ -534,7 +541,7 @@ impl Balancer {
     /// With `health.loop = false` an UNCHECKED server counts too: it is checked before its first
     /// dial, so readiness must not wait for a check nobody schedules.
     pub fn has_usable_server(&self) -> bool {
-        let loop_enabled = self.cfg.lock().expect("poisoned").health.loop_enabled;
+        let loop_enabled = self.cfg.load().health.loop_enabled;
         self.lock().servers.iter().any(|s| {
             s.hold == Hold::None
                 && (matches!(
@@ -562,7 +569,7 @@ impl Balancer {
     /// first, then the failover order.
     /// FAILED servers come last but are still tried (K3s #10240), and held servers never.
     pub fn dial_order(&self) -> Vec<String> {
-        let policy = self.cfg.lock().expect("poisoned").policy;
+        let policy = self.cfg.load().policy;
         let mut inner = self.lock();
         let mut order: Vec<(usize, &Server)> = inner
             .servers
@@ -602,7 +609,7 @@ impl Balancer {
     /// ACTIVE server becomes HEALTHY). Failure: counts as a failed check when `passive`.
     pub fn record_dial(self: &Arc<Self>, spec: &str, result: Result<(), String>) {
         let (policy, passive) = {
-            let cfg = self.cfg.lock().expect("poisoned");
+            let cfg = self.cfg.load();
             (cfg.policy, cfg.health.passive)
         };
         match result {
@@ -781,8 +788,8 @@ impl Balancer {
             self.node_kill(&spec);
         }
         if out.from != out.to {
+            // The state file holds the set and the default, which checks never change.
             self.bump();
-            self.write_state_file();
         }
         out
     }
@@ -928,7 +935,7 @@ impl Balancer {
         if servers.is_empty() {
             return Err(SetError::Empty);
         }
-        let listen = self.cfg.lock().expect("poisoned").listen.clone();
+        let listen = self.cfg.load().listen.clone();
         validate_server_set(servers, default, &listen)?;
         let servers: Vec<String> = servers.iter().map(|s| normalize(s)).collect();
         let default = default.map(normalize);
@@ -1089,29 +1096,29 @@ impl Balancer {
         }
     }
 
-    fn write_state_file(&self) {
-        let Some(path) = self.cfg.lock().expect("poisoned").state_file.clone() else {
-            return;
-        };
-        let state = {
-            let inner = self.lock();
-            StateFile {
-                servers: inner
-                    .servers
-                    .iter()
-                    .filter(|s| s.in_set)
-                    .map(|s| s.spec.clone())
-                    .collect(),
-                default: inner
-                    .servers
-                    .iter()
-                    .find(|s| s.is_default)
-                    .map(|s| s.spec.clone()),
-            }
-        };
-        if read_state_file(&path).ok().flatten().as_ref() == Some(&state) {
-            return;
+    /// The set and default as the state file records them.
+    fn state(&self) -> StateFile {
+        let inner = self.lock();
+        StateFile {
+            servers: inner
+                .servers
+                .iter()
+                .filter(|s| s.in_set)
+                .map(|s| s.spec.clone())
+                .collect(),
+            default: inner
+                .servers
+                .iter()
+                .find(|s| s.is_default)
+                .map(|s| s.spec.clone()),
         }
+    }
+
+    fn write_state_file(&self) {
+        let Some(path) = self.cfg.load().state_file.clone() else {
+            return;
+        };
+        let state = self.state();
         if let Err(e) = write_state_file(&path, &state) {
             warn!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file");
         }

@@ -226,7 +226,8 @@ impl Shared {
 
     /// Run one check of `server` now (a ping over its tunnel when one is kept) and record it.
     async fn run_check(self: Arc<Self>, balancer: Arc<Balancer>, server: String) -> bool {
-        let cfg = balancer.config().health;
+        let config = balancer.config();
+        let cfg = &config.health;
         let _inflight = self.metrics.inflight_guard();
         let start = Instant::now();
         let result = match (cfg.kind, self.tunnels.ping(&balancer.name, &server)) {
@@ -339,7 +340,8 @@ impl HealthService {
 /// Passive signal from the proxy: `server` reset an established connection. With
 /// `health.passive`, every `passive_reset_limit` consecutive resets count as a failed check.
 pub fn record_server_reset(balancer: &Arc<Balancer>, server: &str) {
-    let health = balancer.config().health;
+    let config = balancer.config();
+    let health = &config.health;
     if health.passive {
         debug!(balancer = %balancer.name, server, "server reset a connection; counting toward passive_reset_limit");
         balancer.record_passive_reset(server, health.passive_reset_limit);
@@ -362,7 +364,8 @@ impl Scheduler {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Instant)>();
         let mut changed = self.balancer.changed.subscribe();
         loop {
-            let cfg = self.balancer.config().health;
+            let config = self.balancer.config();
+            let cfg = &config.health;
             self.balancer.expire_drains();
             let statuses: Vec<ServerStatus> = self
                 .balancer
@@ -413,7 +416,8 @@ impl Scheduler {
                 }
                 Some((spec, started)) = done_rx.recv() => {
                     self.running.remove(&spec);
-                    let cfg = self.balancer.config().health;
+                    let config = self.balancer.config();
+            let cfg = &config.health;
                     if let Some(st) = self.balancer.status().into_iter().find(|s| s.address == spec) {
                         self.due.insert(spec, started + jittered(next_interval(&cfg, &st)));
                     }

@@ -591,7 +591,7 @@ pub fn reload_config(
                 .push(format!("balancer {} listen", nb.name));
             nb.listen.clone_from(&current.listen);
         }
-        if current == *nb {
+        if *current == *nb {
             summary.unchanged.push(nb.name.clone());
             continue;
         }
@@ -604,7 +604,12 @@ pub fn reload_config(
     new.admin.listen = old.admin.listen;
     new.admin.unix_socket.clone_from(&old.admin.unix_socket);
     new.datapath = old.datapath.clone();
-    new.balancers = daemon.balancers.load().iter().map(|b| b.config()).collect();
+    new.balancers = daemon
+        .balancers
+        .load()
+        .iter()
+        .map(|b| (*b.config()).clone())
+        .collect();
     daemon.config.store(Arc::new(new));
     Ok(summary)
 }
