@@ -234,7 +234,7 @@ impl Shared {
             (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
                 .await
                 .unwrap_or(Err(CheckError::PongTimeout(cfg.timeout.0))),
-            _ => check_once(&cfg, &server).await,
+            _ => check_once(cfg, &server).await,
         };
         self.record(&balancer, &server, result, start.elapsed())
     }
@@ -380,7 +380,7 @@ impl Scheduler {
             if cfg.loop_enabled && cfg.kind == CheckKind::Tunnel {
                 self.shared
                     .tunnels
-                    .ensure(&self.shared, &self.balancer, &specs, &cfg);
+                    .ensure(&self.shared, &self.balancer, &specs, cfg);
             } else {
                 self.shared.tunnels.stop(&self.balancer.name);
             }
@@ -392,7 +392,7 @@ impl Scheduler {
                     let due = *self
                         .due
                         .entry(st.address.clone())
-                        .or_insert_with(|| first_due(&self.balancer, &cfg, st, now));
+                        .or_insert_with(|| first_due(&self.balancer, cfg, st, now));
                     if due <= now {
                         self.running.insert(st.address.clone());
                         let service = self.service.clone();
@@ -419,7 +419,7 @@ impl Scheduler {
                     let config = self.balancer.config();
             let cfg = &config.health;
                     if let Some(st) = self.balancer.status().into_iter().find(|s| s.address == spec) {
-                        self.due.insert(spec, started + jittered(next_interval(&cfg, &st)));
+                        self.due.insert(spec, started + jittered(next_interval(cfg, &st)));
                     }
                 }
                 _ = changed.changed() => {}
