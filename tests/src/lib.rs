@@ -260,6 +260,16 @@ impl Host {
         bail!("no free test subnet in 198.18.0.0/15")
     }
 
+    /// A new host already serving `lbt` on `port` as `name`.
+    ///
+    /// # Errors
+    /// As [`Host::new`] and [`Host::serve`].
+    pub fn serving(port: u16, name: &str) -> Result<Host> {
+        let mut h = Host::new()?;
+        h.serve(port, name)?;
+        Ok(h)
+    }
+
     /// Run a command inside the namespace.
     ///
     /// # Errors
@@ -356,6 +366,23 @@ impl Drop for Host {
         let _ = sh("ip", &["link", "del", &self.veth]);
         let _ = sh("ip", &["netns", "del", &self.ns]);
     }
+}
+
+/// `n` hosts serving `lbt` on `port`, host `i` named `name(i)`.
+///
+/// # Errors
+/// As [`Host::serving`].
+pub fn serving_hosts(n: usize, port: u16, name: impl Fn(usize) -> String) -> Result<Vec<Host>> {
+    (0..n).map(|i| Host::serving(port, &name(i))).collect()
+}
+
+/// `"ip:port", "ip:port"` of `hosts`, for a TOML array.
+pub fn toml_addrs(hosts: &[Host], port: u16) -> String {
+    hosts
+        .iter()
+        .map(|h| format!("\"{}\"", h.addr(port)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A network namespace for clients (its own loopback, reaching lb over a veth pair).

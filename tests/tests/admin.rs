@@ -754,12 +754,7 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
         return Ok(());
     }
     let _g = serial();
-    let mut hosts = Vec::new();
-    for i in 0..3 {
-        let mut h = Host::new()?;
-        h.serve(9000, &format!("s{i}"))?;
-        hosts.push(h);
-    }
+    let hosts = lb_tests::serving_hosts(3, 9000, |i| format!("s{i}"))?;
     let (la, lbb) = (loopback_addr()?, loopback_addr()?);
     let s: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
     let dir = TempDir::new()?;

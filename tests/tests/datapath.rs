@@ -20,12 +20,7 @@ struct Setup {
 impl Setup {
     /// `n` hosts each serving on port 9000, lb in `mode` listening on a free loopback port.
     fn new(mode: &str, n: usize, extra: &[&str]) -> Result<Setup> {
-        let mut hosts = Vec::new();
-        for i in 0..n {
-            let mut h = Host::new()?;
-            h.serve(9000, &format!("s{i}"))?;
-            hosts.push(h);
-        }
+        let hosts = lb_tests::serving_hosts(n, 9000, |i| format!("s{i}"))?;
         let cg = TestCgroup::new()?;
         let listen: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let mut args = vec![

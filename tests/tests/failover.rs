@@ -62,21 +62,13 @@ impl Setup {
     /// Two hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `extra` health settings;
     /// returns once both servers are PREFERRED, so every new client lands on `s0`.
     fn new(extra: &str) -> Result<Setup> {
-        let mut hosts = Vec::new();
-        for i in 0..2 {
-            let mut h = Host::new()?;
-            h.serve(9000, &format!("s{i}"))?;
-            hosts.push(h);
-        }
+        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
         let cg = TestCgroup::new()?;
         let port = free_port()?;
-        let servers: Vec<String> = hosts
-            .iter()
-            .map(|h| format!("\"{}\"", h.addr(9000)))
-            .collect();
+        let servers = lb_tests::toml_addrs(&hosts, 9000);
         let text = CONFIG
             .replace("{port}", &port.to_string())
-            .replace("{servers}", &servers.join(", "))
+            .replace("{servers}", &servers)
             .replace("{interval}", &INTERVAL_MS.to_string())
             .replace("{timeout}", &TIMEOUT_MS.to_string())
             .replace("{fall}", &FALL.to_string())
@@ -354,25 +346,17 @@ fn node_scope_destroys_other_processes_connections() -> Result<()> {
     Ok(())
 }
 
-/// `health.loop = false`: after the startup round (which `/readyz` waits for) nothing is
-/// checked by itself; a dial to a server whose result is older than `max_age` checks it first.
+/// `health.loop = false`: nothing is checked by itself, not even at startup; a dial to a server
+/// whose result is older than `max_age` (or that was never checked) checks it first.
 #[test]
 fn loop_off_checks_only_before_a_dial() -> Result<()> {
     if skip_unless_root("loop_off_checks_only_before_a_dial") {
         return Ok(());
     }
-    let mut hosts = Vec::new();
-    for i in 0..2 {
-        let mut h = Host::new()?;
-        h.serve(9000, &format!("s{i}"))?;
-        hosts.push(h);
-    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let cg = TestCgroup::new()?;
     let port = free_port()?;
-    let servers: Vec<String> = hosts
-        .iter()
-        .map(|h| format!("\"{}\"", h.addr(9000)))
-        .collect();
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
     let text = format!(
         r#"
 [[balancer]]
@@ -385,7 +369,7 @@ loop = false
 interval = "100ms"
 max_age = "1s"
 "#,
-        servers.join(", ")
+        servers
     );
     let config =
         std::env::temp_dir().join(format!("lb-loopoff-{}-{port}.toml", std::process::id()));

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, http_request, skip_unless_root};
+use lb_tests::{Holder, Lb, Place, TestCgroup, free_port, http_request, skip_unless_root};
 
 fn state_of(lb: &Lb, server: &str) -> Result<String> {
     let st = lb.status()?;
@@ -59,12 +59,7 @@ fn k3s_failover_failback_and_set_change() -> Result<()> {
     if skip_unless_root("k3s_failover_failback_and_set_change") {
         return Ok(());
     }
-    let mut hosts = Vec::new();
-    for i in 1..=3 {
-        let mut h = Host::new()?;
-        h.serve(6443, &format!("s{i}"))?;
-        hosts.push(h);
-    }
+    let hosts = lb_tests::serving_hosts(3, 6443, |i| format!("s{}", i + 1))?;
     let addr: Vec<String> = hosts.iter().map(|h| h.addr(6443).to_string()).collect();
     let cg = TestCgroup::new()?;
     let dir = std::env::temp_dir().join(format!("lb-k3s-{}", std::process::id()));

@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, run_client, sh};
+use lb_tests::{Holder, Lb, Place, TestCgroup, free_port, run_client, sh};
 
 use crate::util::root;
 
@@ -67,22 +67,21 @@ pub fn run() -> Result<()> {
         "the demo needs root (network namespaces, BPF)"
     );
     step("three test hosts in network namespaces (198.18.0.0/15), each serving on :6443");
-    let mut hosts = Vec::new();
-    for i in 1..=3 {
-        let mut h = Host::new()?;
-        h.serve(6443, &format!("apiserver-{i}"))?;
-        println!("   apiserver-{i} at {} (netns {})", h.addr(6443), h.ns);
-        hosts.push(h);
+    let hosts = lb_tests::serving_hosts(3, 6443, |i| format!("apiserver-{}", i + 1))?;
+    for (i, h) in hosts.iter().enumerate() {
+        println!(
+            "   apiserver-{} at {} (netns {})",
+            i + 1,
+            h.addr(6443),
+            h.ns
+        );
     }
     let cg = TestCgroup::new()?;
     let port = free_port()?;
-    let servers: Vec<String> = hosts
-        .iter()
-        .map(|h| format!("\"{}\"", h.addr(6443)))
-        .collect();
+    let servers = lb_tests::toml_addrs(&hosts, 6443);
     let cfg = CONFIG
         .replace("{port}", &port.to_string())
-        .replace("{servers}", &servers.join(", "));
+        .replace("{servers}", &servers);
     let cfg_path = std::env::temp_dir().join(format!("lb-demo-{}.toml", std::process::id()));
     std::fs::write(&cfg_path, &cfg)?;
     step(&format!(
