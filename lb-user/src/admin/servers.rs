@@ -59,9 +59,6 @@ pub(super) async fn set(
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     let req: SetServersRequest = parse_body(&body)?;
-    if req.servers.is_empty() {
-        return Err(ApiError::bad_request(SetError::Empty.to_string()));
-    }
     let changed = b
         .set_servers(&req.servers, req.default.as_deref())
         .map_err(set_error)?;
