@@ -366,14 +366,6 @@ impl Datapath {
         Ok(())
     }
 
-    /// Remove a listener address.
-    pub fn remove_listener(&self, addr: SocketAddr) {
-        let mut map = self.listeners.lock().expect("poisoned");
-        for key in listener_keys(addr) {
-            let _ = map.remove(&key);
-        }
-    }
-
     /// Find the client socket's netns cookie for an accepted connection; `None` when sockops did
     /// not register it (client outside the cgroup) or the tuple is ambiguous across namespaces.
     pub fn client_key(&self, peer: SocketAddr, local: SocketAddr) -> Option<SockKey> {
@@ -512,11 +504,6 @@ impl Datapath {
             }
         }
         out
-    }
-
-    /// Number of paired connections now.
-    pub fn paired(&self) -> usize {
-        self.pairs.lock().expect("poisoned").len()
     }
 
     /// Serve credit refresh requests on a dedicated thread until `cancel` fires: for each, read

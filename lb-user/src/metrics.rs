@@ -4,7 +4,7 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, atomic::AtomicU64},
+    sync::{Arc, Mutex},
 };
 
 use prometheus_client::{
@@ -366,6 +366,3 @@ impl Drop for InflightGuard {
         self.gauge.dec();
     }
 }
-
-/// Counter type used for byte counts.
-pub type ByteCounter = Counter<u64, AtomicU64>;
