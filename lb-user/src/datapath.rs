@@ -433,22 +433,13 @@ impl Datapath {
     }
 
     /// Publish how many bytes lb has copied from the accepted socket to the server socket.
-    ///
-    /// The program only compares `copied` with the bytes it passed, so a count below that is not
-    /// worth publishing: one map lookup decides, and the queue read and map update happen only
-    /// when lb has caught up (the moment redirecting may start again).
     pub fn set_copied(&self, pair: &Pair, copied: u64) {
-        let Some(flow) = self.flow(&pair.key) else {
-            return;
-        };
         let mut ctl = pair.ctl.lock().expect("poisoned");
         ctl.copied = copied;
-        if flow.passed != copied {
-            return;
-        }
         // lb's own writes share the server socket with the redirected bytes: recompute the credit
         // from the socket's queue so that both together stay within the bound.
-        pair.grant(&mut ctl, flow.redirected);
+        let redirected = self.flow(&pair.key).map_or(0, |f| f.redirected);
+        pair.grant(&mut ctl, redirected);
         if let Err(e) = self
             .pairs_map
             .lock()
