@@ -30,6 +30,17 @@ pub const MAP_STATS: &str = "LB_STATS";
 /// Ring buffer of [`RefreshRequest`]s: the sk_msg program asks lb for more redirect credit.
 pub const MAP_REFRESH: &str = "LB_REFRESH";
 
+/// Globals of the sk_msg program that lb sets at load time: byte offsets (`u32`) of the kernel
+/// struct fields on the way from a socket to its file's flags, read from the running kernel's BTF
+/// so one object file fits every kernel build. `struct sock::sk_socket`.
+pub const GLOBAL_OFF_SK_SOCKET: &str = "LB_OFF_SK_SOCKET";
+/// `struct socket::file`.
+pub const GLOBAL_OFF_SOCKET_FILE: &str = "LB_OFF_SOCKET_FILE";
+/// `struct file::f_flags`.
+pub const GLOBAL_OFF_F_FLAGS: &str = "LB_OFF_F_FLAGS";
+/// `O_NONBLOCK` in `struct file::f_flags` (x86, arm64 and most architectures; `<fcntl.h>`).
+pub const O_NONBLOCK: u32 = 0o4000;
+
 /// Every map name, for the ELF check.
 pub const MAP_NAMES: [&str; 8] = [
     MAP_LISTENERS,
@@ -147,7 +158,8 @@ pub enum PassReason {
     Unpaired = 0,
     /// lb has not copied every byte that took the copy path yet (the counting rule).
     Catchup = 1,
-    /// The server socket's queue is at `max_buffered_bytes` (no credit left).
+    /// The server socket's queue is at `max_buffered_bytes` (no credit left) and the client
+    /// socket is non-blocking.
     Credit = 2,
     /// `bpf_msg_redirect_hash` failed (server socket gone from the map).
     RedirectError = 3,
@@ -190,8 +202,11 @@ pub struct BalancerStats {
     pub registered: u64,
     /// Credit refresh requests sent to lb.
     pub refresh_requests: u64,
+    /// Sends of blocking clients redirected without credit: the kernel makes such a client wait
+    /// for room in the server socket, as on a direct connection.
+    pub blocking_redirects: u64,
 }
-const _: () = assert!(size_of::<BalancerStats>() == 64);
+const _: () = assert!(size_of::<BalancerStats>() == 72);
 
 /// A request from the sk_msg program for more redirect credit on one connection.
 #[repr(C)]

@@ -6,23 +6,30 @@
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule from
 //!   DESIGN.md), it redirects the client's sends straight to the server socket's egress, within
-//!   the credit lb granted (the bound on bytes queued toward the server).
+//!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
+//!   (its file lacks `O_NONBLOCK`) is redirected past the credit too: the kernel then makes it
+//!   wait for room in the server socket, whose send buffer (`max_buffered_bytes`) bounds the
+//!   queue, exactly as a direct connection would. Only a non-blocking client must take the copy
+//!   path when the credit runs out: a redirected non-blocking send into a full server socket
+//!   returns `EAGAIN` while the client's own socket still polls writable, so it would busy-spin.
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs).
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs;
+//! `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg need 5.9 and `CAP_PERFMON`).
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, sk_action},
-    helpers::bpf_get_netns_cookie,
+    cty::c_void,
+    helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
     macros::{map, sk_msg, sock_ops},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
     programs::{SkMsgContext, SockOpsContext},
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAX_BALANCERS, MAX_CONNECTIONS,
-    MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS, PairCtl, PassReason, REFRESH_RING_BYTES,
-    RefreshRequest, SockKey,
+    MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PairCtl, PassReason,
+    REFRESH_RING_BYTES, RefreshRequest, SockKey,
 };
 
 #[map(name = "LB_LISTENERS")]
@@ -48,6 +55,15 @@ static LB_STATS: PerCpuArray<BalancerStats> = PerCpuArray::with_max_entries(MAX_
 
 #[map(name = "LB_REFRESH")]
 static LB_REFRESH: RingBuf = RingBuf::with_byte_size(REFRESH_RING_BYTES, 0);
+
+// Kernel struct field offsets (bytes), set by lb at load time from the running kernel's BTF
+// (names in lb_common::GLOBAL_OFF_*); read with read_volatile so the placeholders never fold.
+#[unsafe(no_mangle)]
+static LB_OFF_SK_SOCKET: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_SOCKET_FILE: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_F_FLAGS: u32 = 0;
 
 const SK_PASS: u32 = sk_action::SK_PASS;
 
@@ -197,16 +213,22 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     let ctl = unsafe { LB_PAIRS.get(&key) }.copied();
     let reason = match ctl {
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
+            let past_credit = flow.redirected + size > ctl.credit_end;
             if ctl.copied != flow.passed {
                 PassReason::Catchup
-            } else if flow.redirected + size > ctl.credit_end {
+            } else if past_credit && {
                 ask_refresh(&key, flow, ctl.credit_end, stats);
+                !client_blocks(ctx)
+            } {
                 PassReason::Credit
             } else if LB_SERVERS.redirect_msg(ctx, key, 0) as u32 == SK_PASS {
                 flow.redirected += size;
                 if let Some(stats) = stats {
                     // SAFETY: per-CPU slot.
-                    unsafe { (*stats).redirected_bytes += size };
+                    unsafe {
+                        (*stats).redirected_bytes += size;
+                        (*stats).blocking_redirects += u64::from(past_credit);
+                    }
                 }
                 if flow.redirected >= ctl.refresh_at {
                     ask_refresh(&key, flow, ctl.refresh_at, stats);
@@ -246,6 +268,48 @@ fn ask_refresh(key: &SockKey, flow: &mut FlowState, mark: u64, stats: Option<*mu
             unsafe { (*stats).refresh_requests += 1 };
         }
     }
+}
+
+/// Read a `T` at `base + off` in kernel memory; `None` when the read faults.
+#[inline(always)]
+fn read_kernel<T>(base: *const u8, off: u32) -> Option<T> {
+    // SAFETY: bpf_probe_read_kernel checks the address and fails instead of faulting.
+    unsafe { bpf_probe_read_kernel(base.wrapping_add(off as usize).cast::<T>()) }.ok()
+}
+
+/// Whether the sending client's socket is blocking: its file lacks `O_NONBLOCK`
+/// (`sock->sk_socket->file->f_flags`, offsets from the kernel's BTF). Such a client may be
+/// redirected into a full server socket, where the kernel makes it wait for room. Any read that
+/// fails counts as non-blocking (the safe answer: the send takes the copy path).
+#[inline(always)]
+fn client_blocks(ctx: &SkMsgContext) -> bool {
+    // SAFETY: one 8-byte load of sk_msg_md.sk, which the verifier types as the sending socket.
+    let sk =
+        unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.msg).__bindgen_anon_3.sk)) };
+    if sk.is_null() {
+        return false;
+    }
+    // SAFETY: sk is the sending socket, alive for this call; the helper returns null for
+    // anything but a TCP socket.
+    let tp = unsafe { bpf_skc_to_tcp_sock(sk.cast::<c_void>()) } as *const u8;
+    if tp.is_null() {
+        return false;
+    }
+    // SAFETY: reading the globals lb set at load time.
+    let (off_socket, off_file, off_flags) = unsafe {
+        (
+            core::ptr::read_volatile(&LB_OFF_SK_SOCKET),
+            core::ptr::read_volatile(&LB_OFF_SOCKET_FILE),
+            core::ptr::read_volatile(&LB_OFF_F_FLAGS),
+        )
+    };
+    let Some(socket) = read_kernel::<u64>(tp, off_socket).filter(|&p| p != 0) else {
+        return false;
+    };
+    let Some(file) = read_kernel::<u64>(socket as *const u8, off_file).filter(|&p| p != 0) else {
+        return false;
+    };
+    read_kernel::<u32>(file as *const u8, off_flags).is_some_and(|f| f & O_NONBLOCK == 0)
 }
 
 #[cfg(not(test))]

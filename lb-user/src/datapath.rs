@@ -20,10 +20,10 @@ use aya::{
     programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps},
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAP_CLIENTS, MAP_FLOWS,
-    MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, MODE_PASS,
-    MODE_REDIRECT, NETNS_AMBIGUOUS, PASS_REASONS, PROG_SK_MSG, PROG_SOCKOPS, PairCtl,
-    RefreshRequest, SockKey,
+    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
+    GLOBAL_OFF_SOCKET_FILE, ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS,
+    MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, MODE_PASS, MODE_REDIRECT, NETNS_AMBIGUOUS,
+    PASS_REASONS, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, RefreshRequest, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -54,6 +54,9 @@ pub enum DatapathError {
     /// The kernel lacks a program type, map type or helper.
     #[error("kernel lacks the {0}")]
     MissingFeature(&'static str),
+    /// The kernel's BTF (for the struct offsets the sk_msg program reads) is unusable.
+    #[error("kernel BTF: {0}")]
+    KernelBtf(String),
     /// The object could not be loaded.
     #[error("loading the BPF object failed")]
     Load(#[source] aya::EbpfError),
@@ -144,6 +147,16 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
             H::BPF_FUNC_msg_redirect_hash,
             "bpf_msg_redirect_hash",
         ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_skc_to_tcp_sock,
+            "bpf_skc_to_tcp_sock in sk_msg (5.9+, CAP_PERFMON)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_probe_read_kernel,
+            "bpf_probe_read_kernel in sk_msg (5.5+, CAP_PERFMON)",
+        ),
     ] {
         if !sys::is_helper_supported(ty, helper).unwrap_or(false) {
             return Err(DatapathError::MissingFeature(name));
@@ -165,6 +178,8 @@ pub struct SpliceStats {
     pub registered: u64,
     /// Credit refresh requests.
     pub refresh_requests: u64,
+    /// Sends of blocking clients redirected past the credit (the kernel made them wait).
+    pub blocking_redirects: u64,
 }
 
 /// Build the map key of a client connection from lb's accepted socket: `peer` is the client's
@@ -282,7 +297,14 @@ impl Datapath {
             return Err(DatapathError::NotCgroup2(cgroup));
         }
         probe_kernel()?;
-        let mut ebpf = Ebpf::load(EBPF_OBJ).map_err(DatapathError::Load)?;
+        let offsets = crate::kbtf::sock_offsets(Path::new(crate::kbtf::VMLINUX_BTF))
+            .map_err(DatapathError::KernelBtf)?;
+        let mut ebpf = aya::EbpfLoader::new()
+            .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
+            .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
+            .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
+            .load(EBPF_OBJ)
+            .map_err(DatapathError::Load)?;
 
         let take = |ebpf: &mut Ebpf, name: &'static str| {
             ebpf.take_map(name).ok_or(DatapathError::Missing(name))
@@ -492,6 +514,7 @@ impl Datapath {
                 }
                 out.registered += v.registered;
                 out.refresh_requests += v.refresh_requests;
+                out.blocking_redirects += v.blocking_redirects;
             }
         }
         out

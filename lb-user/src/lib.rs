@@ -10,6 +10,7 @@ pub mod config;
 pub mod daemon;
 pub mod datapath;
 pub mod health;
+pub mod kbtf;
 pub mod kill;
 pub mod metrics;
 pub mod proxy;

@@ -111,6 +111,9 @@ pub struct Metrics {
     pub copied_bytes: Family<DirectionLabels, Counter>,
     /// `lb_splice_fallbacks_total`: sends that took the copy path in a spliced connection.
     pub splice_fallbacks: Family<FallbackLabels, Counter>,
+    /// `lb_splice_blocking_redirects_total`: sends of blocking clients redirected while the
+    /// server socket had no credit left (the kernel made the client wait for room).
+    pub splice_blocking_redirects: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_inflight_checks`.
@@ -201,6 +204,12 @@ impl Metrics {
             "Client sends that took the copy path instead of the splice, by reason",
             splice_fallbacks.clone(),
         );
+        let splice_blocking_redirects = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "splice_blocking_redirects",
+            "Sends of blocking clients spliced while the server socket was full (the kernel made the client wait, as on a direct connection)",
+            splice_blocking_redirects.clone(),
+        );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
         registry.register(
             "datapath_info",
@@ -231,6 +240,7 @@ impl Metrics {
             spliced_bytes,
             copied_bytes,
             splice_fallbacks,
+            splice_blocking_redirects,
             datapath_info,
             inflight_checks,
             connections_total,
@@ -295,6 +305,18 @@ impl Metrics {
                         direction: "server_to_client".into(),
                     })
                     .get();
+                let key = (b.name.clone(), "blocking_redirects".to_string());
+                let prev = self
+                    .last_kernel
+                    .lock()
+                    .expect("poisoned")
+                    .insert(key, st.blocking_redirects)
+                    .unwrap_or(0);
+                self.splice_blocking_redirects
+                    .get_or_create(&BalancerLabel {
+                        balancer: b.name.clone(),
+                    })
+                    .inc_by(st.blocking_redirects.saturating_sub(prev));
                 for r in lb_common::PassReason::ALL {
                     let key = (b.name.clone(), format!("fallback:{}", r.label()));
                     let now = st.pass[r as usize];

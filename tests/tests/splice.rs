@@ -129,7 +129,7 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
         return Ok(());
     }
     let f = Fixture::new("127.0.0.1")?;
-    let (listen, place, h, _lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
+    let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let stall_ms = 3000u64;
     let mut child = client_command(
         &place,
@@ -182,9 +182,82 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
         "queued {max_q} bytes toward the stalled server, bound is {}",
         4 * MIB
     );
+    // A non-blocking client must never be redirected into a full server socket.
+    let waits = lb.metric("lb_splice_blocking_redirects_total", "");
+    ensure!(
+        waits == 0.0,
+        "{waits} sends of an epoll client were redirected without credit"
+    );
+    ensure!(
+        lb.metric("lb_splice_fallbacks_total", "credit") > 0.0,
+        "the epoll client never ran out of credit (was the server stalled?)"
+    );
     eprintln!(
         "held back: client CPU {:.2}% of a core, largest queue toward server {max_q} bytes",
         100.0 * cpu / wall
+    );
+    Ok(())
+}
+
+#[test]
+fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
+    if skip_unless_root("stalled_server_makes_a_blocking_client_wait_in_the_kernel") {
+        return Ok(());
+    }
+    let f = Fixture::new("127.0.0.1")?;
+    let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
+    let stall_ms = 2000u64;
+    let n = 64 * MIB;
+    let mut child = client_command(
+        &place,
+        listen.parse()?,
+        &["up", &n.to_string(), "--stall-ms", &stall_ms.to_string()],
+    )
+    .stdout(Stdio::piped())
+    .spawn()?;
+    let start = Instant::now();
+    let mut max_q = 0;
+    while start.elapsed() < Duration::from_millis(stall_ms - 300) {
+        max_q = max_q.max(send_q_toward(&h.addr(9000).to_string()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        ensure!(
+            Instant::now() < deadline,
+            "blocking client did not finish after the server resumed reading"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output()?;
+    let v: Value = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .context("no output")?,
+    )?;
+    // The client checks the server's byte count and digest of everything it sent.
+    ok(&v)?;
+    ensure!(
+        max_q > 0 && max_q <= 4 * MIB,
+        "queue toward the stalled server peaked at {max_q} bytes; bound is {}",
+        4 * MIB
+    );
+    let waits = lb.metric("lb_splice_blocking_redirects_total", "");
+    ensure!(
+        waits > 0.0,
+        "the blocking client was never redirected into the full server socket"
+    );
+    let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server");
+    let copied = lb.metric("lb_copied_bytes_total", "client_to_server");
+    let sent = n + format!("STALL {stall_ms}\n").len() as u64;
+    ensure!(
+        spliced + copied == sent as f64,
+        "spliced {spliced} + copied {copied} != {sent} sent"
+    );
+    eprintln!(
+        "blocking client held back by the kernel: {waits} waits, largest queue {max_q} bytes, \
+         spliced {spliced} of {sent} bytes"
     );
     Ok(())
 }
