@@ -422,11 +422,14 @@ impl Datapath {
             _pad: 0,
         };
         // The server socket holds at most `limit` bytes (the kernel doubles SO_SNDBUF for its
-        // bookkeeping), which bounds lb's own copies; the credit (3/4 of it) must be what stops
-        // redirecting: when a server socket is full, a redirected non-blocking send fails with
-        // EAGAIN while the client's own socket stays writable and is never woken again (measured
-        // here: the client hangs).
-        let buf = usize::try_from(limit / 2).unwrap_or(usize::MAX);
+        // bookkeeping), which bounds lb's own copies and a blocking client waiting in the kernel;
+        // the buffer is set 64 KiB short of the limit because the kernel checks for room before
+        // each new skb and may pass its buffer by up to one (64 KiB with GSO). The credit (3/4 of
+        // it) must be what stops redirecting a non-blocking client: when a server socket is full,
+        // its redirected send fails with EAGAIN while its own socket stays writable and is never
+        // woken again (measured here: the client hangs).
+        let buf = usize::try_from((limit / 2).saturating_sub(32 * 1024).max(limit / 4))
+            .unwrap_or(usize::MAX);
         if let Err(e) =
             nix::sys::socket::setsockopt(server, nix::sys::socket::sockopt::SndBufForce, &buf)
         {

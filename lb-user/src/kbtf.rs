@@ -189,7 +189,10 @@ mod tests {
             o.sk_socket > 100 && o.sk_socket < 1024 && o.sk_socket.is_multiple_of(8),
             "{o:?}"
         );
-        assert!(o.socket_file < 128 && o.socket_file.is_multiple_of(8), "{o:?}");
+        assert!(
+            o.socket_file < 128 && o.socket_file.is_multiple_of(8),
+            "{o:?}"
+        );
         assert!(o.file_f_flags < 256, "{o:?}");
     }
 

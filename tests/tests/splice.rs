@@ -123,11 +123,12 @@ fn send_q_toward(server: &str) -> u64 {
         .unwrap_or(0)
 }
 
-#[test]
-fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
-    if skip_unless_root("stalled_server_holds_back_an_epoll_client_within_the_bound") {
-        return Ok(());
-    }
+/// Upload 64 MiB from an epoll client to a server that stops reading for 3 s after
+/// `stall_after` bytes; check the client's CPU while held back, the queue toward the server, and
+/// that it was never redirected into the full server socket. Returns the lb it ran against.
+fn epoll_client_held_back(stall_after: u64) -> Result<Fixture> {
+    // Stalling mid-upload: start the data after lb paired the connection, so it is spliced.
+    let pause = if stall_after > 0 { "200" } else { "0" };
     let f = Fixture::new("127.0.0.1")?;
     let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let stall_ms = 3000u64;
@@ -139,6 +140,10 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
             &(64 * MIB).to_string(),
             "--stall-ms",
             &stall_ms.to_string(),
+            "--stall-after",
+            &stall_after.to_string(),
+            "--pause-ms",
+            pause,
         ],
     )
     .stdout(Stdio::piped())
@@ -188,13 +193,39 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
         waits == 0.0,
         "{waits} sends of an epoll client were redirected without credit"
     );
-    ensure!(
-        lb.metric("lb_splice_fallbacks_total", "credit") > 0.0,
-        "the epoll client never ran out of credit (was the server stalled?)"
-    );
     eprintln!(
-        "held back: client CPU {:.2}% of a core, largest queue toward server {max_q} bytes",
+        "held back (stall after {stall_after} bytes): client CPU {:.2}% of a core, largest \
+         queue toward server {max_q} bytes",
         100.0 * cpu / wall
+    );
+    Ok(f)
+}
+
+#[test]
+fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
+    if skip_unless_root("stalled_server_holds_back_an_epoll_client_within_the_bound") {
+        return Ok(());
+    }
+    // Stalled from the first byte: the client never catches the splice; the copy path's TCP
+    // flow control holds it.
+    epoll_client_held_back(0)?;
+    Ok(())
+}
+
+#[test]
+fn stall_mid_splice_sends_an_epoll_client_to_the_copy_path() -> Result<()> {
+    if skip_unless_root("stall_mid_splice_sends_an_epoll_client_to_the_copy_path") {
+        return Ok(());
+    }
+    // Stalled after 16 MiB, while spliced: the credit runs out and its sends take the copy path.
+    let f = epoll_client_held_back(16 * MIB)?;
+    ensure!(
+        f.lb.metric("lb_splice_fallbacks_total", "credit") > 0.0,
+        "the epoll client never ran out of credit"
+    );
+    ensure!(
+        f.lb.metric("lb_spliced_bytes_total", "client_to_server") >= (16 * MIB) as f64,
+        "the first 16 MiB were not spliced"
     );
     Ok(())
 }
@@ -208,10 +239,21 @@ fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
     let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let stall_ms = 2000u64;
     let n = 64 * MIB;
+    let after = 16 * MIB;
+    // The server stops reading after 16 MiB, while the connection is spliced.
     let mut child = client_command(
         &place,
         listen.parse()?,
-        &["up", &n.to_string(), "--stall-ms", &stall_ms.to_string()],
+        &[
+            "up",
+            &n.to_string(),
+            "--stall-ms",
+            &stall_ms.to_string(),
+            "--stall-after",
+            &after.to_string(),
+            "--pause-ms",
+            "200",
+        ],
     )
     .stdout(Stdio::piped())
     .spawn()?;
@@ -250,7 +292,7 @@ fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
     );
     let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server");
     let copied = lb.metric("lb_copied_bytes_total", "client_to_server");
-    let sent = n + format!("STALL {stall_ms}\n").len() as u64;
+    let sent = n + format!("STALL {stall_ms} {after}\n").len() as u64;
     ensure!(
         spliced + copied == sent as f64,
         "spliced {spliced} + copied {copied} != {sent} sent"
@@ -380,5 +422,70 @@ fn restart_leaves_no_duplicate_programs() -> Result<()> {
         sockops_on(&cg) == 1,
         "expected exactly one sockops program after SIGKILL and restart"
     );
+    Ok(())
+}
+
+#[test]
+fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
+    if skip_unless_root("kill_releases_a_blocking_client_waiting_in_the_kernel") {
+        return Ok(());
+    }
+    let f = Fixture::new("127.0.0.1")?;
+    let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
+    // The server reads 16 MiB (the splice is running by then), then nothing for 30 s: the
+    // client ends up asleep in a redirected send.
+    let mut child = client_command(
+        &place,
+        listen.parse()?,
+        &[
+            "up",
+            &(256 * MIB).to_string(),
+            "--stall-ms",
+            "30000",
+            "--stall-after",
+            &(16 * MIB).to_string(),
+            "--pause-ms",
+            "200",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while lb.metric("lb_splice_blocking_redirects_total", "") == 0.0 {
+        ensure!(
+            Instant::now() < deadline,
+            "the blocking client never waited in the kernel"
+        );
+        ensure!(child.try_wait()?.is_none(), "client ended early");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Let it fall asleep on the full server socket, then kill its connection.
+    std::thread::sleep(Duration::from_millis(300));
+    let server = h.addr(9000).to_string();
+    let (code, body) = lb_tests::http_request(
+        lb.admin,
+        "POST",
+        &format!("/balancers/default/servers/{server}/kill"),
+        None,
+    )?;
+    ensure!(code == 200, "kill answered {code}: {body}");
+    let killed = Instant::now();
+    while child.try_wait()?.is_none() {
+        ensure!(
+            killed.elapsed() < Duration::from_secs(5),
+            "the client still hangs 5 s after its connection was killed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let released = killed.elapsed();
+    let out = child.wait_with_output()?;
+    let v: Value = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .context("no output")?,
+    )?;
+    ensure!(v["ok"] == false, "a killed upload reported success: {v}");
+    eprintln!("blocking client released {released:?} after the kill: {v}");
     Ok(())
 }

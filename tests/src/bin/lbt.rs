@@ -8,6 +8,7 @@
 //! - `ONCE <n>\n` → read n bytes, echo them, close first (the server holds TIME_WAIT, so
 //!   clients making many short connections do not run out of ports).
 //! - `STALL <ms>\n` → read nothing for ms, then as `UP`.
+//! - `STALL <ms> <after>\n` → as `UP`, but stop reading for ms once `after` bytes have arrived.
 //! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
 //!
 //! Client commands print one JSON object per line on stdout. Blocking reads retry on
@@ -59,6 +60,13 @@ enum Action {
         /// Ask the server to stall reading for this many ms first.
         #[arg(long)]
         stall_ms: Option<u64>,
+        /// With `--stall-ms`: the server stalls only after this many bytes.
+        #[arg(long, default_value_t = 0)]
+        stall_after: u64,
+        /// Wait this long after the head line before the data (lets lb pair the connection
+        /// first, so the data starts on the splice).
+        #[arg(long, default_value_t = 0)]
+        pause_ms: u64,
     },
     /// Download n bytes and check them.
     Down {
@@ -91,6 +99,12 @@ enum Action {
         n: u64,
         #[arg(long)]
         stall_ms: Option<u64>,
+        /// With `--stall-ms`: the server stalls only after this many bytes.
+        #[arg(long, default_value_t = 0)]
+        stall_after: u64,
+        /// Wait this long after the head line before the data.
+        #[arg(long, default_value_t = 0)]
+        pause_ms: u64,
     },
     /// Bulk transfer on `conns` parallel connections, n bytes each, checked; `dir` is `up` or
     /// `down`. Reports the total bytes and the wall time until the last one finished.
@@ -210,10 +224,14 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
     reader.read_line(&mut line)?;
     let words: Vec<&str> = line.split_whitespace().collect();
     match words.as_slice() {
-        ["UP"] => sink(&mut reader, &mut w),
+        ["UP"] => sink(&mut reader, &mut w, None),
         ["STALL", ms] => {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
-            sink(&mut reader, &mut w)
+            sink(&mut reader, &mut w, None)
+        }
+        ["STALL", ms, after] => {
+            let pause = (after.parse().unwrap_or(0), ms.parse().unwrap_or(0));
+            sink(&mut reader, &mut w, Some(pause))
         }
         ["DOWN", n, seed] => {
             let n: u64 = n.parse().unwrap_or(0);
@@ -284,11 +302,29 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
     }
 }
 
-fn sink(reader: &mut impl Read, w: &mut TcpStream) -> io::Result<()> {
+/// Read until EOF and answer with the count and digest; with `pause = (after, ms)`, stop
+/// reading for ms once `after` bytes have arrived.
+fn sink(
+    reader: &mut impl Read,
+    w: &mut TcpStream,
+    mut pause: Option<(u64, u64)>,
+) -> io::Result<()> {
     let mut d = Digest::default();
     let mut buf = vec![0u8; 256 * 1024];
     loop {
-        let n = read_retry(reader, &mut buf)?;
+        if let Some((after, ms)) = pause
+            && d.count() >= after
+        {
+            std::thread::sleep(Duration::from_millis(ms));
+            pause = None;
+        }
+        let want = match pause {
+            Some((after, _)) => {
+                usize::try_from(after - d.count()).map_or(buf.len(), |l| l.min(buf.len()))
+            }
+            None => buf.len(),
+        };
+        let n = read_retry(reader, &mut buf[..want])?;
         if n == 0 {
             break;
         }
@@ -335,10 +371,13 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             chunk,
             seed,
             stall_ms,
+            stall_after,
+            pause_ms,
         } => {
             let mut s = connect(addr)?;
-            let head = stall_ms.map_or_else(|| "UP\n".to_string(), |ms| format!("STALL {ms}\n"));
+            let head = stall_head(stall_ms, stall_after);
             write_retry(&mut s, head.as_bytes())?;
+            std::thread::sleep(Duration::from_millis(pause_ms));
             let mut src = PatternStream::new(seed);
             let mut d = Digest::default();
             let mut buf = vec![0u8; chunk.max(1)];
@@ -471,7 +510,12 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             }
             Ok(json!({"ok": true, "event": "done"}))
         }
-        Action::EpollUp { n, stall_ms } => epoll_up(addr, n, stall_ms),
+        Action::EpollUp {
+            n,
+            stall_ms,
+            stall_after,
+            pause_ms,
+        } => epoll_up(addr, n, (stall_ms, stall_after), pause_ms),
         Action::Bulk { dir, conns, n } => bulk(addr, &dir, conns, n),
         Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
         Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
@@ -523,6 +567,8 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
                                 chunk,
                                 seed,
                                 stall_ms: None,
+                                stall_after: 0,
+                                pause_ms: 0,
                             },
                         )
                     })
@@ -560,6 +606,8 @@ fn bulk(addr: SocketAddr, dir: &str, conns: u32, n: u64) -> io::Result<serde_jso
                     chunk: 65536,
                     seed: u64::from(i) + 1,
                     stall_ms: None,
+                    stall_after: 0,
+                    pause_ms: 0,
                 }
             } else {
                 Action::Down {
@@ -735,7 +783,21 @@ fn cpu_time() -> Duration {
     })
 }
 
-fn epoll_up(addr: SocketAddr, n: u64, stall_ms: Option<u64>) -> io::Result<serde_json::Value> {
+/// The `STALL` head line for a stall of `ms` after `after` bytes (`UP` without a stall).
+fn stall_head(stall_ms: Option<u64>, after: u64) -> String {
+    match stall_ms {
+        None => "UP\n".to_string(),
+        Some(ms) if after > 0 => format!("STALL {ms} {after}\n"),
+        Some(ms) => format!("STALL {ms}\n"),
+    }
+}
+
+fn epoll_up(
+    addr: SocketAddr,
+    n: u64,
+    (stall_ms, stall_after): (Option<u64>, u64),
+    pause_ms: u64,
+) -> io::Result<serde_json::Value> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -743,15 +805,18 @@ fn epoll_up(addr: SocketAddr, n: u64, stall_ms: Option<u64>) -> io::Result<serde
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let mut s = tokio::net::TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
-        let head = stall_ms.map_or_else(|| "UP\n".to_string(), |ms| format!("STALL {ms}\n"));
-        s.write_all(head.as_bytes()).await?;
+        s.write_all(stall_head(stall_ms, stall_after).as_bytes())
+            .await?;
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
         let start = Instant::now();
         let cpu0 = cpu_time();
+        // The stall window starts once `stall_after` bytes are written.
+        let mut window = (stall_after == 0).then_some((start, cpu0));
         let mut src = PatternStream::new(3);
         let mut d = Digest::default();
         let mut buf = vec![0u8; 65536];
         let mut left = n;
-        // CPU used while the server stalls (the first stall_ms of the upload).
+        // CPU used while the server stalls (stall_ms from the window's start).
         let mut stall_cpu = None;
         while left > 0 {
             let k = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
@@ -759,13 +824,14 @@ fn epoll_up(addr: SocketAddr, n: u64, stall_ms: Option<u64>) -> io::Result<serde
             d.update(&buf[..k]);
             s.write_all(&buf[..k]).await?;
             left -= k as u64;
-            if stall_cpu.is_none()
-                && stall_ms.is_some_and(|ms| start.elapsed() >= Duration::from_millis(ms))
+            if window.is_none() && n - left >= stall_after {
+                window = Some((Instant::now(), cpu_time()));
+            }
+            if let Some((w0, c0)) = window
+                && stall_cpu.is_none()
+                && stall_ms.is_some_and(|ms| w0.elapsed() >= Duration::from_millis(ms))
             {
-                stall_cpu = Some((
-                    (cpu_time() - cpu0).as_secs_f64(),
-                    start.elapsed().as_secs_f64(),
-                ));
+                stall_cpu = Some(((cpu_time() - c0).as_secs_f64(), w0.elapsed().as_secs_f64()));
             }
         }
         s.shutdown().await?;
