@@ -441,6 +441,31 @@ async fn relay(
     }
 }
 
+/// Read what `src` has into `buf`. A read shorter than `buf` drained the socket, so its
+/// readiness is cleared at once (as tokio's own `poll_read` does): the next wait goes straight to
+/// epoll instead of first paying a `recv` that returns `EAGAIN`. Data that arrives meanwhile
+/// raises a new readiness event, which the clear leaves alone.
+///
+/// # Errors
+/// The socket's error; `WouldBlock` when nothing was there.
+fn read_draining(src: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read as _;
+    let mut got = None;
+    let r = src.try_io(tokio::io::Interest::READABLE, || {
+        let n = (&*socket2::SockRef::from(src)).read(buf)?;
+        got = Some(n);
+        if n > 0 && n < buf.len() {
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            Ok(n)
+        }
+    });
+    match got {
+        Some(n) => Ok(n),
+        None => r,
+    }
+}
+
 /// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`. An error says
 /// whether it came from `src` (`true`) or `dst`.
 async fn pump(
@@ -462,7 +487,7 @@ async fn pump(
                 scratch.resize(ctx.copy_buffer_bytes, 0);
             }
             let buf = &mut scratch[..ctx.copy_buffer_bytes];
-            let n = src.try_read(buf).map_err(|e| (e, true))?;
+            let n = read_draining(src, buf).map_err(|e| (e, true))?;
             let mut off = 0;
             while off < n {
                 match dst.try_write(&buf[off..n]) {
