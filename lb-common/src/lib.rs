@@ -38,6 +38,14 @@ pub const GLOBAL_OFF_SK_SOCKET: &str = "LB_OFF_SK_SOCKET";
 pub const GLOBAL_OFF_SOCKET_FILE: &str = "LB_OFF_SOCKET_FILE";
 /// `struct file::f_flags`.
 pub const GLOBAL_OFF_F_FLAGS: &str = "LB_OFF_F_FLAGS";
+/// `struct sock::sk_sndtimeo` (a `long`, jiffies).
+pub const GLOBAL_OFF_SNDTIMEO: &str = "LB_OFF_SNDTIMEO";
+/// `u32`, 1 to let blocking clients splice past the credit (`datapath.blocking_splice` and the
+/// kernel features it needs), 0 to treat every client as non-blocking. The verifier drops the
+/// code behind a 0, so kernels without the helpers it calls still load the program.
+pub const GLOBAL_BLOCKING_SPLICE: &str = "LB_BLOCKING_SPLICE";
+/// `MAX_SCHEDULE_TIMEOUT` (`LONG_MAX`): `sk_sndtimeo` of a socket without `SO_SNDTIMEO`.
+pub const MAX_SCHEDULE_TIMEOUT: i64 = i64::MAX;
 /// `O_NONBLOCK` in `struct file::f_flags` (x86, arm64 and most architectures; `<fcntl.h>`).
 pub const O_NONBLOCK: u32 = 0o4000;
 
@@ -202,8 +210,8 @@ pub struct BalancerStats {
     pub registered: u64,
     /// Credit refresh requests sent to lb.
     pub refresh_requests: u64,
-    /// Sends of blocking clients redirected without credit: the kernel makes such a client wait
-    /// for room in the server socket, as on a direct connection.
+    /// Sends of blocking clients redirected past the credit; each waits in the kernel if the
+    /// server socket has no room, as on a direct connection.
     pub blocking_redirects: u64,
 }
 const _: () = assert!(size_of::<BalancerStats>() == 72);

@@ -7,14 +7,17 @@
 //!   its server socket and copied every byte that went the normal way (the counting rule from
 //!   DESIGN.md), it redirects the client's sends straight to the server socket's egress, within
 //!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
-//!   (its file lacks `O_NONBLOCK`) is redirected past the credit too: the kernel then makes it
-//!   wait for room in the server socket, whose send buffer (`max_buffered_bytes`) bounds the
-//!   queue, exactly as a direct connection would. Only a non-blocking client must take the copy
-//!   path when the credit runs out: a redirected non-blocking send into a full server socket
-//!   returns `EAGAIN` while the client's own socket still polls writable, so it would busy-spin.
+//!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
+//!   too: the kernel then makes it wait for room in the server socket, whose send buffer
+//!   (`max_buffered_bytes`) bounds the queue, as a direct connection's send would wait. Only a
+//!   non-blocking client must take the copy path when the credit runs out: a redirected
+//!   non-blocking send into a full server socket returns `EAGAIN` while the client's own socket
+//!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
+//!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs;
-//! `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg need 5.9 and `CAP_PERFMON`).
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The
+//! past-credit redirect also calls `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
+//! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
 #![no_std]
 #![no_main]
 
@@ -28,8 +31,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAX_BALANCERS, MAX_CONNECTIONS,
-    MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PairCtl, PassReason,
-    REFRESH_RING_BYTES, RefreshRequest, SockKey,
+    MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PairCtl,
+    PassReason, REFRESH_RING_BYTES, RefreshRequest, SockKey,
 };
 
 #[map(name = "LB_LISTENERS")]
@@ -64,6 +67,11 @@ static LB_OFF_SK_SOCKET: u32 = 0;
 static LB_OFF_SOCKET_FILE: u32 = 0;
 #[unsafe(no_mangle)]
 static LB_OFF_F_FLAGS: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_SNDTIMEO: u32 = 0;
+// 1 when blocking clients may splice past the credit (lb_common::GLOBAL_BLOCKING_SPLICE).
+#[unsafe(no_mangle)]
+static LB_BLOCKING_SPLICE: u32 = 0;
 
 const SK_PASS: u32 = sk_action::SK_PASS;
 
@@ -277,12 +285,18 @@ fn read_kernel<T>(base: *const u8, off: u32) -> Option<T> {
     unsafe { bpf_probe_read_kernel(base.wrapping_add(off as usize).cast::<T>()) }.ok()
 }
 
-/// Whether the sending client's socket is blocking: its file lacks `O_NONBLOCK`
-/// (`sock->sk_socket->file->f_flags`, offsets from the kernel's BTF). Such a client may be
-/// redirected into a full server socket, where the kernel makes it wait for room. Any read that
-/// fails counts as non-blocking (the safe answer: the send takes the copy path).
+/// Whether the sending client's socket blocks without a time limit: its file lacks `O_NONBLOCK`
+/// (`sock->sk_socket->file->f_flags`) and its `sk_sndtimeo` is `MAX_SCHEDULE_TIMEOUT` (offsets
+/// from the kernel's BTF). Such a client may be redirected into a full server socket, where the
+/// kernel makes it wait for room. Any read that fails counts as non-blocking (the safe answer:
+/// the send takes the copy path). Always false when lb turned the feature off.
 #[inline(always)]
 fn client_blocks(ctx: &SkMsgContext) -> bool {
+    // SAFETY: reading a global lb set at load time (frozen, so the verifier sees a constant and
+    // drops everything below when it is 0).
+    if unsafe { core::ptr::read_volatile(&LB_BLOCKING_SPLICE) } == 0 {
+        return false;
+    }
     // SAFETY: one 8-byte load of sk_msg_md.sk, which the verifier types as the sending socket.
     let sk =
         unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.msg).__bindgen_anon_3.sk)) };
@@ -296,13 +310,18 @@ fn client_blocks(ctx: &SkMsgContext) -> bool {
         return false;
     }
     // SAFETY: reading the globals lb set at load time.
-    let (off_socket, off_file, off_flags) = unsafe {
+    let (off_socket, off_file, off_flags, off_timeo) = unsafe {
         (
             core::ptr::read_volatile(&LB_OFF_SK_SOCKET),
             core::ptr::read_volatile(&LB_OFF_SOCKET_FILE),
             core::ptr::read_volatile(&LB_OFF_F_FLAGS),
+            core::ptr::read_volatile(&LB_OFF_SNDTIMEO),
         )
     };
+    // A send timeout would not apply: the wait happens on lb's server socket.
+    if read_kernel::<i64>(tp, off_timeo) != Some(MAX_SCHEDULE_TIMEOUT) {
+        return false;
+    }
     let Some(socket) = read_kernel::<u64>(tp, off_socket).filter(|&p| p != 0) else {
         return false;
     };

@@ -243,6 +243,11 @@ pub struct DatapathConfig {
     pub max_buffered_bytes: u64,
     /// Size of one userspace copy buffer (bytes); default 256 KiB.
     pub copy_buffer_bytes: usize,
+    /// Let blocking clients keep splicing when the server socket is full (the kernel makes them
+    /// wait for room, as on a direct connection); default true. Turn off for clients that send
+    /// with `MSG_DONTWAIT` on blocking sockets and then poll: the program cannot see per-send
+    /// flags, and such a client would spin while the server socket is full.
+    pub blocking_splice: bool,
 }
 
 impl Default for DatapathConfig {
@@ -252,6 +257,7 @@ impl Default for DatapathConfig {
             cgroup: None,
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             copy_buffer_bytes: 256 * 1024,
+            blocking_splice: true,
         }
     }
 }

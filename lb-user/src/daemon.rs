@@ -108,11 +108,10 @@ pub fn attach_datapath(
     match d.mode {
         DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
         DatapathMode::Bpf => {
-            let dp = Datapath::load(d.cgroup.as_deref(), d.max_buffered_bytes)
-                .context("--datapath bpf: kernel data path unavailable")?;
+            let dp = Datapath::load(d).context("--datapath bpf: kernel data path unavailable")?;
             Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None))
         }
-        DatapathMode::Auto => match Datapath::load(d.cgroup.as_deref(), d.max_buffered_bytes) {
+        DatapathMode::Auto => match Datapath::load(d) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
                 let reason = error_chain(&e);

@@ -20,10 +20,11 @@ use aya::{
     programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps},
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
-    GLOBAL_OFF_SOCKET_FILE, ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS,
-    MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, MODE_PASS, MODE_REDIRECT, NETNS_AMBIGUOUS,
-    PASS_REASONS, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, RefreshRequest, SockKey,
+    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, ListenerKey, MAP_CLIENTS,
+    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, MODE_PASS,
+    MODE_REDIRECT, NETNS_AMBIGUOUS, PASS_REASONS, PROG_SK_MSG, PROG_SOCKOPS, PairCtl,
+    RefreshRequest, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -54,9 +55,6 @@ pub enum DatapathError {
     /// The kernel lacks a program type, map type or helper.
     #[error("kernel lacks the {0}")]
     MissingFeature(&'static str),
-    /// The kernel's BTF (for the struct offsets the sk_msg program reads) is unusable.
-    #[error("kernel BTF: {0}")]
-    KernelBtf(String),
     /// The object could not be loaded.
     #[error("loading the BPF object failed")]
     Load(#[source] aya::EbpfError),
@@ -147,22 +145,34 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
             H::BPF_FUNC_msg_redirect_hash,
             "bpf_msg_redirect_hash",
         ),
-        (
-            ProgramType::SkMsg,
-            H::BPF_FUNC_skc_to_tcp_sock,
-            "bpf_skc_to_tcp_sock in sk_msg (5.9+, CAP_PERFMON)",
-        ),
-        (
-            ProgramType::SkMsg,
-            H::BPF_FUNC_probe_read_kernel,
-            "bpf_probe_read_kernel in sk_msg (5.5+, CAP_PERFMON)",
-        ),
     ] {
         if !sys::is_helper_supported(ty, helper).unwrap_or(false) {
             return Err(DatapathError::MissingFeature(name));
         }
     }
     Ok(())
+}
+
+/// What the past-credit redirect of blocking clients needs beyond the splice itself: the helpers
+/// `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg (`CAP_PERFMON`, no lockdown) and
+/// the kernel's BTF for the struct offsets.
+///
+/// # Errors
+/// The first thing missing, as a sentence for the log.
+fn probe_blocking_splice() -> Result<crate::kbtf::SockOffsets, String> {
+    use aya::{programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for (helper, name) in [
+        (H::BPF_FUNC_skc_to_tcp_sock, "bpf_skc_to_tcp_sock"),
+        (H::BPF_FUNC_probe_read_kernel, "bpf_probe_read_kernel"),
+    ] {
+        if !sys::is_helper_supported(ProgramType::SkMsg, helper).unwrap_or(false) {
+            return Err(format!(
+                "the kernel refuses {name} in sk_msg programs (needs CAP_PERFMON, no lockdown)"
+            ));
+        }
+    }
+    crate::kbtf::sock_offsets(Path::new(crate::kbtf::VMLINUX_BTF))
 }
 
 /// Kernel splice counters of one balancer, summed over CPUs.
@@ -178,7 +188,8 @@ pub struct SpliceStats {
     pub registered: u64,
     /// Credit refresh requests.
     pub refresh_requests: u64,
-    /// Sends of blocking clients redirected past the credit (the kernel made them wait).
+    /// Sends of blocking clients redirected past the credit (each waits in the kernel if the
+    /// server socket has no room).
     pub blocking_redirects: u64,
 }
 
@@ -222,6 +233,8 @@ pub struct Pair {
     key: SockKey,
     server_fd: RawFd,
     ctl: Mutex<PairCtl>,
+    /// The server socket's send buffer as the kernel set it (bytes, at most
+    /// `max_buffered_bytes`).
     limit: u64,
 }
 
@@ -273,13 +286,15 @@ impl std::fmt::Debug for Datapath {
 }
 
 impl Datapath {
-    /// Load the programs, attach sockops to `cgroup` (detected when `None`) with a link and sk_msg
-    /// to the client sockhash.
+    /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
+    /// sk_msg to the client sockhash. `cfg.blocking_splice` is honoured when the kernel allows it;
+    /// otherwise it is turned off alone, with a warning naming why.
     ///
     /// # Errors
     /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
     /// load/attach step that failed.
-    pub fn load(cgroup: Option<&Path>, max_buffered: u64) -> Result<Datapath, DatapathError> {
+    pub fn load(cfg: &crate::config::DatapathConfig) -> Result<Datapath, DatapathError> {
+        let (cgroup, max_buffered) = (cfg.cgroup.as_deref(), cfg.max_buffered_bytes);
         if !nix::unistd::geteuid().is_root() {
             return Err(DatapathError::NotPrivileged);
         }
@@ -297,12 +312,23 @@ impl Datapath {
             return Err(DatapathError::NotCgroup2(cgroup));
         }
         probe_kernel()?;
-        let offsets = crate::kbtf::sock_offsets(Path::new(crate::kbtf::VMLINUX_BTF))
-            .map_err(DatapathError::KernelBtf)?;
+        let offsets = if cfg.blocking_splice {
+            probe_blocking_splice()
+                .inspect_err(|why| {
+                    warn!(reason = %why, "blocking clients will take the copy path when a server socket is full (datapath.blocking_splice off)");
+                })
+                .ok()
+        } else {
+            None
+        };
+        let blocking = u32::from(offsets.is_some());
+        let offsets = offsets.unwrap_or_default();
         let mut ebpf = aya::EbpfLoader::new()
+            .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
             .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
             .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
             .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
+            .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
             .load(EBPF_OBJ)
             .map_err(DatapathError::Load)?;
 
@@ -413,7 +439,27 @@ impl Datapath {
         key: SockKey,
         server: &(impl AsRawFd + std::os::fd::AsFd),
     ) -> Result<Arc<Pair>, DatapathError> {
-        let limit = self.max_buffered;
+        // The server socket holds at most `limit` bytes (the kernel doubles SO_SNDBUF for its
+        // bookkeeping), which bounds lb's own copies and a blocking client waiting in the kernel;
+        // the buffer is set 64 KiB short of the limit because the kernel checks for room before
+        // each new skb and may pass its buffer by up to one (64 KiB with GSO). The credit (3/4 of
+        // the buffer) must be what stops redirecting a non-blocking client: when a server socket
+        // is full, its redirected send fails with EAGAIN while its own socket stays writable and
+        // is never woken again (measured here: the client hangs).
+        let want = (self.max_buffered / 2)
+            .saturating_sub(32 * 1024)
+            .max(self.max_buffered / 4);
+        let buf = usize::try_from(want).unwrap_or(usize::MAX);
+        if let Err(e) =
+            nix::sys::socket::setsockopt(server, nix::sys::socket::sockopt::SndBufForce, &buf)
+        {
+            debug!(error = %e, "SO_SNDBUFFORCE refused; relying on autotuning");
+        }
+        // What the kernel set (twice the request), so the credit never exceeds the real buffer.
+        let limit = nix::sys::socket::getsockopt(server, nix::sys::socket::sockopt::SndBuf)
+            .ok()
+            .and_then(|b| u64::try_from(b).ok())
+            .map_or(want * 2, |b| b.min(self.max_buffered));
         let ctl = PairCtl {
             copied: 0,
             credit_end: limit / 4 * 3,
@@ -421,20 +467,6 @@ impl Datapath {
             mode: MODE_REDIRECT,
             _pad: 0,
         };
-        // The server socket holds at most `limit` bytes (the kernel doubles SO_SNDBUF for its
-        // bookkeeping), which bounds lb's own copies and a blocking client waiting in the kernel;
-        // the buffer is set 64 KiB short of the limit because the kernel checks for room before
-        // each new skb and may pass its buffer by up to one (64 KiB with GSO). The credit (3/4 of
-        // it) must be what stops redirecting a non-blocking client: when a server socket is full,
-        // its redirected send fails with EAGAIN while its own socket stays writable and is never
-        // woken again (measured here: the client hangs).
-        let buf = usize::try_from((limit / 2).saturating_sub(32 * 1024).max(limit / 4))
-            .unwrap_or(usize::MAX);
-        if let Err(e) =
-            nix::sys::socket::setsockopt(server, nix::sys::socket::sockopt::SndBufForce, &buf)
-        {
-            debug!(error = %e, "SO_SNDBUFFORCE refused; relying on autotuning");
-        }
         let pair = Arc::new(Pair {
             key,
             server_fd: server.as_raw_fd(),

@@ -15,6 +15,15 @@ const MAGIC: u16 = 0xeb9f;
 
 // Type kinds (`BTF_KIND_*`).
 const KIND_INT: u32 = 1;
+const KIND_PTR: u32 = 2;
+const KIND_FWD: u32 = 7;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_VOLATILE: u32 = 9;
+const KIND_CONST: u32 = 10;
+const KIND_RESTRICT: u32 = 11;
+const KIND_FUNC: u32 = 12;
+const KIND_FLOAT: u32 = 16;
+const KIND_TYPE_TAG: u32 = 18;
 const KIND_ARRAY: u32 = 3;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
@@ -34,6 +43,8 @@ pub struct SockOffsets {
     pub socket_file: u32,
     /// `struct file::f_flags` (unsigned int, `O_NONBLOCK` among them).
     pub file_f_flags: u32,
+    /// `struct sock::sk_sndtimeo` (long, jiffies; `LONG_MAX` without `SO_SNDTIMEO`).
+    pub sk_sndtimeo: u32,
 }
 
 /// Read [`SockOffsets`] from the BTF file at `path` (normally [`VMLINUX_BTF`]).
@@ -47,6 +58,7 @@ pub fn sock_offsets(path: &Path) -> Result<SockOffsets, String> {
         sk_socket: btf.member_offset("sock", "sk_socket")?,
         socket_file: btf.member_offset("socket", "file")?,
         file_f_flags: btf.member_offset("file", "f_flags")?,
+        sk_sndtimeo: btf.member_offset("sock", "sk_sndtimeo")?,
     })
 }
 
@@ -101,7 +113,10 @@ impl<'a> Btf<'a> {
                 KIND_ARRAY => 12,
                 KIND_STRUCT | KIND_UNION | KIND_DATASEC | KIND_ENUM64 => 12 * vlen,
                 KIND_ENUM | KIND_FUNC_PROTO => 8 * vlen,
-                _ => 0,
+                KIND_PTR | KIND_FWD | KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT
+                | KIND_FUNC | KIND_FLOAT | KIND_TYPE_TAG => 0,
+                // A kind this parser does not know may carry data it would misread as types.
+                other => return Err(format!("unknown BTF kind {other} (newer kernel?)")),
             };
             let composite = if matches!(kind, KIND_STRUCT | KIND_UNION) {
                 let mut members = Vec::with_capacity(vlen);
@@ -176,7 +191,7 @@ mod tests {
     use super::*;
 
     /// Cross-checked by hand with `bpftool btf dump file /sys/kernel/btf/vmlinux format raw`
-    /// (6.18 here: 288, 16, 40); asserted loosely so other kernel builds pass too.
+    /// (6.18 here: 288, 16, 40, 512); asserted loosely so other kernel builds pass too.
     #[test]
     fn running_kernel_offsets() {
         let path = Path::new(VMLINUX_BTF);
@@ -194,6 +209,10 @@ mod tests {
             "{o:?}"
         );
         assert!(o.file_f_flags < 256, "{o:?}");
+        assert!(
+            o.sk_sndtimeo > 100 && o.sk_sndtimeo < 1024 && o.sk_sndtimeo.is_multiple_of(8),
+            "{o:?}"
+        );
     }
 
     #[test]

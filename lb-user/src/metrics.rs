@@ -111,8 +111,8 @@ pub struct Metrics {
     pub copied_bytes: Family<DirectionLabels, Counter>,
     /// `lb_splice_fallbacks_total`: sends that took the copy path in a spliced connection.
     pub splice_fallbacks: Family<FallbackLabels, Counter>,
-    /// `lb_splice_blocking_redirects_total`: sends of blocking clients redirected while the
-    /// server socket had no credit left (the kernel made the client wait for room).
+    /// `lb_splice_blocking_redirects_total`: sends of blocking clients redirected past the credit
+    /// (each waits in the kernel if the server socket has no room).
     pub splice_blocking_redirects: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
@@ -207,7 +207,7 @@ impl Metrics {
         let splice_blocking_redirects = Family::<BalancerLabel, Counter>::default();
         registry.register(
             "splice_blocking_redirects",
-            "Sends of blocking clients spliced while the server socket was full (the kernel made the client wait, as on a direct connection)",
+            "Sends of blocking clients spliced past the credit; each waits in the kernel if the server socket has no room, as on a direct connection",
             splice_blocking_redirects.clone(),
         );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
