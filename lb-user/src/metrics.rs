@@ -114,6 +114,8 @@ pub struct Metrics {
     /// `lb_splice_blocking_redirects_total`: sends of blocking clients redirected past the credit
     /// (each waits in the kernel if the server socket has no room).
     pub splice_blocking_redirects: Family<BalancerLabel, Counter>,
+    /// `lb_splice_credit_refreshes_total`: times the sk_msg program asked lb for more credit.
+    pub splice_credit_refreshes: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_inflight_checks`.
@@ -210,6 +212,12 @@ impl Metrics {
             "Sends of blocking clients spliced past the credit; each waits in the kernel if the server socket has no room, as on a direct connection",
             splice_blocking_redirects.clone(),
         );
+        let splice_credit_refreshes = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "splice_credit_refreshes",
+            "Times the kernel program asked lb to recompute a connection's credit from its server socket's queue",
+            splice_credit_refreshes.clone(),
+        );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
         registry.register(
             "datapath_info",
@@ -241,6 +249,7 @@ impl Metrics {
             copied_bytes,
             splice_fallbacks,
             splice_blocking_redirects,
+            splice_credit_refreshes,
             datapath_info,
             inflight_checks,
             connections_total,
@@ -305,18 +314,18 @@ impl Metrics {
                         direction: "server_to_client".into(),
                     })
                     .get();
-                let key = (b.name.clone(), "blocking_redirects".to_string());
-                let prev = self
-                    .last_kernel
-                    .lock()
-                    .expect("poisoned")
-                    .insert(key, st.blocking_redirects)
-                    .unwrap_or(0);
-                self.splice_blocking_redirects
-                    .get_or_create(&BalancerLabel {
-                        balancer: b.name.clone(),
-                    })
-                    .inc_by(st.blocking_redirects.saturating_sub(prev));
+                self.bump_balancer(
+                    &self.splice_blocking_redirects,
+                    &b.name,
+                    "blocking_redirects",
+                    st.blocking_redirects,
+                );
+                self.bump_balancer(
+                    &self.splice_credit_refreshes,
+                    &b.name,
+                    "credit_refreshes",
+                    st.refresh_requests,
+                );
                 for r in lb_common::PassReason::ALL {
                     let key = (b.name.clone(), format!("fallback:{}", r.label()));
                     let now = st.pass[r as usize];
@@ -372,6 +381,27 @@ impl Metrics {
             .get_or_create(&DirectionLabels {
                 balancer: balancer.to_string(),
                 direction: direction.to_string(),
+            })
+            .inc_by(now.saturating_sub(prev));
+    }
+}
+
+impl Metrics {
+    /// Advance a per-balancer counter to the kernel's running total `now` (kept under `what`).
+    fn bump_balancer(
+        &self,
+        family: &Family<BalancerLabel, Counter>,
+        balancer: &str,
+        what: &str,
+        now: u64,
+    ) {
+        let mut last = self.last_kernel.lock().expect("poisoned");
+        let prev = last
+            .insert((balancer.to_string(), what.to_string()), now)
+            .unwrap_or(0);
+        family
+            .get_or_create(&BalancerLabel {
+                balancer: balancer.to_string(),
             })
             .inc_by(now.saturating_sub(prev));
     }
