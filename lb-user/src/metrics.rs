@@ -301,10 +301,17 @@ impl Metrics {
             self.touch_balancer(&b.name);
             if let Some(dp) = datapath {
                 let st = dp.stats(b.id);
-                self.bump_kernel(
+                let name = b.name.as_str();
+                let balancer = BalancerLabel {
+                    balancer: b.name.clone(),
+                };
+                self.bump(
                     &self.spliced_bytes,
-                    &b.name,
-                    "client_to_server",
+                    &DirectionLabels {
+                        balancer: b.name.clone(),
+                        direction: "client_to_server".into(),
+                    },
+                    (name, "client_to_server"),
                     st.redirected_bytes,
                 );
                 let _ = self
@@ -314,29 +321,28 @@ impl Metrics {
                         direction: "server_to_client".into(),
                     })
                     .get();
-                self.bump_balancer(
+                self.bump(
                     &self.splice_blocking_redirects,
-                    &b.name,
-                    "blocking_redirects",
+                    &balancer,
+                    (name, "blocking_redirects"),
                     st.blocking_redirects,
                 );
-                self.bump_balancer(
+                self.bump(
                     &self.splice_credit_refreshes,
-                    &b.name,
-                    "credit_refreshes",
+                    &balancer,
+                    (name, "credit_refreshes"),
                     st.refresh_requests,
                 );
                 for r in lb_common::PassReason::ALL {
-                    let key = (b.name.clone(), format!("fallback:{}", r.label()));
-                    let now = st.pass[r as usize];
-                    let mut last = self.last_kernel.lock().expect("poisoned");
-                    let prev = last.insert(key, now).unwrap_or(0);
-                    self.splice_fallbacks
-                        .get_or_create(&FallbackLabels {
+                    self.bump(
+                        &self.splice_fallbacks,
+                        &FallbackLabels {
                             balancer: b.name.clone(),
                             reason: r.label().into(),
-                        })
-                        .inc_by(now.saturating_sub(prev));
+                        },
+                        (name, &format!("fallback:{}", r.label())),
+                        st.pass[r as usize],
+                    );
                 }
             }
         }
@@ -366,33 +372,13 @@ impl Metrics {
         }
     }
 
-    fn bump_kernel(
+    /// Advance the counter `labels` of `family` to the kernel's running total `now`; the last
+    /// total seen is kept per balancer under `what`.
+    fn bump<S: Clone + std::hash::Hash + Eq>(
         &self,
-        family: &Family<DirectionLabels, Counter>,
-        balancer: &str,
-        direction: &str,
-        now: u64,
-    ) {
-        let mut last = self.last_kernel.lock().expect("poisoned");
-        let prev = last
-            .insert((balancer.to_string(), direction.to_string()), now)
-            .unwrap_or(0);
-        family
-            .get_or_create(&DirectionLabels {
-                balancer: balancer.to_string(),
-                direction: direction.to_string(),
-            })
-            .inc_by(now.saturating_sub(prev));
-    }
-}
-
-impl Metrics {
-    /// Advance a per-balancer counter to the kernel's running total `now` (kept under `what`).
-    fn bump_balancer(
-        &self,
-        family: &Family<BalancerLabel, Counter>,
-        balancer: &str,
-        what: &str,
+        family: &Family<S, Counter>,
+        labels: &S,
+        (balancer, what): (&str, &str),
         now: u64,
     ) {
         let mut last = self.last_kernel.lock().expect("poisoned");
@@ -400,9 +386,7 @@ impl Metrics {
             .insert((balancer.to_string(), what.to_string()), now)
             .unwrap_or(0);
         family
-            .get_or_create(&BalancerLabel {
-                balancer: balancer.to_string(),
-            })
+            .get_or_create(labels)
             .inc_by(now.saturating_sub(prev));
     }
 }

@@ -128,6 +128,38 @@ fn send_q_toward(server: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Sample the largest queue toward `h`'s server for `sample_ms` while a stalled upload is held
+/// back, then wait (at most 60 s) for the client to finish; returns the largest queue (bytes)
+/// and the client's last JSON line.
+fn watch_held_back(
+    mut child: std::process::Child,
+    h: &Host,
+    sample_ms: u64,
+) -> Result<(u64, Value)> {
+    let start = Instant::now();
+    let mut max_q = 0;
+    while start.elapsed() < Duration::from_millis(sample_ms) {
+        max_q = max_q.max(send_q_toward(&h.addr(9000).to_string()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        ensure!(
+            Instant::now() < deadline,
+            "the client did not finish after the server resumed reading"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output()?;
+    let v = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .context("no output")?,
+    )?;
+    Ok((max_q, v))
+}
+
 /// Upload 64 MiB from an epoll client to a server that stops reading for 3 s after
 /// `stall_after` bytes; check the client's CPU while held back, the queue toward the server, and
 /// that it was never redirected into the full server socket. Returns the lb it ran against.
@@ -137,7 +169,7 @@ fn epoll_client_held_back(stall_after: u64) -> Result<Fixture> {
     let f = Fixture::new("127.0.0.1")?;
     let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let stall_ms = 3000u64;
-    let mut child = client_command(
+    let child = client_command(
         &place,
         listen.parse()?,
         &[
@@ -153,28 +185,7 @@ fn epoll_client_held_back(stall_after: u64) -> Result<Fixture> {
     )
     .stdout(Stdio::piped())
     .spawn()?;
-    // Sample the queue toward the stalled server while the client is held back.
-    let start = Instant::now();
-    let mut max_q = 0;
-    while start.elapsed() < Duration::from_millis(stall_ms - 300) {
-        max_q = max_q.max(send_q_toward(&h.addr(9000).to_string()));
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait()?.is_none() {
-        ensure!(
-            Instant::now() < deadline,
-            "epoll client did not finish after the server resumed reading"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output()?;
-    let v: Value = serde_json::from_str(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .context("no output")?,
-    )?;
+    let (max_q, v) = watch_held_back(child, h, stall_ms - 300)?;
     ok(&v)?;
     let cpu = v["stall_cpu_s"].as_f64().context("stall_cpu_s")?;
     let wall = v["stall_wall_s"].as_f64().context("stall_wall_s")?;
@@ -246,7 +257,7 @@ fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
     let n = 64 * MIB;
     let after = 16 * MIB;
     // The server stops reading after 16 MiB, while the connection is spliced.
-    let mut child = client_command(
+    let child = client_command(
         &place,
         listen.parse()?,
         &[
@@ -262,28 +273,8 @@ fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
     )
     .stdout(Stdio::piped())
     .spawn()?;
-    let start = Instant::now();
-    let mut max_q = 0;
     // The client pauses 1 s before its data, then the server reads 16 MiB and stalls.
-    while start.elapsed() < Duration::from_millis(1000 + stall_ms - 300) {
-        max_q = max_q.max(send_q_toward(&h.addr(9000).to_string()));
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait()?.is_none() {
-        ensure!(
-            Instant::now() < deadline,
-            "blocking client did not finish after the server resumed reading"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output()?;
-    let v: Value = serde_json::from_str(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .context("no output")?,
-    )?;
+    let (max_q, v) = watch_held_back(child, h, 1000 + stall_ms - 300)?;
     // The client checks the server's byte count and digest of everything it sent.
     ok(&v)?;
     ensure!(
