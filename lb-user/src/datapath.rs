@@ -153,6 +153,17 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
     Ok(())
 }
 
+/// Whether this process has `CAP_PERFMON` (bit 38) or `CAP_SYS_ADMIN` (bit 21) in its effective
+/// set (`CapEff` in `/proc/self/status`; bit numbers from `<linux/capability.h>`).
+fn has_perfmon() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 38 | 1 << 21) != 0)
+}
+
 /// What the past-credit redirect of blocking clients needs beyond the splice itself: the helpers
 /// `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg (`CAP_PERFMON`, no lockdown) and
 /// the kernel's BTF for the struct offsets.
@@ -298,6 +309,11 @@ impl Datapath {
         if !nix::unistd::geteuid().is_root() {
             return Err(DatapathError::NotPrivileged);
         }
+        if !has_perfmon() {
+            return Err(DatapathError::MissingFeature(
+                "CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows the programs' pointer arithmetic only with it",
+            ));
+        }
         let cgroup = match cgroup {
             Some(p) => p.to_path_buf(),
             None => detect_cgroup2()?,
@@ -319,6 +335,9 @@ impl Datapath {
                 })
                 .ok()
         } else {
+            info!(
+                "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
+            );
             None
         };
         let blocking = u32::from(offsets.is_some());

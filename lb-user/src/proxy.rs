@@ -320,6 +320,12 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         }
     };
     let guard = balancer.register(&spec);
+    // Until the connection ends cleanly, closing the server socket resets it. Should lb die
+    // (SIGKILL, a crash), the kernel's close then wakes a blocking client asleep in a redirected
+    // send with an error; a plain close would orphan the socket, and that client would sleep on
+    // it forever (found by hand: the client hung after lb was killed). The server also learns
+    // that the stream broke instead of seeing a FIN.
+    abort(&server);
     let local = client.local_addr().ok();
     let pair = match (&ctx.datapath, local) {
         (Some(dp), Some(local)) => {
@@ -357,7 +363,10 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
             .dec();
     }
     match outcome {
-        Outcome::Closed => {}
+        Outcome::Closed => {
+            // Both directions ended: let the kernel deliver what is still queued, then FIN.
+            let _ = socket2::SockRef::from(&server).set_linger(None);
+        }
         Outcome::Reset(e, side) => {
             debug!(balancer = %balancer.name, server = %spec, error = %e, ?side, "connection reset; resetting both sides");
             abort(&client);

@@ -311,7 +311,7 @@ fn ipv6_listener_splices() -> Result<()> {
     ok(&run_client(
         &place,
         listen.parse()?,
-        &["up", &(64 * MIB).to_string()],
+        &["up", &(64 * MIB).to_string(), "--pause-ms", "300"],
         T,
     )?)?;
     ok(&run_client(
@@ -345,7 +345,9 @@ fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
     ok(&run_client(
         &place,
         listen.parse()?,
-        &["up", &(32 * MIB).to_string()],
+        // The pause lets lb pair the connection before the data: this test is about keys
+        // across namespaces and cgroups, not about a sender racing the pairing.
+        &["up", &(32 * MIB).to_string(), "--pause-ms", "300"],
         T,
     )?)?;
     ok(&run_client(
@@ -422,15 +424,20 @@ fn restart_leaves_no_duplicate_programs() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
-    if skip_unless_root("kill_releases_a_blocking_client_waiting_in_the_kernel") {
-        return Ok(());
-    }
+/// How a test ends a blocking client's connection while it sleeps in a redirected send.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    /// `POST /balancers/default/servers/ADDR/kill`.
+    Kill,
+    /// SIGKILL to lb itself.
+    LbDies,
+}
+
+/// Put a blocking client to sleep in a redirected send (the server stalls after 16 MiB), end it
+/// as `how` says, and check that the client returns an error within 5 s.
+fn blocking_client_released(how: Ending) -> Result<()> {
     let f = Fixture::new("127.0.0.1")?;
     let (listen, place, h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
-    // The server reads 16 MiB (the splice is running by then), then nothing for 30 s: the
-    // client ends up asleep in a redirected send.
     let mut child = client_command(
         &place,
         listen.parse()?,
@@ -456,25 +463,33 @@ fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
         ensure!(child.try_wait()?.is_none(), "client ended early");
         std::thread::sleep(Duration::from_millis(50));
     }
-    // Let it fall asleep on the full server socket, then kill its connection.
+    // Let it fall asleep on the full server socket.
     std::thread::sleep(Duration::from_millis(300));
-    let server = h.addr(9000).to_string();
-    let (code, body) = lb_tests::http_request(
-        lb.admin,
-        "POST",
-        &format!("/balancers/default/servers/{server}/kill"),
-        None,
-    )?;
-    ensure!(code == 200, "kill answered {code}: {body}");
-    let killed = Instant::now();
+    match how {
+        Ending::Kill => {
+            let server = h.addr(9000).to_string();
+            let (code, body) = lb_tests::http_request(
+                lb.admin,
+                "POST",
+                &format!("/balancers/default/servers/{server}/kill"),
+                None,
+            )?;
+            ensure!(code == 200, "kill answered {code}: {body}");
+        }
+        Ending::LbDies => {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(lb.pid())?);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)?;
+        }
+    }
+    let ended = Instant::now();
     while child.try_wait()?.is_none() {
-        ensure!(
-            killed.elapsed() < Duration::from_secs(5),
-            "the client still hangs 5 s after its connection was killed"
-        );
+        if ended.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            anyhow::bail!("the client still hangs 5 s after {how:?}");
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let released = killed.elapsed();
+    let released = ended.elapsed();
     let out = child.wait_with_output()?;
     let v: Value = serde_json::from_str(
         String::from_utf8_lossy(&out.stdout)
@@ -482,9 +497,25 @@ fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
             .last()
             .context("no output")?,
     )?;
-    ensure!(v["ok"] == false, "a killed upload reported success: {v}");
-    eprintln!("blocking client released {released:?} after the kill: {v}");
+    ensure!(v["ok"] == false, "a cut upload reported success: {v}");
+    eprintln!("blocking client released {released:?} after {how:?}: {v}");
     Ok(())
+}
+
+#[test]
+fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
+    if skip_unless_root("kill_releases_a_blocking_client_waiting_in_the_kernel") {
+        return Ok(());
+    }
+    blocking_client_released(Ending::Kill)
+}
+
+#[test]
+fn lb_dying_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
+    if skip_unless_root("lb_dying_releases_a_blocking_client_waiting_in_the_kernel") {
+        return Ok(());
+    }
+    blocking_client_released(Ending::LbDies)
 }
 
 #[test]
