@@ -718,6 +718,16 @@ pub struct Place<'a> {
     pub netns: Option<&'a str>,
 }
 
+impl<'a> Place<'a> {
+    /// Inside cgroup `cg`, in lb's own network namespace.
+    pub fn cgroup(cg: &'a Path) -> Place<'a> {
+        Place {
+            cgroup: Some(cg),
+            netns: None,
+        }
+    }
+}
+
 /// Build the command for `lbt client --connect addr <action...>` placed as asked.
 pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
     let lbt = lbt_bin();

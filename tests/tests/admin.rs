@@ -848,10 +848,7 @@ fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()>
         attached.contains("sock_ops"),
         "sockops not attached: {attached}"
     );
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let place = Place::cgroup(&cg.path);
     let holder = Holder::start(&place, listen, 0, 60_000)?;
     ensure!(holder.wait_for("connected", Duration::from_secs(10))?["server"] == "s0");
 

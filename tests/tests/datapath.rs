@@ -45,10 +45,7 @@ impl Setup {
     }
 
     fn place(&self) -> Place<'_> {
-        Place {
-            cgroup: Some(&self.cg.path),
-            netns: None,
-        }
+        Place::cgroup(&self.cg.path)
     }
 
     fn client(&self, action: &[&str]) -> Result<Value> {

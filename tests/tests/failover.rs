@@ -96,10 +96,7 @@ impl Setup {
     }
 
     fn place(&self) -> Place<'_> {
-        Place {
-            cgroup: Some(&self.cg.path),
-            netns: None,
-        }
+        Place::cgroup(&self.cg.path)
     }
 
     fn server(&self, i: usize) -> String {
@@ -399,10 +396,7 @@ max_age = "1s"
         idle == first,
         "checks ran with the loop off (interval 100 ms): {first:?} -> {idle:?}"
     );
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let place = Place::cgroup(&cg.path);
     let h = Holder::start(&place, format!("127.0.0.1:{port}").parse()?, 0, 5_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(5))?;
     ensure!(ev["server"] == "s0", "{ev}");

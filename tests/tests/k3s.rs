@@ -101,10 +101,7 @@ fall = 1
     }
 
     // Three long-lived clients land on the first server, which turns ACTIVE.
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let place = Place::cgroup(&cg.path);
     let listen_addr = listen.parse()?;
     let holders: Vec<Holder> = (0..3)
         .map(|_| Holder::start(&place, listen_addr, 5, 60_000))

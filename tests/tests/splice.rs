@@ -48,10 +48,7 @@ impl Fixture {
 
     /// Clients run in the fixture's cgroup.
     fn place(&self) -> Place<'_> {
-        Place {
-            cgroup: Some(&self.cg.path),
-            netns: None,
-        }
+        Place::cgroup(&self.cg.path)
     }
 }
 
@@ -362,10 +359,7 @@ fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
         "client in another namespace / child cgroup was not spliced"
     );
     // A client in the root namespace and the child cgroup as well.
-    let local = Place {
-        cgroup: Some(&child.path),
-        netns: None,
-    };
+    let local = Place::cgroup(&child.path);
     ok(&run_client(
         &local,
         listen.parse()?,

@@ -102,10 +102,7 @@ pub fn run() -> Result<()> {
     lb.wait_settled(Duration::from_secs(10))?;
     print!("{}", table(&lb)?);
     let listen = format!("127.0.0.1:{port}").parse()?;
-    let place = Place {
-        cgroup: Some(&cg.path),
-        netns: None,
-    };
+    let place = Place::cgroup(&cg.path);
 
     step("a 64 MiB upload, checked byte for byte by the server");
     let before = lb.metric("lb_spliced_bytes_total", "client_to_server");

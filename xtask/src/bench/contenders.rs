@@ -352,6 +352,17 @@ impl Running {
             .sum()
     }
 
+    /// Client-to-server bytes lb's kernel splice has carried so far (`lb_spliced_bytes_total`);
+    /// `None` for contenders without one.
+    pub fn spliced_up_bytes(&self) -> Option<f64> {
+        match &self.proc_ {
+            Proc::Lb(lb) if self.kind == Kind::LbBpf => {
+                Some(lb.metric("lb_spliced_bytes_total", "client_to_server"))
+            }
+            _ => None,
+        }
+    }
+
     /// Resident memory of the proxy's processes (bytes).
     pub fn rss_bytes(&self) -> u64 {
         self.pids()

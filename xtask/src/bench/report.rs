@@ -70,6 +70,13 @@ pub const METRICS: &[MetricDef] = &[
         true,
     ),
     m(
+        "splice_share_up",
+        "throughput",
+        "1 bulk client→server, 1 conn: bytes spliced by the kernel",
+        "%",
+        true,
+    ),
+    m(
         "rr_p50_us",
         "latency",
         "2 64 B request/response p50",
@@ -248,6 +255,7 @@ impl Results {
                         kind.is_proxy()
                     }
                     "failover_ms" | "kill_total_ms" | "kill_after_down_ms" => kind.kills_sessions(),
+                    "splice_share_up" => kind == Kind::LbBpf,
                     _ => true,
                 };
                 if applies && self.summary(def.id, kind).is_none() {
@@ -528,6 +536,8 @@ mod tests {
         assert!(missing.contains(&"cps / nginx".to_string()));
         assert!(!missing.contains(&"cpu_proxy_up / direct".to_string()));
         assert!(!missing.contains(&"failover_ms / nginx".to_string()));
+        assert!(!missing.contains(&"splice_share_up / haproxy".to_string()));
+        assert!(missing.contains(&"splice_share_up / lb bpf".to_string()));
     }
 
     #[test]

@@ -89,10 +89,7 @@ fn order(kinds: &[Kind], i: usize) -> Vec<Kind> {
 }
 
 fn place(cg: &Path) -> Place<'_> {
-    Place {
-        cgroup: Some(cg),
-        netns: None,
-    }
+    Place::cgroup(cg)
 }
 
 fn client(
@@ -145,6 +142,7 @@ pub fn steady(
                 let cg = cgroups.for_kind(kind);
                 let n = if warm { n / 8 } else { n };
                 let (c0, p0, (s0, t0)) = (children_cpu_secs(), r.cpu_secs(), cpu_jiffies());
+                let spliced0 = r.spliced_up_bytes();
                 let v = client(
                     raw,
                     kind,
@@ -158,6 +156,10 @@ pub fn steady(
                 }
                 let gbit = v["gbit_s"].as_f64().context("gbit_s")?;
                 res.add(&format!("{id}_gbit"), kind, gbit);
+                if let (Some(a), Some(b), "up", 1) = (spliced0, r.spliced_up_bytes(), dir, conns) {
+                    let sent = v["bytes"].as_f64().context("bytes")?;
+                    res.add("splice_share_up", kind, 100.0 * (b - a) / sent);
+                }
                 if conns == 1 {
                     let gib = v["bytes"].as_f64().unwrap_or(0.0) / GIB;
                     res.add(&format!("cpu_client_{dir}"), kind, (c1 - c0) / gib);
