@@ -37,6 +37,11 @@ pub enum DatapathError {
     /// Not root / no CAP_BPF and CAP_NET_ADMIN.
     #[error("not privileged: loading BPF programs needs root (CAP_BPF, CAP_NET_ADMIN)")]
     NotPrivileged,
+    /// Root without `CAP_PERFMON` (or `CAP_SYS_ADMIN`), e.g. in a container that drops it.
+    #[error(
+        "missing CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows the programs' pointer arithmetic only with it"
+    )]
+    NoPerfmon,
     /// No cgroup v2 hierarchy found.
     #[error("no cgroup v2 mount found in /proc/mounts (set datapath.cgroup)")]
     NoCgroup2,
@@ -310,9 +315,7 @@ impl Datapath {
             return Err(DatapathError::NotPrivileged);
         }
         if !has_perfmon() {
-            return Err(DatapathError::MissingFeature(
-                "CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows the programs' pointer arithmetic only with it",
-            ));
+            return Err(DatapathError::NoPerfmon);
         }
         let cgroup = match cgroup {
             Some(p) => p.to_path_buf(),
