@@ -7,11 +7,6 @@ use anyhow::{Context as _, Result, bail};
 
 /// Debian packages the build, the tests, the VM runs and the benchmark need.
 pub const APT_PACKAGES: &[&str] = &[
-    // bpf-linker against LLVM 22 (nightly's LLVM): DESIGN.md build facts.
-    "llvm-22-dev",
-    "libpolly-22-dev",
-    "libzstd-dev",
-    "zlib1g-dev",
     // Test hosts and inspection.
     "iproute2",
     "bpftool",
@@ -29,8 +24,75 @@ pub const APT_PACKAGES: &[&str] = &[
     "iperf3",
 ];
 
-/// bpf-linker version known to build against LLVM 22 here.
+/// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// The LLVM that bpf-linker must link the nightly's bitcode with: the nightly toolchain's own
+/// shared libLLVM (bpf-linker's LLVM must be the one that wrote the bitcode, or linking fails with
+/// "Invalid record").
+struct NightlyLlvm {
+    /// Major version, as in `LLVM version: 23.1.4` of `rustc +nightly -vV`.
+    major: u32,
+    /// The toolchain's library directory (`<sysroot>/lib`).
+    lib_dir: std::path::PathBuf,
+    /// Link name of the shared library, e.g. `LLVM-23-rust-1.101.0-nightly`.
+    link_name: String,
+}
+
+fn nightly_llvm() -> Result<NightlyLlvm> {
+    let out = |args: &[&str]| -> Result<String> {
+        let o = Command::new("rustc")
+            .args(args)
+            .output()
+            .with_context(|| format!("setup: cannot run rustc {}", args.join(" ")))?;
+        if !o.status.success() {
+            bail!("setup: rustc {} failed ({})", args.join(" "), o.status);
+        }
+        Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let vv = out(&["+nightly", "-vV"])?;
+    let major = vv
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next()?.parse().ok())
+        .context("setup: `rustc +nightly -vV` names no LLVM version")?;
+    let lib_dir = std::path::PathBuf::from(out(&["+nightly", "--print", "sysroot"])?).join("lib");
+    let link_name = std::fs::read_dir(&lib_dir)
+        .with_context(|| format!("setup: cannot list {}", lib_dir.display()))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .find_map(|n| {
+            n.strip_prefix("lib")?
+                .strip_suffix(".so")
+                .filter(|n| n.starts_with("LLVM-"))
+                .map(str::to_string)
+        })
+        .with_context(|| format!("setup: no shared libLLVM-*.so in {}", lib_dir.display()))?;
+    Ok(NightlyLlvm {
+        major,
+        lib_dir,
+        link_name,
+    })
+}
+
+/// Whether the `bpf-linker` on PATH loads its LLVM from the nightly toolchain's library
+/// directory (as `ldd` resolves it).
+fn linker_matches(llvm: &NightlyLlvm) -> bool {
+    let Ok(path) = Command::new("sh")
+        .args(["-c", "command -v bpf-linker"])
+        .output()
+    else {
+        return false;
+    };
+    let path = String::from_utf8_lossy(&path.stdout).trim().to_string();
+    if path.is_empty() {
+        return false;
+    }
+    Command::new("ldd").arg(&path).output().is_ok_and(|o| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .any(|l| l.contains("libLLVM") && l.contains(&*llvm.lib_dir.to_string_lossy()))
+    })
+}
 
 fn installed(pkg: &str) -> bool {
     Command::new("dpkg-query")
@@ -103,28 +165,41 @@ pub fn run() -> Result<()> {
             "rustup target add x86_64-unknown-linux-musl (VM test binaries)",
         )?;
     }
-    let linker_ok = Command::new("bpf-linker")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !linker_ok {
-        let path = format!(
-            "/usr/lib/llvm-22/bin:{}",
-            std::env::var("PATH").unwrap_or_default()
+    let llvm = nightly_llvm()?;
+    if !(21..=23).contains(&llvm.major) {
+        bail!(
+            "setup: the nightly toolchain uses LLVM {}, and bpf-linker {BPF_LINKER_VERSION} \
+             supports LLVM 21-23 only",
+            llvm.major
         );
+    }
+    if !linker_matches(&llvm) {
+        // Built against the nightly's own libLLVM (no system LLVM needed), with an rpath so it
+        // loads that library at run time.
+        let lib = llvm.lib_dir.to_string_lossy();
         exec(
             Command::new("cargo")
                 .args([
                     "install",
+                    "--force",
                     "bpf-linker",
                     "--version",
                     BPF_LINKER_VERSION,
                     "--no-default-features",
                     "--features",
-                    "llvm-22",
+                    &format!("llvm-{},no-llvm-linking", llvm.major),
                 ])
-                .env("PATH", path),
-            &format!("cargo install bpf-linker {BPF_LINKER_VERSION} against LLVM 22"),
+                .env(
+                    "RUSTFLAGS",
+                    format!(
+                        "-L native={lib} -l dylib={} -C link-arg=-Wl,-rpath,{lib}",
+                        llvm.link_name
+                    ),
+                ),
+            &format!(
+                "cargo install bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {} ({})",
+                llvm.major, llvm.link_name
+            ),
         )?;
     }
     Ok(())
