@@ -27,6 +27,25 @@ pub const APT_PACKAGES: &[&str] = &[
 /// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The dated nightly that builds the kernel programs, read from `lb-ebpf/rust-toolchain.toml`
+/// (the one place it is pinned; `lb-user/build.rs` reads the same file).
+///
+/// # Errors
+/// The file is missing or has no `[toolchain] channel`.
+pub fn bpf_toolchain() -> Result<String> {
+    let pin = crate::util::root().join("lb-ebpf/rust-toolchain.toml");
+    let text = std::fs::read_to_string(&pin)
+        .with_context(|| format!("setup: cannot read {}", pin.display()))?;
+    let doc: toml::Table = text
+        .parse()
+        .with_context(|| format!("setup: cannot parse {}", pin.display()))?;
+    doc.get("toolchain")
+        .and_then(|t| t.get("channel"))
+        .and_then(toml::Value::as_str)
+        .map(str::to_string)
+        .with_context(|| format!("setup: {} has no [toolchain] channel", pin.display()))
+}
+
 /// The LLVM that bpf-linker must link the nightly's bitcode with: the nightly toolchain's own
 /// shared libLLVM (bpf-linker's LLVM must be the one that wrote the bitcode, or linking fails with
 /// "Invalid record").
@@ -39,7 +58,7 @@ struct NightlyLlvm {
     link_name: String,
 }
 
-fn nightly_llvm() -> Result<NightlyLlvm> {
+fn nightly_llvm(toolchain: &str) -> Result<NightlyLlvm> {
     let out = |args: &[&str]| -> Result<String> {
         let o = Command::new("rustc")
             .args(args)
@@ -50,13 +69,14 @@ fn nightly_llvm() -> Result<NightlyLlvm> {
         }
         Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    let vv = out(&["+nightly", "-vV"])?;
+    let plus = format!("+{toolchain}");
+    let vv = out(&[&plus, "-vV"])?;
     let major = vv
         .lines()
         .find_map(|l| l.strip_prefix("LLVM version: "))
         .and_then(|v| v.split('.').next()?.parse().ok())
-        .context("setup: `rustc +nightly -vV` names no LLVM version")?;
-    let lib_dir = std::path::PathBuf::from(out(&["+nightly", "--print", "sysroot"])?).join("lib");
+        .with_context(|| format!("setup: `rustc {plus} -vV` names no LLVM version"))?;
+    let lib_dir = std::path::PathBuf::from(out(&[&plus, "--print", "sysroot"])?).join("lib");
     let link_name = std::fs::read_dir(&lib_dir)
         .with_context(|| format!("setup: cannot list {}", lib_dir.display()))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
@@ -135,8 +155,9 @@ pub fn run() -> Result<()> {
             &format!("apt-get install {}", missing.join(" ")),
         )?;
     }
+    let toolchain = bpf_toolchain()?;
     let nightly_ok = Command::new("rustup")
-        .args(["component", "list", "--toolchain", "nightly", "--installed"])
+        .args(["component", "list", "--toolchain", &toolchain, "--installed"])
         .output()
         .is_ok_and(|o| {
             o.status.success() && String::from_utf8_lossy(&o.stdout).contains("rust-src")
@@ -146,13 +167,15 @@ pub fn run() -> Result<()> {
             Command::new("rustup").args([
                 "toolchain",
                 "install",
-                "nightly",
+                &toolchain,
                 "--profile",
                 "minimal",
                 "--component",
                 "rust-src",
             ]),
-            "rustup: nightly toolchain with rust-src (the BPF target is built with -Z build-std=core)",
+            &format!(
+                "rustup: {toolchain} with rust-src (the BPF target is built with -Z build-std=core)"
+            ),
         )?;
     }
     let musl_ok = Command::new("rustup")
@@ -165,10 +188,10 @@ pub fn run() -> Result<()> {
             "rustup target add x86_64-unknown-linux-musl (VM test binaries)",
         )?;
     }
-    let llvm = nightly_llvm()?;
+    let llvm = nightly_llvm(&toolchain)?;
     if !(21..=23).contains(&llvm.major) {
         bail!(
-            "setup: the nightly toolchain uses LLVM {}, and bpf-linker {BPF_LINKER_VERSION} \
+            "setup: {toolchain} uses LLVM {}, and bpf-linker {BPF_LINKER_VERSION} \
              supports LLVM 21-23 only",
             llvm.major
         );
