@@ -8,6 +8,7 @@
 pub mod check;
 pub mod config;
 pub mod docs;
+pub mod run;
 pub mod servers;
 pub mod status;
 mod table;
@@ -17,6 +18,7 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
+    addr::ServerAddr,
     admin::client::{AdminClient, ClientError, Endpoint},
     config::{DEFAULT_ADMIN_LISTEN, DatapathMode, Overrides, parse_duration},
 };
@@ -141,10 +143,10 @@ pub struct RunArgs {
     pub listen: Vec<SocketAddr>,
     /// Server `host:port` (repeat for several), in order of preference.
     #[arg(long, env = "LB_SERVER", value_delimiter = ',')]
-    pub server: Vec<String>,
+    pub server: Vec<ServerAddr>,
     /// Server of last resort.
     #[arg(long, env = "LB_DEFAULT_SERVER")]
-    pub default_server: Option<String>,
+    pub default_server: Option<ServerAddr>,
     /// Data path: auto (kernel splice, falling back with a warning), bpf, userspace.
     #[arg(long, env = "LB_DATAPATH", value_enum)]
     pub datapath: Option<DatapathMode>,

@@ -10,18 +10,11 @@ mod tunnel;
 
 use std::{
     collections::{HashMap, HashSet},
-    net::SocketAddr,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::Arc,
     time::Duration,
 };
 
-use futures::{
-    FutureExt as _,
-    future::{BoxFuture, WeakShared},
-};
+use futures::FutureExt as _;
 use tokio::{
     net::TcpStream,
     sync::mpsc,
@@ -31,9 +24,12 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
-    balancer::{Balancer, ServerState, ServerStatus},
+    addr::ServerAddr,
+    balancer::{Balancer, Failure, ServerState, ServerStatus},
     config::{CheckKind, HealthConfig},
     metrics::{CheckLabels, Metrics, ServerLabels},
+    net::Route,
+    singleflight::SingleFlight,
 };
 
 /// Longest the scheduler sleeps without looking at drains and config changes.
@@ -102,20 +98,25 @@ pub enum CheckError {
     Tunnel(String),
 }
 
-/// Run one check of `server` (`host:port`) as `cfg` says, bounded by `cfg.timeout` (fixed; no
-/// escalation). A `tunnel` check made here opens a WebSocket, waits for one pong and closes it;
-/// the scheduler keeps tunnels open instead.
+/// Run one check of `server` as `cfg` says, reaching it by `route` (the balancer's CONNECT
+/// proxy, as client connections do), bounded by `cfg.timeout` (fixed; no escalation). A
+/// `tunnel` check made here opens a WebSocket, waits for one pong and closes it; the scheduler
+/// keeps tunnels open instead.
 ///
 /// # Errors
 /// [`CheckError`] saying why the server is unhealthy.
-pub async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
+pub async fn check_once(
+    cfg: &HealthConfig,
+    server: &ServerAddr,
+    route: &Route,
+) -> Result<(), CheckError> {
     let limit = cfg.timeout.0;
     let fut = async {
         match cfg.kind {
-            CheckKind::Tcp => connect_tcp(server).await.map(drop),
-            CheckKind::Tls => tls_check(cfg, server).await,
-            CheckKind::Http => http::check(cfg, server).await,
-            CheckKind::Tunnel => tunnel::check_once(cfg, server).await,
+            CheckKind::Tcp => connect_tcp(server.as_str(), route).await.map(drop),
+            CheckKind::Tls => tls_check(cfg, server, route).await,
+            CheckKind::Http => http::check(cfg, server, route).await,
+            CheckKind::Tunnel => tunnel::check_once(cfg, server, route).await,
         }
     };
     tokio::time::timeout(limit, fut)
@@ -123,35 +124,26 @@ pub async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), CheckErr
         .unwrap_or(Err(CheckError::Timeout(limit)))
 }
 
-/// Connect to `host:port`, trying every address it resolves to. The socket closes with RST
-/// (`SO_LINGER` 0) so checks leave no TIME_WAIT behind on either side.
-async fn connect_tcp(server: &str) -> Result<TcpStream, CheckError> {
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(server).await?.collect();
-    let mut last = std::io::Error::new(
-        std::io::ErrorKind::NotFound,
-        format!("{server} resolved to no address"),
-    );
-    for addr in addrs {
-        match TcpStream::connect(addr).await {
-            Ok(s) => {
-                let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) => last = e,
-        }
-    }
-    Err(last.into())
+/// Connect to `target` (`host:port`) by `route`. The socket closes with RST (`SO_LINGER` 0) so
+/// checks leave no TIME_WAIT behind on either side.
+async fn connect_tcp(target: &str, route: &Route) -> Result<TcpStream, CheckError> {
+    let addr = ServerAddr::parse(target).map_err(|e| CheckError::Url {
+        url: target.to_string(),
+        reason: e.to_string(),
+    })?;
+    let s = crate::net::connect(&addr, route).await?;
+    let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+    Ok(s)
 }
 
 /// Connect and finish a TLS handshake; with `alpn` set, the server must pick one of them.
-async fn tls_check(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
-    let tcp = connect_tcp(server).await?;
-    let (host, _) = crate::balancer::parse_host_port(server).map_err(|reason| CheckError::Url {
-        url: server.to_string(),
-        reason,
-    })?;
-    let stream = tls::handshake(cfg, &host, tcp, None).await?;
+async fn tls_check(
+    cfg: &HealthConfig,
+    server: &ServerAddr,
+    route: &Route,
+) -> Result<(), CheckError> {
+    let tcp = connect_tcp(server.as_str(), route).await?;
+    let stream = tls::handshake(cfg, &server.host_str(), tcp, None).await?;
     if !cfg.alpn.is_empty() && stream.get_ref().1.alpn_protocol().is_none() {
         return Err(CheckError::NoAlpn(cfg.alpn.clone()));
     }
@@ -177,18 +169,14 @@ pub fn next_interval(cfg: &HealthConfig, status: &ServerStatus) -> Duration {
     }
 }
 
-/// A running check, as its waiters see it; the entry in [`Shared::inflight`] is weak, so a check
-/// nobody waits for any more is dropped (cancelled) and records nothing.
-type WeakCheck = WeakShared<BoxFuture<'static, bool>>;
-
 /// State shared by the service, its check tasks and its tunnels.
 #[derive(Debug)]
 struct Shared {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
-    /// The check running now per (balancer, server), with its id: later callers wait for it.
-    inflight: Mutex<HashMap<(String, String), (u64, WeakCheck)>>,
-    next_check: AtomicU64,
+    /// The check running now per (balancer, server): later callers wait for it, and a check
+    /// nobody waits for any more is dropped (cancelled) and records nothing.
+    inflight: SingleFlight<(String, ServerAddr), bool>,
     tunnels: tunnel::Tunnels,
 }
 
@@ -197,7 +185,7 @@ impl Shared {
     fn record(
         &self,
         balancer: &Arc<Balancer>,
-        server: &str,
+        server: &ServerAddr,
         result: Result<(), CheckError>,
         took: Duration,
     ) -> bool {
@@ -218,14 +206,14 @@ impl Shared {
             })
             .inc();
         if let Err(e) = &result {
-            debug!(balancer = %balancer.name, server, error = %e, "check failed");
+            debug!(balancer = %balancer.name, %server, error = %e, "check failed");
         }
-        balancer.record_check(server, result.map_err(|e| e.to_string()));
+        balancer.record_check(server, result.map_err(|e| Failure::Check(e.to_string())));
         ok
     }
 
     /// Run one check of `server` now (a ping over its tunnel when one is kept) and record it.
-    async fn run_check(self: Arc<Self>, balancer: Arc<Balancer>, server: String) -> bool {
+    async fn run_check(self: Arc<Self>, balancer: Arc<Balancer>, server: ServerAddr) -> bool {
         let config = balancer.config();
         let cfg = &config.health;
         let _inflight = self.metrics.inflight_guard();
@@ -234,7 +222,7 @@ impl Shared {
             (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
                 .await
                 .unwrap_or(Err(CheckError::PongTimeout(cfg.timeout.0))),
-            _ => check_once(cfg, &server).await,
+            _ => check_once(cfg, &server, &Route::from_env(config.proxy.clone())).await,
         };
         self.record(&balancer, &server, result, start.elapsed())
     }
@@ -253,8 +241,7 @@ impl HealthService {
             shared: Arc::new(Shared {
                 metrics,
                 tasks,
-                inflight: Mutex::new(HashMap::new()),
-                next_check: AtomicU64::new(0),
+                inflight: SingleFlight::default(),
                 tunnels: tunnel::Tunnels::default(),
             }),
         })
@@ -265,41 +252,26 @@ impl HealthService {
     /// it instead of starting another: at most one check per server is in flight. A check whose
     /// callers have all gone (a dropped `/check`, a client that left during check-before-dial)
     /// is cancelled and records nothing.
-    pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
-        let key = (balancer.name.clone(), server.to_string());
-        let fut = {
-            let mut inflight = self.shared.inflight.lock().expect("poisoned");
-            match inflight.get(&key).and_then(|(_, weak)| weak.upgrade()) {
-                Some(running) => running,
-                None => {
-                    let id = self.shared.next_check.fetch_add(1, Ordering::Relaxed);
-                    let shared = self.shared.clone();
-                    let b = balancer.clone();
-                    let k = key.clone();
-                    let check = async move {
-                        let ok = shared.clone().run_check(b, k.1.clone()).await;
-                        let mut inflight = shared.inflight.lock().expect("poisoned");
-                        if inflight.get(&k).is_some_and(|(i, _)| *i == id) {
-                            inflight.remove(&k);
-                        }
-                        ok
-                    }
+    pub async fn check_and_record(&self, balancer: &Arc<Balancer>, server: &ServerAddr) -> bool {
+        let key = (balancer.name.clone(), server.clone());
+        let (_, _, run) = self.shared.inflight.join(
+            key,
+            || (),
+            || {
+                let shared = self.shared.clone();
+                shared
+                    .clone()
+                    .run_check(balancer.clone(), server.clone())
                     .boxed()
-                    .shared();
-                    if let Some(weak) = check.downgrade() {
-                        inflight.insert(key, (id, weak));
-                    }
-                    check
-                }
-            }
-        };
-        fut.await
+            },
+        );
+        run.await
     }
 
     /// Check-before-dial: when the last result of `server` is older than `max_age` (or there is
     /// none), check it now. Returns `false` when that check failed (the dialer then tries the
     /// server only after every other one).
-    pub async fn before_dial(&self, balancer: &Arc<Balancer>, server: &str) -> bool {
+    pub async fn before_dial(&self, balancer: &Arc<Balancer>, server: &ServerAddr) -> bool {
         let max_age = balancer.config().health.max_age.0;
         if balancer
             .last_checked(server)
@@ -337,31 +309,20 @@ impl HealthService {
     }
 }
 
-/// Passive signal from the proxy: `server` reset an established connection. With
-/// `health.passive`, every `passive_reset_limit` consecutive resets count as a failed check.
-pub fn record_server_reset(balancer: &Arc<Balancer>, server: &str) {
-    let config = balancer.config();
-    let health = &config.health;
-    if health.passive {
-        debug!(balancer = %balancer.name, server, "server reset a connection; counting toward passive_reset_limit");
-        balancer.record_passive_reset(server, health.passive_reset_limit);
-    }
-}
-
 /// The periodic loop of one balancer.
 struct Scheduler {
     service: Arc<HealthService>,
     shared: Arc<Shared>,
     balancer: Arc<Balancer>,
     /// When each server's next check starts.
-    due: HashMap<String, Instant>,
+    due: HashMap<ServerAddr, Instant>,
     /// Servers whose scheduled check is running.
-    running: HashSet<String>,
+    running: HashSet<ServerAddr>,
 }
 
 impl Scheduler {
     async fn run(mut self, cancel: CancellationToken) {
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Instant)>();
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(ServerAddr, Instant)>();
         let mut changed = self.balancer.changed.subscribe();
         loop {
             let config = self.balancer.config();
@@ -373,14 +334,18 @@ impl Scheduler {
                 .into_iter()
                 .filter(|s| s.state != ServerState::Invalid)
                 .collect();
-            let specs: Vec<String> = statuses.iter().map(|s| s.address.clone()).collect();
+            let specs: Vec<ServerAddr> = statuses.iter().map(|s| s.address.clone()).collect();
             self.due.retain(|s, _| specs.contains(s));
             let now = Instant::now();
             let mut wake = now + MAX_IDLE;
             if cfg.loop_enabled && cfg.kind == CheckKind::Tunnel {
-                self.shared
-                    .tunnels
-                    .ensure(&self.shared, &self.balancer, &specs, cfg);
+                self.shared.tunnels.ensure(
+                    &self.shared,
+                    &self.balancer,
+                    &specs,
+                    cfg,
+                    &Route::from_env(config.proxy.clone()),
+                );
             } else {
                 self.shared.tunnels.stop(&self.balancer.name);
             }
@@ -417,7 +382,7 @@ impl Scheduler {
                 Some((spec, started)) = done_rx.recv() => {
                     self.running.remove(&spec);
                     let config = self.balancer.config();
-            let cfg = &config.health;
+                    let cfg = &config.health;
                     if let Some(st) = self.balancer.status().into_iter().find(|s| s.address == spec) {
                         self.due.insert(spec, started + jittered(next_interval(cfg, &st)));
                     }
@@ -448,7 +413,7 @@ mod tests {
 
     fn status(state: ServerState, failures: u32) -> ServerStatus {
         ServerStatus {
-            address: "198.18.0.2:1".into(),
+            address: ServerAddr::parse("198.18.0.2:1").unwrap(),
             state,
             default: false,
             hold: Hold::None,

@@ -9,10 +9,7 @@
 use std::{
     net::{IpAddr, SocketAddr, ToSocketAddrs as _},
     os::fd::{AsRawFd as _, OwnedFd},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU32, Ordering},
-    },
+    sync::atomic::{AtomicBool, AtomicU32, Ordering},
     time::Duration,
 };
 
@@ -27,8 +24,6 @@ use nix::{
     },
 };
 use tracing::{info, warn};
-
-use crate::balancer::NodeKillHook;
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -141,15 +136,12 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
 /// The hook the balancer calls when a server's connections are killed with
 /// `kill_scope = "node"`: resolves the server and destroys its sockets on a blocking thread,
 /// so the caller (the health loop) never waits on netlink.
-pub fn node_kill_hook() -> NodeKillHook {
-    Arc::new(|server: &str| {
-        let server = server.to_string();
-        let work = move || kill_node(&server);
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(work)),
-            Err(_) => drop(std::thread::spawn(work)),
-        }
-    })
+pub fn spawn_node_kill(server: String) {
+    let work = move || kill_node(&server);
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(work)),
+        Err(_) => drop(std::thread::spawn(work)),
+    }
 }
 
 /// Set once the kernel refused `SOCK_DESTROY`, so it is logged once.

@@ -3,6 +3,7 @@
 //!
 //! Minimum kernel for the `bpf` data path: 5.15; the userspace path runs anywhere Linux runs.
 
+pub mod addr;
 pub mod admin;
 pub mod balancer;
 pub mod cli;
@@ -13,4 +14,6 @@ pub mod health;
 pub mod kbtf;
 pub mod kill;
 pub mod metrics;
+pub mod net;
 pub mod proxy;
+pub mod singleflight;

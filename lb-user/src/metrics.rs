@@ -285,7 +285,7 @@ impl Metrics {
             for s in b.status() {
                 let l = ServerLabels {
                     balancer: b.name.clone(),
-                    server: s.address.clone(),
+                    server: s.address.to_string(),
                 };
                 self.server_state.get_or_create(&l).set(s.state as i64);
                 self.server_connections

@@ -10,25 +10,25 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::{TcpListener, TcpStream},
-};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, warn};
 
 use std::cell::RefCell;
 
 use crate::{
-    balancer::{Balancer, parse_host_port, parse_proxy_url},
+    addr::ServerAddr,
+    balancer::Balancer,
     datapath::{Datapath, Pair},
     metrics::{BalancerLabel, DialLabels, Metrics},
+    net::{self, Route, is_local_exhaustion},
 };
 
 /// Runs before dialing `server`: returns `false` to skip it (e.g. a check-before-dial just
 /// failed). Installed by the health module.
-pub type PreDial =
-    Arc<dyn Fn(Arc<Balancer>, String) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+pub type PreDial = Arc<
+    dyn Fn(Arc<Balancer>, ServerAddr) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync,
+>;
 
 thread_local! {
     /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
@@ -115,7 +115,7 @@ pub async fn serve(
 ///
 /// # Errors
 /// `io::ErrorKind::NotConnected` with "all servers failed" when none answered.
-pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(String, TcpStream)> {
+pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(ServerAddr, TcpStream)> {
     let cfg = balancer.config();
     let deadline = Instant::now() + cfg.connect_budget.0;
     let mut errors = Vec::new();
@@ -123,7 +123,8 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
     let mut deferred = Vec::new();
     // Servers whose check-before-dial failed are dialed after all others, so failing checks
     // alone never make lb refuse every client (K3s #10240).
-    let mut queue: std::collections::VecDeque<(String, bool)> =
+    let route = Route::from_env(cfg.proxy.clone());
+    let mut queue: std::collections::VecDeque<(ServerAddr, bool)> =
         order.into_iter().map(|s| (s, true)).collect();
     while let Some((spec, first_pass)) = queue.pop_front() {
         if Instant::now() >= deadline {
@@ -144,12 +145,9 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
         let budget = deadline
             .saturating_duration_since(start)
             .min(cfg.dial_timeout.0);
-        let result = tokio::time::timeout(
-            budget,
-            dial_one(&spec, cfg.proxy.as_deref(), &no_proxy_env()),
-        )
-        .await
-        .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
+        let result = tokio::time::timeout(budget, net::connect(&spec, &route))
+            .await
+            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
         let status = if result.is_ok() { "ok" } else { "error" };
         ctx.metrics
             .dial_duration
@@ -196,66 +194,6 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Strin
     ))
 }
 
-/// Dial one `host:port`, trying every address it resolves to, directly or through an HTTP
-/// CONNECT proxy (skipped for hosts listed in `NO_PROXY`).
-///
-/// # Errors
-/// The last connect error, or the proxy's refusal.
-pub async fn dial_one(spec: &str, proxy: Option<&str>, no_proxy: &str) -> io::Result<TcpStream> {
-    let (host, _port) =
-        parse_host_port(spec).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    if let Some(proxy) = proxy
-        && !no_proxy_matches(no_proxy, &host)
-    {
-        let (phost, pport) =
-            parse_proxy_url(proxy).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let mut s = connect_any(&format!("{phost}:{pport}")).await?;
-        s.write_all(format!("CONNECT {spec} HTTP/1.1\r\nHost: {spec}\r\n\r\n").as_bytes())
-            .await?;
-        let mut head = Vec::with_capacity(256);
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            if head.len() > 8192 || s.read(&mut byte).await? == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "proxy closed or sent an oversized response",
-                ));
-            }
-            head.push(byte[0]);
-        }
-        let status_line = String::from_utf8_lossy(&head);
-        let code = status_line.split_whitespace().nth(1).unwrap_or("");
-        if code != "200" {
-            return Err(io::Error::new(
-                io::ErrorKind::ConnectionRefused,
-                format!(
-                    "proxy refused CONNECT: {}",
-                    status_line.lines().next().unwrap_or("")
-                ),
-            ));
-        }
-        return Ok(s);
-    }
-    connect_any(spec).await
-}
-
-async fn connect_any(spec: &str) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(
-        io::ErrorKind::NotFound,
-        format!("{spec} resolved to no address"),
-    );
-    for addr in tokio::net::lookup_host(spec).await? {
-        match TcpStream::connect(addr).await {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
 /// Whether `peer` is one of `listeners` (a wildcard listener matches any local address on its
 /// port).
 fn is_own_listener(listeners: &[SocketAddr], peer: SocketAddr) -> bool {
@@ -273,32 +211,6 @@ fn is_own_listener(listeners: &[SocketAddr], peer: SocketAddr) -> bool {
 /// Whether `ip` is an address of this host (can be bound).
 fn is_local_ip(ip: std::net::IpAddr) -> bool {
     std::net::TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
-}
-
-/// True for errors that come from this host running out of a resource (descriptors, buffers,
-/// memory) rather than from the server: they must not count toward a server's `fall`.
-pub fn is_local_exhaustion(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
-}
-
-/// `NO_PROXY` (or `no_proxy`) from the environment: hosts that are dialed directly.
-pub fn no_proxy_env() -> String {
-    std::env::var("NO_PROXY")
-        .or_else(|_| std::env::var("no_proxy"))
-        .unwrap_or_default()
-}
-
-/// Whether `host` is listed in a `NO_PROXY` value (`*`, exact names, or domain suffixes).
-pub fn no_proxy_matches(list: &str, host: &str) -> bool {
-    list.split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .any(|e| {
-            e == "*" || host == e || host.ends_with(&format!(".{}", e.trim_start_matches('.')))
-        })
 }
 
 /// Serve one client connection from dial to close.
@@ -372,7 +284,7 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
             abort(&client);
             abort(&server);
             if side == Side::Server && e.kind() == io::ErrorKind::ConnectionReset {
-                crate::health::record_server_reset(&balancer, &spec);
+                balancer.record_server_reset(&spec);
             }
         }
         Outcome::Killed => {

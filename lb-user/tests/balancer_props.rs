@@ -4,7 +4,8 @@
 use std::collections::HashSet;
 
 use lb::{
-    balancer::{Balancer, ConnGuard, Hold, ServerState},
+    addr::ServerAddr,
+    balancer::{Balancer, ConnGuard, Hold, Options, ServerState},
     config::{Config, Overrides, Policy},
 };
 
@@ -33,18 +34,31 @@ const POOL: [&str; 5] = [
     "198.18.0.6:1",
 ];
 
-fn balancer(policy: Policy) -> std::sync::Arc<Balancer> {
+fn addr(s: &str) -> ServerAddr {
+    ServerAddr::parse(s).unwrap()
+}
+
+/// A balancer whose own RNG (`random`, `least-connections`) is seeded with `seed`, so a failing
+/// seed reproduces exactly.
+fn balancer(policy: Policy, seed: u64) -> std::sync::Arc<Balancer> {
     let o = Overrides {
         listen: vec!["127.0.0.1:6444".parse().unwrap()],
-        servers: POOL[..3].iter().map(|s| s.to_string()).collect(),
-        default_server: Some(POOL[4].to_string()),
+        servers: POOL[..3].iter().map(|s| addr(s)).collect(),
+        default_server: Some(addr(POOL[4])),
         ..Overrides::default()
     };
     let mut cfg = Config::load(None, &o).unwrap().balancers.remove(0);
     cfg.policy = policy;
     cfg.health.rise = 2;
     cfg.health.fall = 2;
-    Balancer::new(0, cfg)
+    Balancer::build(
+        0,
+        cfg,
+        Options {
+            seed: Some(seed),
+            ..Options::default()
+        },
+    )
 }
 
 fn check_invariants(b: &Balancer, policy: Policy, guards: &[ConnGuard], seed: u64, step: usize) {
@@ -85,7 +99,7 @@ fn check_invariants(b: &Balancer, policy: Policy, guards: &[ConnGuard], seed: u6
     for s in &status {
         let per = guards
             .iter()
-            .filter(|g| !g.cancel.is_cancelled() && g.server() == s.address)
+            .filter(|g| !g.cancel.is_cancelled() && *g.server() == s.address)
             .count();
         assert_eq!(
             s.connections, per,
@@ -96,7 +110,7 @@ fn check_invariants(b: &Balancer, policy: Policy, guards: &[ConnGuard], seed: u6
 }
 
 fn run(policy: Policy, seed: u64, steps: usize) {
-    let b = balancer(policy);
+    let b = balancer(policy, seed);
     let mut rng = Rng(seed | 1);
     let mut guards: Vec<ConnGuard> = Vec::new();
     for step in 0..steps {
@@ -123,26 +137,26 @@ fn run(policy: Policy, seed: u64, steps: usize) {
             }
             5 => {
                 let n = 1 + rng.below(POOL.len());
-                let mut set: Vec<String> = Vec::new();
+                let mut set: Vec<ServerAddr> = Vec::new();
                 while set.len() < n {
-                    let s = POOL[rng.below(POOL.len())].to_string();
+                    let s = addr(POOL[rng.below(POOL.len())]);
                     if !set.contains(&s) {
                         set.push(s);
                     }
                 }
                 let default = if rng.below(2) == 0 {
-                    Some(POOL[rng.below(POOL.len())])
+                    Some(addr(POOL[rng.below(POOL.len())]))
                 } else {
                     None
                 };
-                b.set_servers(&set, default).unwrap();
+                b.set_servers(&set, default.as_ref()).unwrap();
             }
             6 => {
                 let hold = [Hold::None, Hold::Drain, Hold::Disabled][rng.below(3)];
-                b.set_hold(&pick(&mut rng), hold).unwrap();
+                b.set_hold(pick(&mut rng).as_str(), hold).unwrap();
             }
             7 => {
-                let _ = b.kill_server(&pick(&mut rng), lb::balancer::KillReason::Admin);
+                let _ = b.kill_server(pick(&mut rng).as_str(), lb::balancer::KillReason::Admin);
             }
             _ => {
                 b.record_dial(&pick(&mut rng), Err("timed out".into()));

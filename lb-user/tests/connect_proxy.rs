@@ -1,11 +1,19 @@
-//! Dialing through an HTTP CONNECT proxy, and NO_PROXY, against real sockets on loopback.
+//! Dialing through an HTTP CONNECT proxy, and NO_PROXY, against real sockets on loopback; health
+//! checks take the same route as client connections.
 
 use std::sync::{
     Arc,
     atomic::{AtomicUsize, Ordering},
 };
 
-use lb::proxy::{dial_one, no_proxy_matches};
+use lb::{
+    addr::{ProxyUrl, ServerAddr},
+    balancer::{Balancer, ServerState},
+    config::{CheckKind, Config, Overrides},
+    health::HealthService,
+    metrics::Metrics,
+    net::{Route, connect, no_proxy_matches},
+};
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
     net::{TcpListener, TcpStream},
@@ -50,6 +58,15 @@ async fn proxy(listener: TcpListener, connects: Arc<AtomicUsize>) {
             Some(())
         });
     }
+}
+
+/// Dial `server` as a balancer with `proxy` and `no_proxy` would.
+async fn dial_one(server: &str, proxy: Option<&str>, no_proxy: &str) -> std::io::Result<TcpStream> {
+    let route = Route {
+        proxy: proxy.map(|p| ProxyUrl::parse(p).unwrap()),
+        no_proxy: no_proxy.to_string(),
+    };
+    connect(&ServerAddr::parse(server).unwrap(), &route).await
 }
 
 async fn echo_server() -> std::net::SocketAddr {
@@ -106,6 +123,51 @@ async fn dials_through_connect_proxy_unless_no_proxy() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("403"), "{err}");
+}
+
+/// Defect: health checks dialed servers directly even with `balancer.proxy` set, so a server
+/// reachable only through the proxy was FAILED (and one reachable directly but not through the
+/// proxy looked healthy). Every check kind now connects by the balancer's route.
+#[tokio::test]
+async fn health_checks_go_through_the_balancers_proxy() {
+    let backend = echo_server().await;
+    let pl = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_url = format!("http://{}", pl.local_addr().unwrap());
+    let connects = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(proxy(pl, connects.clone()));
+    let server = ServerAddr::parse(&backend.to_string()).unwrap();
+    let refused = ServerAddr::parse("127.0.0.1:1").unwrap();
+    let o = Overrides {
+        listen: vec!["127.0.0.1:7".parse().unwrap()],
+        servers: vec![server.clone(), refused.clone()],
+        ..Overrides::default()
+    };
+    let mut cfg = Config::load(None, &o).unwrap().balancers.remove(0);
+    cfg.proxy = Some(ProxyUrl::parse(&proxy_url).unwrap());
+    cfg.health.kind = CheckKind::Tcp;
+    let b = Balancer::new(0, cfg);
+    let svc = HealthService::new(
+        Arc::new(Metrics::new()),
+        tokio_util::task::TaskTracker::new(),
+    );
+    assert!(svc.check_and_record(&b, &server).await);
+    assert_eq!(
+        connects.load(Ordering::SeqCst),
+        1,
+        "the check went through the proxy"
+    );
+    // The proxy refuses port 1 (403): the check fails with the proxy's answer.
+    assert!(!svc.check_and_record(&b, &refused).await);
+    assert_eq!(connects.load(Ordering::SeqCst), 2);
+    let st = b.status();
+    assert_eq!(st[1].state, ServerState::Failed);
+    assert!(
+        st[1]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("403")),
+        "{st:?}"
+    );
 }
 
 #[test]

@@ -14,10 +14,12 @@ use std::{
 
 use futures::{SinkExt as _, StreamExt as _};
 use lb::{
+    addr::ServerAddr,
     balancer::{Balancer, ServerState},
     config::{CheckKind, Config, Dur, HealthConfig, Overrides, StatusMatch},
-    health::{CheckError, HealthService, check_once},
+    health::{CheckError, HealthService},
     metrics::{CheckLabels, Metrics},
+    net::Route,
 };
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
@@ -35,6 +37,15 @@ use tokio::{
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+fn sa(s: &str) -> ServerAddr {
+    ServerAddr::parse(s).unwrap()
+}
+
+/// One check of `server`, dialed directly.
+async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
+    lb::health::check_once(cfg, &sa(server), &Route::default()).await
+}
 
 fn ms(n: u64) -> Dur {
     Dur(Duration::from_millis(n))
@@ -679,7 +690,7 @@ async fn tunnel_up_refused_and_no_pong() {
 fn balancer(servers: &[String], health: HealthConfig) -> Arc<Balancer> {
     let o = Overrides {
         listen: vec!["127.0.0.1:1".parse().unwrap()],
-        servers: servers.to_vec(),
+        servers: servers.iter().map(|s| sa(s)).collect(),
         ..Overrides::default()
     };
     let mut b = Config::load(None, &o).unwrap().balancers.remove(0);
@@ -744,7 +755,7 @@ async fn kept_tunnel_fails_on_drop_and_reconnects() {
     assert_eq!(ws.accepted.load(Ordering::Relaxed), 1);
 
     // On demand: a ping over the kept tunnel, no new connection.
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(ws.accepted.load(Ordering::Relaxed), 1);
 
     ws.drop_connections();
@@ -794,33 +805,33 @@ async fn rise_and_fall_with_a_server_going_away() {
     };
     let b = balancer(std::slice::from_ref(&server), h);
     let svc = HealthService::new(Arc::new(Metrics::new()), TaskTracker::new());
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Recovering);
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Preferred);
 
     drop(listener);
     for n in 1..=2 {
-        assert!(!svc.check_and_record(&b, &server).await);
+        assert!(!svc.check_and_record(&b, &sa(&server)).await);
         assert_eq!(
             state(&b, &server),
             ServerState::Preferred,
             "after {n} failures"
         );
     }
-    assert!(!svc.check_and_record(&b, &server).await);
+    assert!(!svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Failed);
 
     let _back = TcpListener::bind(addr).await.unwrap();
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Recovering);
     // One failure in between resets the count of successes.
     drop(_back);
-    assert!(!svc.check_and_record(&b, &server).await);
+    assert!(!svc.check_and_record(&b, &sa(&server)).await);
     let _back = TcpListener::bind(addr).await.unwrap();
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Recovering);
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(state(&b, &server), ServerState::Preferred);
 }
 
@@ -881,10 +892,10 @@ async fn loop_off_checks_only_on_demand() {
         0
     );
     assert_eq!(state(&b, &up), ServerState::Unchecked);
-    assert!(svc.before_dial(&b, &up).await);
+    assert!(svc.before_dial(&b, &sa(&up)).await);
     assert_eq!(checks(&metrics, &up, "success"), 1);
     // Fresh (younger than max_age): no second check.
-    assert!(svc.before_dial(&b, &up).await);
+    assert!(svc.before_dial(&b, &sa(&up)).await);
     assert_eq!(checks(&metrics, &up, "success"), 1);
     cancel.cancel();
 }
@@ -910,8 +921,8 @@ async fn one_check_in_flight_per_server() {
     );
     let metrics = Arc::new(Metrics::new());
     let svc = HealthService::new(metrics.clone(), TaskTracker::new());
-    let results =
-        futures::future::join_all((0..8).map(|_| svc.check_and_record(&b, &server))).await;
+    let addr = sa(&server);
+    let results = futures::future::join_all((0..8).map(|_| svc.check_and_record(&b, &addr))).await;
     assert!(results.iter().all(|ok| *ok));
     assert_eq!(accepted.load(Ordering::Relaxed), 1);
     assert_eq!(checks(&metrics, &server, "success"), 1);
@@ -959,11 +970,11 @@ fn node_kill_destroys_a_loopback_connection() {
 async fn failing_check_kills_ten_thousand_connections_quickly() {
     let down = closed_port().await.to_string();
     let b = balancer(std::slice::from_ref(&down), cfg(CheckKind::Tcp));
-    let guards: Vec<_> = (0..10_000).map(|_| b.register(&down)).collect();
+    let guards: Vec<_> = (0..10_000).map(|_| b.register(&sa(&down))).collect();
     assert_eq!(b.connection_count(), 10_000);
     let svc = HealthService::new(Arc::new(Metrics::new()), TaskTracker::new());
     let start = Instant::now();
-    assert!(!svc.check_and_record(&b, &down).await);
+    assert!(!svc.check_and_record(&b, &sa(&down)).await);
     let took = start.elapsed();
     eprintln!(
         "check + kill of 10,000 connections: {:.1} ms",
@@ -1006,7 +1017,7 @@ async fn abandoned_check_is_cancelled() {
     let svc = HealthService::new(metrics.clone(), TaskTracker::new());
     let gone = tokio::time::timeout(
         Duration::from_millis(300),
-        svc.check_and_record(&b, &server),
+        svc.check_and_record(&b, &sa(&server)),
     )
     .await;
     assert!(gone.is_err(), "the caller gave up");
@@ -1017,9 +1028,9 @@ async fn abandoned_check_is_cancelled() {
         checks(&metrics, &server, "success") + checks(&metrics, &server, "failure"),
         0
     );
-    assert!(b.last_checked(&server).is_none());
+    assert!(b.last_checked(&sa(&server)).is_none());
     // A new caller runs a new check to the end.
-    assert!(svc.check_and_record(&b, &server).await);
+    assert!(svc.check_and_record(&b, &sa(&server)).await);
     assert_eq!(heads.load(Ordering::Relaxed), 2);
     assert_eq!(checks(&metrics, &server, "success"), 1);
 }

@@ -1,18 +1,14 @@
 //! `/check?balancer=NAME&timeout=DUR`: run the health checks now.
 //!
 //! Callers with the same scope (one balancer, or all) share one run. A run is a task on the
-//! daemon's runtime driven by [`HealthService::check_all`](crate::health::HealthService::check_all);
+//! daemon's runtime driven by [`Handle::spawn_checks`] through the [`SingleFlight`] helper;
 //! each caller holds a clone of a shared future that owns the task and aborts it on drop. So a
 //! caller that times out or disconnects (hyper then drops its handler) stops waiting, and when
 //! the last one goes the run is aborted: no check outlives its callers, which
 //! `lb_inflight_checks` shows.
 
 use std::{
-    collections::HashMap,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -22,10 +18,7 @@ use axum::{
     http::StatusCode,
     response::{IntoResponse, Response},
 };
-use futures::{
-    FutureExt as _,
-    future::{BoxFuture, Shared, WeakShared},
-};
+use futures::FutureExt as _;
 use serde::Deserialize;
 use tracing::debug;
 
@@ -33,7 +26,11 @@ use super::{
     AdminState, ApiError,
     api::{BalancerCheck, CheckReport, ServerCheck},
 };
-use crate::{balancer::Balancer, daemon::Daemon};
+use crate::{
+    balancer::Balancer,
+    daemon::Handle,
+    singleflight::{Run, SingleFlight},
+};
 
 /// Shortest timeout a caller can ask for; shorter ones are raised to it.
 pub const MIN_TIMEOUT: Duration = Duration::from_millis(100);
@@ -42,21 +39,10 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 /// Timeout when the caller gives none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
-type RunFuture = Shared<BoxFuture<'static, ()>>;
-
-/// A run in progress.
-struct Slot {
-    id: u64,
-    started: Instant,
-    run: WeakShared<BoxFuture<'static, ()>>,
-}
-
-/// The runs in progress, by scope (`None`: every balancer).
+/// The runs in progress, by scope (`None`: every balancer), each with its start.
+#[derive(Debug, Default)]
 pub(super) struct CheckRuns {
-    daemon: Arc<Daemon>,
-    runtime: tokio::runtime::Handle,
-    runs: Mutex<HashMap<Option<String>, Slot>>,
-    next_id: AtomicU64,
+    runs: SingleFlight<Option<String>, (), Instant>,
 }
 
 /// Aborts the run's task when the shared future holding it is dropped.
@@ -69,59 +55,23 @@ impl Drop for AbortOnDrop {
 }
 
 impl CheckRuns {
-    pub(super) fn new(daemon: Arc<Daemon>, runtime: tokio::runtime::Handle) -> Arc<CheckRuns> {
-        Arc::new(CheckRuns {
-            daemon,
-            runtime,
-            runs: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
-        })
-    }
-
-    /// Join the run of `scope` in progress, or start one over `balancers`. Returns the run's
-    /// start, whether it was joined, and the future to wait on.
+    /// Join the run of `scope` in progress, or start one over `balancers` on the daemon's
+    /// runtime. Returns the run's start, whether it was joined, and the future to wait on.
     fn join(
-        self: &Arc<Self>,
+        &self,
+        daemon: &Handle,
         scope: Option<String>,
         balancers: Vec<Arc<Balancer>>,
-    ) -> (Instant, bool, RunFuture) {
-        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = runs.get(&scope)
-            && let Some(run) = slot.run.upgrade()
-        {
-            return (slot.started, true, run);
-        }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let started = Instant::now();
-        let health = self.daemon.health.clone();
-        let task = self.runtime.spawn(async move {
-            futures::future::join_all(balancers.iter().map(|b| health.check_all(b))).await;
-        });
-        let guard = AbortOnDrop(task.abort_handle());
-        let this = self.clone();
-        let key = scope.clone();
-        let run: RunFuture = async move {
-            let _guard = guard;
-            let _ = task.await;
-            // Finished: later callers start a fresh run instead of reading this one.
-            let mut runs = this.runs.lock().unwrap_or_else(|p| p.into_inner());
-            if runs.get(&key).is_some_and(|s| s.id == id) {
-                runs.remove(&key);
+    ) -> (Instant, bool, Run<()>) {
+        self.runs.join(scope, Instant::now, || {
+            let task = daemon.spawn_checks(balancers);
+            let guard = AbortOnDrop(task.abort_handle());
+            async move {
+                let _guard = guard;
+                let _ = task.await;
             }
-        }
-        .boxed()
-        .shared();
-        if let Some(weak) = run.downgrade() {
-            runs.insert(
-                scope,
-                Slot {
-                    id,
-                    started,
-                    run: weak,
-                },
-            );
-        }
-        (started, false, run)
+            .boxed()
+        })
     }
 }
 
@@ -161,10 +111,12 @@ pub(super) async fn handler(
                 return ApiError::not_found(format!("no balancer named {name:?}")).into_response();
             }
         },
-        None => s.daemon.balancers.load().iter().cloned().collect(),
+        None => s.daemon.balancers().iter().cloned().collect(),
     };
     let waited = Instant::now();
-    let (started, shared, run) = s.checks.join(q.balancer.clone(), balancers.clone());
+    let (started, shared, run) = s
+        .checks
+        .join(&s.daemon, q.balancer.clone(), balancers.clone());
     let timed_out = tokio::time::timeout(timeout, run).await.is_err();
     let report = report(
         &balancers,
@@ -206,7 +158,7 @@ fn report(
                         ok: ours.then_some(st.last_error.is_none()),
                         error: if ours { st.last_error } else { None },
                         state: st.state,
-                        address: st.address,
+                        address: st.address.to_string(),
                     }
                 })
                 .collect();

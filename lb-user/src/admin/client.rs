@@ -35,7 +35,7 @@ impl FromStr for Endpoint {
             return Ok(Endpoint::Unix(PathBuf::from(s)));
         }
         let hostport = s.strip_prefix("http://").unwrap_or(s).trim_end_matches('/');
-        crate::balancer::parse_host_port(hostport)
+        crate::addr::ServerAddr::parse(hostport)
             .map_err(|e| format!("`{s}` is not host:port, http://host:port or unix:/path ({e})"))?;
         Ok(Endpoint::Tcp(hostport.to_string()))
     }

@@ -1,5 +1,5 @@
 //! Admin HTTP API: the daemon's own health for orchestrators (`/livez`, `/readyz`, `/check`),
-//! `/status`, `/metrics`, server set changes, and config reload (SIGHUP).
+//! `/status`, `/metrics` and server set changes, over a narrow [`Handle`] to the daemon.
 //!
 //! It runs on its own current-thread runtime on a dedicated thread, so a saturated data path
 //! cannot starve it, and the probes answer from snapshots (an atomic heartbeat and a readiness
@@ -41,10 +41,7 @@ use tracing::{debug, error, info, warn};
 
 pub use api::{BalancerStatus, StatusBody};
 
-use crate::{
-    config::{Config, ConfigError, Overrides},
-    daemon::Daemon,
-};
+use crate::daemon::Handle;
 
 /// Heartbeat older than this makes `/livez` fail.
 pub const HEARTBEAT_STALE: Duration = Duration::from_secs(5);
@@ -96,13 +93,12 @@ pub enum AdminError {
 }
 
 /// Build the `/status` body from the running daemon.
-pub fn status(daemon: &Daemon) -> StatusBody {
+pub fn status(daemon: &Handle) -> StatusBody {
     StatusBody {
-        datapath: daemon.datapath_mode.to_string(),
-        datapath_fallback: daemon.datapath_fallback.clone(),
+        datapath: daemon.datapath_mode().to_string(),
+        datapath_fallback: daemon.datapath_fallback().map(str::to_string),
         balancers: daemon
-            .balancers
-            .load()
+            .balancers()
             .iter()
             .map(|b| {
                 let cfg = b.config();
@@ -119,7 +115,7 @@ pub fn status(daemon: &Daemon) -> StatusBody {
 
 /// What the handlers share.
 struct AdminState {
-    daemon: Arc<Daemon>,
+    daemon: Handle,
     probes: probes::Probes,
     checks: Arc<check::CheckRuns>,
     token: TokenCache,
@@ -276,7 +272,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn authorize(State(s): State<Arc<AdminState>>, req: Request, next: Next) -> Response {
-    let Some(path) = s.daemon.config.load().admin.token_file.clone() else {
+    let Some(path) = s.daemon.config().admin.token_file.clone() else {
         return next.run(req).await;
     };
     let expected = match s.token.get(&path) {
@@ -314,8 +310,7 @@ async fn status_handler(State(s): State<Arc<AdminState>>) -> Json<StatusBody> {
 }
 
 async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
-    let d = &s.daemon;
-    let body = d.metrics.render(&d.balancers.load(), d.datapath.as_deref());
+    let body = s.daemon.render_metrics();
     (
         [(
             header::CONTENT_TYPE,
@@ -438,8 +433,8 @@ fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener, AdminError
 ///
 /// # Errors
 /// [`AdminError`]: a listener that cannot be bound, an unusable token file, or no thread.
-pub async fn start(daemon: Arc<Daemon>) -> Result<(), AdminError> {
-    let cfg = daemon.config.load().admin.clone();
+pub async fn start(daemon: Handle) -> Result<(), AdminError> {
+    let cfg = daemon.config().admin.clone();
     if let Some(path) = &cfg.token_file {
         read_token(path).map_err(|reason| AdminError::TokenFile {
             path: path.clone(),
@@ -470,7 +465,6 @@ pub async fn start(daemon: Arc<Daemon>) -> Result<(), AdminError> {
     info!(listen = %cfg.listen, unix_socket = ?cfg.unix_socket, token = cfg.token_file.is_some(), "admin API listening");
 
     // Checks started by /check run on the daemon's runtime; the admin thread only waits.
-    let main_rt = tokio::runtime::Handle::current();
     std::thread::Builder::new()
         .name("lb-admin".into())
         .spawn(move || {
@@ -484,26 +478,25 @@ pub async fn start(daemon: Arc<Daemon>) -> Result<(), AdminError> {
                     return;
                 }
             };
-            rt.block_on(serve(daemon, tcp, unix, main_rt));
+            rt.block_on(serve(daemon, tcp, unix));
         })
         .map_err(AdminError::Thread)?;
     Ok(())
 }
 
 async fn serve(
-    daemon: Arc<Daemon>,
+    daemon: Handle,
     tcp: std::net::TcpListener,
     unix: Option<(std::os::unix::net::UnixListener, PathBuf)>,
-    main_rt: tokio::runtime::Handle,
 ) {
     let state = Arc::new(AdminState {
         probes: probes::Probes::new(&daemon),
-        checks: check::CheckRuns::new(daemon.clone(), main_rt),
+        checks: Arc::new(check::CheckRuns::default()),
         token: TokenCache::default(),
         daemon: daemon.clone(),
     });
     let app = router(state.clone());
-    let shutdown = daemon.shutdown.clone();
+    let shutdown = daemon.shutdown_token();
     let conns = TaskTracker::new();
     let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut loops = Vec::new();
@@ -535,97 +528,6 @@ async fn serve(
     }
     conns.close();
     let _ = tokio::time::timeout(Duration::from_secs(2), conns.wait()).await;
-}
-
-/// What a reload changed.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct ReloadSummary {
-    /// Balancers whose config changed and was applied.
-    pub changed: Vec<String>,
-    /// Balancers left as they were (identical config).
-    pub unchanged: Vec<String>,
-    /// Changes that need a restart and were not applied (new or removed balancers, listeners,
-    /// admin listeners, data path).
-    pub need_restart: Vec<String>,
-}
-
-/// Load the config again and apply it to the balancers whose config changed; unchanged ones are
-/// not touched (their connections stay). Nothing is applied when the new config is invalid.
-///
-/// # Errors
-/// The [`ConfigError`] of the new config; the running config then stays in force.
-pub fn reload_config(
-    daemon: &Arc<Daemon>,
-    path: Option<&Path>,
-    overrides: &Overrides,
-) -> Result<ReloadSummary, ConfigError> {
-    let mut new = Config::load(path, overrides)?;
-    let old = daemon.config.load_full();
-    let mut summary = ReloadSummary::default();
-    if new.admin.listen != old.admin.listen || new.admin.unix_socket != old.admin.unix_socket {
-        summary
-            .need_restart
-            .push("[admin] listen or unix_socket".into());
-    }
-    if new.datapath != old.datapath {
-        summary.need_restart.push("[datapath]".into());
-    }
-    for ob in &old.balancers {
-        if !new.balancers.iter().any(|nb| nb.name == ob.name) {
-            summary
-                .need_restart
-                .push(format!("removing balancer {}", ob.name));
-        }
-    }
-    for nb in &mut new.balancers {
-        let Some(b) = daemon.balancer(&nb.name) else {
-            summary
-                .need_restart
-                .push(format!("new balancer {}", nb.name));
-            continue;
-        };
-        let current = b.config();
-        if current.listen != nb.listen {
-            summary
-                .need_restart
-                .push(format!("balancer {} listen", nb.name));
-            nb.listen.clone_from(&current.listen);
-        }
-        if *current == *nb {
-            summary.unchanged.push(nb.name.clone());
-            continue;
-        }
-        match b.replace_config(nb.clone()) {
-            Ok(_) => summary.changed.push(nb.name.clone()),
-            Err(e) => warn!(balancer = %b.name, error = %e, "reload refused for this balancer"),
-        }
-    }
-    // Keep what could not change in the stored config, so it describes what runs.
-    new.admin.listen = old.admin.listen;
-    new.admin.unix_socket.clone_from(&old.admin.unix_socket);
-    new.datapath = old.datapath.clone();
-    new.balancers = daemon
-        .balancers
-        .load()
-        .iter()
-        .map(|b| (*b.config()).clone())
-        .collect();
-    daemon.config.store(Arc::new(new));
-    Ok(summary)
-}
-
-/// SIGHUP: [`reload_config`], logging the outcome; an invalid new config is logged and the old
-/// one keeps running.
-pub fn reload(daemon: &Arc<Daemon>, path: Option<&Path>, overrides: &Overrides) {
-    match reload_config(daemon, path, overrides) {
-        Ok(s) => {
-            for what in &s.need_restart {
-                warn!(change = %what, "reload: this change needs a restart; not applied");
-            }
-            info!(changed = ?s.changed, unchanged = ?s.unchanged, "config reloaded");
-        }
-        Err(e) => warn!(error = %e, "reload refused: config invalid; the running config stays"),
-    }
 }
 
 #[cfg(test)]

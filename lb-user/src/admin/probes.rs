@@ -4,10 +4,7 @@
 //! and never depends on servers' health. Readiness is computed every [`REFRESH`] by a task on
 //! the admin thread and published through an `ArcSwap`.
 
-use std::{
-    sync::{Arc, atomic::Ordering},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use arc_swap::ArcSwap;
 use axum::{
@@ -18,7 +15,7 @@ use axum::{
 use tokio_util::sync::CancellationToken;
 
 use super::{AdminState, HEARTBEAT_STALE};
-use crate::{config::DatapathMode, daemon::Daemon};
+use crate::{config::DatapathMode, daemon::Handle};
 
 /// How often readiness is recomputed.
 pub const REFRESH: Duration = Duration::from_millis(100);
@@ -36,13 +33,13 @@ struct Readiness {
 }
 
 impl Probes {
-    pub(super) fn new(daemon: &Daemon) -> Probes {
+    pub(super) fn new(daemon: &Handle) -> Probes {
         Probes {
             ready: ArcSwap::from_pointee(readiness(daemon)),
         }
     }
 
-    fn refresh(&self, daemon: &Daemon) {
+    fn refresh(&self, daemon: &Handle) {
         let now = readiness(daemon);
         if **self.ready.load() != now {
             self.ready.store(Arc::new(now));
@@ -51,7 +48,7 @@ impl Probes {
 }
 
 /// Recompute readiness every [`REFRESH`] until `shutdown` fires.
-pub(super) async fn refresh_until(probes: &Probes, daemon: &Daemon, shutdown: &CancellationToken) {
+pub(super) async fn refresh_until(probes: &Probes, daemon: &Handle, shutdown: &CancellationToken) {
     loop {
         probes.refresh(daemon);
         tokio::select! {
@@ -63,21 +60,21 @@ pub(super) async fn refresh_until(probes: &Probes, daemon: &Daemon, shutdown: &C
 
 /// Ready: config loaded (the daemon exists), data path attached as configured, first round of
 /// checks done, every balancer has a usable server, and not shutting down.
-fn readiness(d: &Daemon) -> Readiness {
+fn readiness(d: &Handle) -> Readiness {
     let not = |reason: String| Readiness {
         ready: false,
         reason,
     };
-    if d.proxy.tasks.is_closed() || d.shutdown.is_cancelled() {
+    if d.shutting_down() {
         return not("shutting down: draining connections".into());
     }
-    if d.config.load().datapath.mode == DatapathMode::Bpf && d.datapath.is_none() {
+    if d.config().datapath.mode == DatapathMode::Bpf && !d.datapath_attached() {
         return not("the bpf data path is not attached".into());
     }
-    if !d.first_checks_done.load(Ordering::Relaxed) {
+    if !d.first_checks_done() {
         return not("first round of health checks not done".into());
     }
-    for b in d.balancers.load().iter() {
+    for b in d.balancers().iter() {
         if !b.has_usable_server() {
             return not(format!("balancer {} has no usable server", b.name));
         }
@@ -104,7 +101,7 @@ pub(super) async fn livez(State(s): State<Arc<AdminState>>) -> Response {
     }
     (
         StatusCode::OK,
-        format!("ok: datapath {}\n", d.datapath_mode),
+        format!("ok: datapath {}\n", d.datapath_mode()),
     )
         .into_response()
 }

@@ -19,7 +19,10 @@ use super::{
     AdminState, ApiError,
     api::{ActionResponse, AddServerRequest, ServersResponse, SetServersRequest},
 };
-use crate::balancer::{Balancer, Hold, KillReason, SetError};
+use crate::{
+    addr::{self, SetError},
+    balancer::{Balancer, Hold, KillReason},
+};
 
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if body.is_empty() {
@@ -59,8 +62,15 @@ pub(super) async fn set(
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     let req: SetServersRequest = parse_body(&body)?;
+    let servers = addr::parse_all(&req.servers).map_err(set_error)?;
+    let default = req
+        .default
+        .as_deref()
+        .map(addr::parse_one)
+        .transpose()
+        .map_err(set_error)?;
     let changed = b
-        .set_servers(&req.servers, req.default.as_deref())
+        .set_servers(&servers, default.as_ref())
         .map_err(set_error)?;
     Ok(Json(ServersResponse {
         balancer: b.name.clone(),
@@ -78,7 +88,8 @@ pub(super) async fn add(
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     let req: AddServerRequest = parse_body(&body)?;
-    let changed = b.add_server(&req.server).map_err(|e| match e {
+    let server = addr::parse_one(&req.server).map_err(set_error)?;
+    let changed = b.add_server(&server).map_err(|e| match e {
         SetError::Duplicate(_) => ApiError::new(StatusCode::CONFLICT, e.to_string()),
         other => set_error(other),
     })?;

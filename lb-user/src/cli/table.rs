@@ -55,7 +55,7 @@ pub fn servers(indent: &str, servers: &[ServerStatus]) -> String {
         .iter()
         .map(|s| {
             vec![
-                s.address.clone(),
+                s.address.to_string(),
                 s.state.name().to_string(),
                 if s.default { "yes" } else { "-" }.to_string(),
                 match s.hold {

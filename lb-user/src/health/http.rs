@@ -14,6 +14,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::{CheckError, connect_tcp, tls};
 use crate::config::{HealthConfig, StatusMatch};
+use crate::{addr::ServerAddr, net::Route};
 
 /// `User-Agent` of checks.
 const USER_AGENT_VALUE: &str = concat!("lb-health/", env!("CARGO_PKG_VERSION"));
@@ -40,7 +41,7 @@ pub(super) struct Target {
 /// [`CheckError::Url`] for a missing URL, another scheme or an unparsable one.
 pub(super) fn target(
     template: Option<&str>,
-    server: &str,
+    server: &ServerAddr,
     plain: &str,
     secure: &str,
 ) -> Result<Target, CheckError> {
@@ -48,7 +49,7 @@ pub(super) fn target(
         url: String::new(),
         reason: "no url configured".into(),
     })?;
-    let url = template.replace("{server}", server);
+    let url = template.replace("{server}", server.as_str());
     let bad = |reason: &str| CheckError::Url {
         url: url.clone(),
         reason: reason.into(),
@@ -96,9 +97,13 @@ pub(super) fn status_ok(expect: &[StatusMatch], code: u16) -> bool {
 ///
 /// # Errors
 /// Why the server is unhealthy.
-pub(super) async fn check(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
+pub(super) async fn check(
+    cfg: &HealthConfig,
+    server: &ServerAddr,
+    route: &Route,
+) -> Result<(), CheckError> {
     let t = target(cfg.url.as_deref(), server, "http", "https")?;
-    let tcp = connect_tcp(&t.connect).await?;
+    let tcp = connect_tcp(&t.connect, route).await?;
     if t.tls {
         let stream = tls::handshake(cfg, &t.host, tcp, Some(&["http/1.1"])).await?;
         exchange(cfg, &t, stream).await
@@ -162,11 +167,15 @@ where
 mod tests {
     use super::*;
 
+    fn sa(s: &str) -> ServerAddr {
+        ServerAddr::parse(s).unwrap()
+    }
+
     #[test]
     fn template_expands_and_splits() {
         let t = target(
             Some("https://{server}/ping?x=1"),
-            "10.0.0.1:6443",
+            &sa("10.0.0.1:6443"),
             "http",
             "https",
         )
@@ -181,19 +190,19 @@ mod tests {
                 path: "/ping?x=1".into(),
             }
         );
-        let t = target(Some("http://{server}"), "[::1]:80", "http", "https").unwrap();
+        let t = target(Some("http://{server}"), &sa("[::1]:80"), "http", "https").unwrap();
         assert_eq!(
             (t.host.as_str(), t.connect.as_str(), t.path.as_str()),
             ("::1", "[::1]:80", "/")
         );
-        let t = target(Some("ws://example.test/t"), "x:1", "ws", "wss").unwrap();
+        let t = target(Some("ws://example.test/t"), &sa("x:1"), "ws", "wss").unwrap();
         assert_eq!(t.connect, "example.test:80");
         assert!(matches!(
-            target(Some("ftp://{server}/"), "a:1", "http", "https"),
+            target(Some("ftp://{server}/"), &sa("a:1"), "http", "https"),
             Err(CheckError::Url { .. })
         ));
         assert!(matches!(
-            target(None, "a:1", "http", "https"),
+            target(None, &sa("a:1"), "http", "https"),
             Err(CheckError::Url { .. })
         ));
     }

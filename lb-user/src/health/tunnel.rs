@@ -20,7 +20,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
 use super::{CheckError, Shared, connect_tcp, http::target, jittered, tls};
-use crate::{balancer::Balancer, config::HealthConfig, metrics::InflightGuard};
+use crate::{
+    addr::ServerAddr, balancer::Balancer, config::HealthConfig, metrics::InflightGuard, net::Route,
+};
 
 /// A byte stream a WebSocket runs over: plain TCP or TLS.
 pub(super) trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -35,9 +37,9 @@ type Reply = oneshot::Sender<Result<Duration, String>>;
 ///
 /// # Errors
 /// Connect, TLS or WebSocket handshake failures.
-async fn connect(cfg: &HealthConfig, server: &str) -> Result<Ws, CheckError> {
+async fn connect(cfg: &HealthConfig, server: &ServerAddr, route: &Route) -> Result<Ws, CheckError> {
     let t = target(cfg.url.as_deref(), server, "ws", "wss")?;
-    let tcp = connect_tcp(&t.connect).await?;
+    let tcp = connect_tcp(&t.connect, route).await?;
     let io: Box<dyn Io> = if t.tls {
         Box::new(tls::handshake(cfg, &t.host, tcp, Some(&["http/1.1"])).await?)
     } else {
@@ -73,8 +75,12 @@ async fn ping_pong(ws: &mut Ws, payload: Bytes) -> Result<(), CheckError> {
 ///
 /// # Errors
 /// Why the tunnel could not be opened or did not answer.
-pub(super) async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), CheckError> {
-    let mut ws = connect(cfg, server).await?;
+pub(super) async fn check_once(
+    cfg: &HealthConfig,
+    server: &ServerAddr,
+    route: &Route,
+) -> Result<(), CheckError> {
+    let mut ws = connect(cfg, server, route).await?;
     let result = ping_pong(&mut ws, Bytes::from_static(b"lb-check")).await;
     // Best effort: a peer that stopped reading must not hold the check past its result.
     let _ = timeout(Duration::from_millis(100), ws.close(None)).await;
@@ -85,6 +91,7 @@ pub(super) async fn check_once(cfg: &HealthConfig, server: &str) -> Result<(), C
 #[derive(Debug)]
 struct Handle {
     cfg: HealthConfig,
+    route: Route,
     cancel: CancellationToken,
     pings: mpsc::Sender<Reply>,
 }
@@ -92,7 +99,7 @@ struct Handle {
 /// The tunnels of every balancer, keyed by (balancer, server).
 #[derive(Debug, Default)]
 pub(super) struct Tunnels {
-    map: std::sync::Mutex<HashMap<(String, String), Handle>>,
+    map: std::sync::Mutex<HashMap<(String, ServerAddr), Handle>>,
 }
 
 impl Tunnels {
@@ -102,13 +109,17 @@ impl Tunnels {
         &self,
         shared: &Arc<Shared>,
         balancer: &Arc<Balancer>,
-        specs: &[String],
+        specs: &[ServerAddr],
         cfg: &HealthConfig,
+        route: &Route,
     ) {
         let mut map = self.map.lock().expect("poisoned");
         map.retain(|(b, s), h| {
             let keep = *b != balancer.name
-                || (specs.contains(s) && h.cfg == *cfg && !h.cancel.is_cancelled());
+                || (specs.contains(s)
+                    && h.cfg == *cfg
+                    && h.route == *route
+                    && !h.cancel.is_cancelled());
             if !keep {
                 h.cancel.cancel();
             }
@@ -126,6 +137,7 @@ impl Tunnels {
                 balancer: balancer.clone(),
                 spec: spec.clone(),
                 cfg: cfg.clone(),
+                route: route.clone(),
                 cancel: cancel.clone(),
                 pings: rx,
             };
@@ -134,6 +146,7 @@ impl Tunnels {
                 key,
                 Handle {
                     cfg: cfg.clone(),
+                    route: route.clone(),
                     cancel,
                     pings: tx,
                 },
@@ -155,13 +168,13 @@ impl Tunnels {
     pub(super) fn ping(
         &self,
         balancer: &str,
-        server: &str,
+        server: &ServerAddr,
     ) -> Option<impl Future<Output = Result<(), CheckError>> + use<>> {
         let pings = self
             .map
             .lock()
             .expect("poisoned")
-            .get(&(balancer.to_string(), server.to_string()))?
+            .get(&(balancer.to_string(), server.clone()))?
             .pings
             .clone();
         Some(async move {
@@ -193,8 +206,9 @@ struct Pending {
 struct Tunnel {
     shared: Arc<Shared>,
     balancer: Arc<Balancer>,
-    spec: String,
+    spec: ServerAddr,
     cfg: HealthConfig,
+    route: Route,
     cancel: CancellationToken,
     pings: mpsc::Receiver<Reply>,
 }
@@ -224,7 +238,7 @@ impl Tunnel {
             let start = Instant::now();
             let connected = tokio::select! {
                 () = self.cancel.cancelled() => return,
-                r = timeout(self.cfg.timeout.0, connect(&self.cfg, &self.spec)) => {
+                r = timeout(self.cfg.timeout.0, connect(&self.cfg, &self.spec, &self.route)) => {
                     r.unwrap_or(Err(CheckError::Timeout(self.cfg.timeout.0)))
                 }
             };

@@ -1,0 +1,380 @@
+//! Server addresses: the one parsed, normalised form (`ServerAddr`) that config, balancer,
+//! health checks, the proxy, metrics and the admin API all use, the CONNECT proxy URL, and the
+//! rules a server set must follow. A leaf: it imports nothing from the rest of lb.
+
+use std::{
+    fmt,
+    net::{IpAddr, SocketAddr},
+    str::FromStr,
+};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Most servers one balancer takes (each is health-checked concurrently).
+pub const MAX_SERVERS: usize = 256;
+
+/// Why a text is not a server address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddrError {
+    /// No `:port` at the end.
+    #[error("missing :port")]
+    MissingPort,
+    /// The port is not a number in 1..=65535.
+    #[error("bad port {0:?}")]
+    BadPort(String),
+    /// Port 0 cannot be dialed.
+    #[error("port 0")]
+    PortZero,
+    /// The host is neither an IP address nor a DNS name (letters, digits, `-`, labels of at
+    /// most 63 characters).
+    #[error("bad host name {0:?}")]
+    BadHost(String),
+    /// A proxy URL that is not `http://host:port`.
+    #[error("only http:// CONNECT proxies are supported")]
+    ProxyScheme,
+}
+
+/// The host part of a server address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Host {
+    /// A literal IPv4 or IPv6 address.
+    Ip(IpAddr),
+    /// A DNS name, lower case.
+    Name(String),
+}
+
+/// A server address, `host:port`, normalised: IPv6 in brackets in its shortest form
+/// (`[::1]:80`, never `[0:0::1]:80`), host names in lower case. Two spellings of one server are
+/// one `ServerAddr`, so a server has one registry entry, one metric series and one state.
+///
+/// Serialised as its text; parsing refuses anything but `host:port` / `[v6]:port` with a port in
+/// 1..=65535.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServerAddr {
+    text: String,
+    host: Host,
+    port: u16,
+}
+
+impl ServerAddr {
+    /// Parse and normalise `host:port`.
+    ///
+    /// # Errors
+    /// [`AddrError`] naming what is wrong.
+    pub fn parse(spec: &str) -> Result<ServerAddr, AddrError> {
+        if let Ok(sa) = spec.parse::<SocketAddr>() {
+            return ServerAddr::from_socket_addr(sa);
+        }
+        let (host, port) = spec.rsplit_once(':').ok_or(AddrError::MissingPort)?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| AddrError::BadPort(port.to_string()))?;
+        if port == 0 {
+            return Err(AddrError::PortZero);
+        }
+        let ok = !host.is_empty()
+            && host.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            });
+        if !ok {
+            return Err(AddrError::BadHost(host.to_string()));
+        }
+        let host = host.to_ascii_lowercase();
+        Ok(ServerAddr {
+            text: format!("{host}:{port}"),
+            host: Host::Name(host),
+            port,
+        })
+    }
+
+    /// A literal socket address as a server.
+    ///
+    /// # Errors
+    /// [`AddrError::PortZero`].
+    pub fn from_socket_addr(sa: SocketAddr) -> Result<ServerAddr, AddrError> {
+        if sa.port() == 0 {
+            return Err(AddrError::PortZero);
+        }
+        Ok(ServerAddr {
+            text: sa.to_string(),
+            host: Host::Ip(sa.ip()),
+            port: sa.port(),
+        })
+    }
+
+    /// The normalised text, `host:port` or `[v6]:port`.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The host.
+    pub fn host(&self) -> &Host {
+        &self.host
+    }
+
+    /// The host as text without brackets (`::1`, `198.18.0.2`, `etcd-1.example`): for SNI,
+    /// `Host` headers without a port, and `NO_PROXY` matching.
+    pub fn host_str(&self) -> String {
+        match &self.host {
+            Host::Ip(ip) => ip.to_string(),
+            Host::Name(n) => n.clone(),
+        }
+    }
+
+    /// The port (1..=65535).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The socket address when the host is a literal IP.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        match self.host {
+            Host::Ip(ip) => Some(SocketAddr::new(ip, self.port)),
+            Host::Name(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for ServerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl fmt::Debug for ServerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.text, f)
+    }
+}
+
+impl FromStr for ServerAddr {
+    type Err = AddrError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ServerAddr::parse(s)
+    }
+}
+
+impl PartialEq<str> for ServerAddr {
+    fn eq(&self, other: &str) -> bool {
+        self.text == other
+    }
+}
+
+impl PartialEq<&str> for ServerAddr {
+    fn eq(&self, other: &&str) -> bool {
+        self.text == *other
+    }
+}
+
+impl Serialize for ServerAddr {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for ServerAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        ServerAddr::parse(&text).map_err(|e| {
+            serde::de::Error::custom(format!("server {text:?} is not host:port ({e})"))
+        })
+    }
+}
+
+/// An HTTP CONNECT proxy, `http://host:port` (a trailing `/` is allowed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyUrl {
+    url: String,
+    addr: ServerAddr,
+}
+
+impl ProxyUrl {
+    /// Parse `http://host:port`.
+    ///
+    /// # Errors
+    /// [`AddrError::ProxyScheme`] for another scheme, else as [`ServerAddr::parse`].
+    pub fn parse(url: &str) -> Result<ProxyUrl, AddrError> {
+        let rest = url.strip_prefix("http://").ok_or(AddrError::ProxyScheme)?;
+        Ok(ProxyUrl {
+            url: url.to_string(),
+            addr: ServerAddr::parse(rest.trim_end_matches('/'))?,
+        })
+    }
+
+    /// The proxy's own address.
+    pub fn addr(&self) -> &ServerAddr {
+        &self.addr
+    }
+}
+
+impl fmt::Display for ProxyUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.url)
+    }
+}
+
+impl Serialize for ProxyUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.url)
+    }
+}
+
+impl<'de> Deserialize<'de> for ProxyUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        ProxyUrl::parse(&text).map_err(|e| serde::de::Error::custom(format!("proxy {text:?}: {e}")))
+    }
+}
+
+/// Errors of server set changes (config, `PUT`/`POST`/`DELETE` servers, holds and kills).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SetError {
+    /// An empty server list.
+    #[error("the server list is empty")]
+    Empty,
+    /// More servers than a balancer takes.
+    #[error("{0} servers; a balancer takes at most {MAX_SERVERS}")]
+    TooMany(usize),
+    /// The same server twice (after normalising).
+    #[error("server {0} is listed twice")]
+    Duplicate(ServerAddr),
+    /// Not `host:port`.
+    #[error("server {addr:?} is not host:port ({source})")]
+    Unparsable {
+        /// As given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: AddrError,
+    },
+    /// A server equal to one of lb's own listeners (a loop).
+    #[error("server {0} is this balancer's own listen address")]
+    OwnListener(ServerAddr),
+    /// Not in the set.
+    #[error("server {0} is not in the set")]
+    UnknownServer(String),
+}
+
+/// Parse every text of a list (as the admin API receives them).
+///
+/// # Errors
+/// [`SetError::Unparsable`] naming the first bad one.
+pub fn parse_all(specs: &[String]) -> Result<Vec<ServerAddr>, SetError> {
+    specs.iter().map(|s| parse_one(s)).collect()
+}
+
+/// Parse one text as a server.
+///
+/// # Errors
+/// [`SetError::Unparsable`].
+pub fn parse_one(spec: &str) -> Result<ServerAddr, SetError> {
+    ServerAddr::parse(spec).map_err(|source| SetError::Unparsable {
+        addr: spec.to_string(),
+        source,
+    })
+}
+
+/// Check a server set and its default: at most [`MAX_SERVERS`], no duplicates, none equal to
+/// one of `listen` (lb's own listeners; a wildcard listener matches loopback on its port). An
+/// empty list is refused unless a default is given.
+///
+/// # Errors
+/// [`SetError`] naming the offending server.
+pub fn validate_set(
+    servers: &[ServerAddr],
+    default: Option<&ServerAddr>,
+    listen: &[SocketAddr],
+) -> Result<(), SetError> {
+    if servers.is_empty() && default.is_none() {
+        return Err(SetError::Empty);
+    }
+    if servers.len() > MAX_SERVERS {
+        return Err(SetError::TooMany(servers.len()));
+    }
+    for s in servers.iter().chain(default) {
+        if let Some(sa) = s.socket_addr()
+            && listen.iter().any(|l| {
+                *l == sa
+                    || (l.port() == sa.port() && l.ip().is_unspecified() && sa.ip().is_loopback())
+            })
+        {
+            return Err(SetError::OwnListener(s.clone()));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for s in servers {
+        if !seen.insert(s) {
+            return Err(SetError::Duplicate(s.clone()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalises_and_refuses() {
+        assert_eq!(ServerAddr::parse("[0:0::1]:80").unwrap(), "[::1]:80");
+        assert_eq!(
+            ServerAddr::parse("Etcd-1.Example:2379").unwrap(),
+            "etcd-1.example:2379"
+        );
+        assert_eq!(
+            ServerAddr::parse("[::1]:80").unwrap().host_str(),
+            "::1",
+            "no brackets in the bare host"
+        );
+        assert_eq!(ServerAddr::parse("x"), Err(AddrError::MissingPort));
+        assert_eq!(ServerAddr::parse("x:0"), Err(AddrError::PortZero));
+        assert_eq!(ServerAddr::parse("198.18.0.2:0"), Err(AddrError::PortZero));
+        assert!(matches!(
+            ServerAddr::parse("x:http"),
+            Err(AddrError::BadPort(_))
+        ));
+        assert!(matches!(
+            ServerAddr::parse("a b:1"),
+            Err(AddrError::BadHost(_))
+        ));
+        assert!(matches!(
+            ServerAddr::parse("::1:80"),
+            Err(AddrError::BadHost(_))
+        ));
+    }
+
+    #[test]
+    fn set_rules() {
+        let a = |s: &str| ServerAddr::parse(s).unwrap();
+        let listen: Vec<SocketAddr> = vec!["0.0.0.0:6444".parse().unwrap()];
+        assert_eq!(validate_set(&[], None, &listen), Err(SetError::Empty));
+        assert!(validate_set(&[], Some(&a("198.18.0.2:1")), &listen).is_ok());
+        assert_eq!(
+            validate_set(&[a("X:1"), a("x:1")], None, &listen),
+            Err(SetError::Duplicate(a("x:1")))
+        );
+        assert_eq!(
+            validate_set(&[a("127.0.0.1:6444")], None, &listen),
+            Err(SetError::OwnListener(a("127.0.0.1:6444")))
+        );
+        let many: Vec<ServerAddr> = (1..=257).map(|p| a(&format!("h:{p}"))).collect();
+        assert_eq!(
+            validate_set(&many, None, &listen),
+            Err(SetError::TooMany(257))
+        );
+    }
+
+    #[test]
+    fn proxy_url() {
+        assert_eq!(
+            ProxyUrl::parse("http://proxy:3128/").unwrap().addr(),
+            &ServerAddr::parse("proxy:3128").unwrap()
+        );
+        assert_eq!(
+            ProxyUrl::parse("https://proxy:3128"),
+            Err(AddrError::ProxyScheme)
+        );
+    }
+}

@@ -1,0 +1,688 @@
+//! Balancer: one server set with K3s states ([`state`]), the selection policy ([`select`]), the
+//! per-server connection registry ([`registry`]) and the state file ([`state_file`]).
+//!
+//! All of a balancer's mutable state sits behind one lock that is never held across an
+//! `.await` or a kill: transitions return what to kill, and the kills run after the lock is
+//! released. The config is an `ArcSwap` snapshot, so readers never lock.
+
+mod registry;
+mod select;
+pub mod state;
+pub mod state_file;
+
+use std::{
+    fmt,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Instant, SystemTime},
+};
+
+use arc_swap::ArcSwap;
+use rand::{SeedableRng as _, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+pub use self::{
+    registry::ConnGuard,
+    state::{Failure, Hold, KillReason, PREFERRED_DURATION, ServerState},
+};
+use self::{
+    registry::{ConnEntry, Registry},
+    state::{Effects, Server, transition},
+    state_file::{ServerSet, StateFile},
+};
+pub use crate::addr::{MAX_SERVERS, SetError};
+use crate::{
+    addr::{ServerAddr, validate_set},
+    config::{BalancerConfig, KillScope},
+};
+
+/// What a balancer reports as it works; the daemon counts kills in metrics and runs the
+/// node-wide kill. Given at construction.
+pub trait Observer: Send + Sync {
+    /// `n` connections of `server` were killed for `reason`.
+    fn killed(&self, balancer: &str, server: &ServerAddr, reason: KillReason, n: usize);
+    /// `kill_scope = "node"`: end every socket on the node to `server` (lb's own are already
+    /// killed). Called without locks held; must not block.
+    fn node_kill(&self, server: &ServerAddr);
+}
+
+/// An observer that does nothing (tests, tools).
+#[derive(Debug, Default)]
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn killed(&self, _: &str, _: &ServerAddr, _: KillReason, _: usize) {}
+    fn node_kill(&self, _: &ServerAddr) {}
+}
+
+/// How a balancer is built beyond its config.
+pub struct Options {
+    /// Told of kills.
+    pub observer: Arc<dyn Observer>,
+    /// Seed of the selection RNG (`random`, `least-connections`); `None`: from the OS.
+    pub seed: Option<u64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            observer: Arc::new(NoObserver),
+            seed: None,
+        }
+    }
+}
+
+/// A server's status for `/status`, `lb status` and metrics.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ServerStatus {
+    /// `host:port`, normalised.
+    pub address: ServerAddr,
+    /// State name.
+    pub state: ServerState,
+    /// Whether it is the default server.
+    pub default: bool,
+    /// Operator hold.
+    pub hold: Hold,
+    /// Open connections.
+    pub connections: usize,
+    /// Consecutive failed checks.
+    pub consecutive_failures: u32,
+    /// Last check time, seconds since the Unix epoch.
+    pub last_check: Option<f64>,
+    /// Last check error.
+    pub last_error: Option<String>,
+}
+
+/// What a check result did, for the caller (kills are already done).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CheckOutcome {
+    /// Old state.
+    pub from: Option<ServerState>,
+    /// New state.
+    pub to: Option<ServerState>,
+    /// Connections killed.
+    pub killed: usize,
+}
+
+/// One balancer: name, listeners, server set, policy and the connection registry.
+pub struct Balancer {
+    /// Name from the config.
+    pub name: String,
+    /// Id used as the kernel's balancer index.
+    pub id: u32,
+    cfg: ArcSwap<BalancerConfig>,
+    inner: Mutex<Inner>,
+    next_conn: AtomicU64,
+    observer: Arc<dyn Observer>,
+    /// Bumped on every state change; the health scheduler and admin watch it.
+    pub changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl fmt::Debug for Balancer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Balancer")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    servers: Vec<Server>,
+    conns: Registry,
+    rr: usize,
+    rng: StdRng,
+}
+
+impl Inner {
+    fn index(&self, addr: &ServerAddr) -> Option<usize> {
+        self.servers.iter().position(|s| s.addr == *addr)
+    }
+
+    fn set(&self) -> ServerSet {
+        ServerSet {
+            servers: self
+                .servers
+                .iter()
+                .filter(|s| s.in_set)
+                .map(|s| s.addr.clone())
+                .collect(),
+            default: self
+                .servers
+                .iter()
+                .find(|s| s.is_default)
+                .map(|s| s.addr.clone()),
+        }
+    }
+}
+
+fn build_servers(set: &ServerSet) -> Vec<Server> {
+    let mut out: Vec<Server> = set
+        .servers
+        .iter()
+        .map(|s| Server::new(s.clone(), set.default.as_ref() == Some(s), true))
+        .collect();
+    if let Some(d) = &set.default
+        && !set.servers.contains(d)
+    {
+        out.push(Server::new(d.clone(), true, false));
+    }
+    out
+}
+
+impl Balancer {
+    /// Build from config with no observer and an OS-seeded RNG; see [`Balancer::build`].
+    pub fn new(id: u32, cfg: BalancerConfig) -> Arc<Balancer> {
+        Balancer::build(id, cfg, Options::default())
+    }
+
+    /// Build from config. The server set comes from the state file when the config's list is
+    /// unchanged since it was written, else from the config ([`state_file`]'s rule); the file is
+    /// rewritten when it does not say what runs.
+    pub fn build(id: u32, cfg: BalancerConfig, opts: Options) -> Arc<Balancer> {
+        let set = state_file::initial_set(&cfg);
+        let on_disk = cfg
+            .state_file
+            .as_deref()
+            .and_then(|p| state_file::read(p).ok().flatten());
+        let rng = opts
+            .seed
+            .map_or_else(StdRng::from_entropy, StdRng::seed_from_u64);
+        let b = Arc::new(Balancer {
+            name: cfg.name.clone(),
+            id,
+            cfg: ArcSwap::from_pointee(cfg),
+            inner: Mutex::new(Inner {
+                servers: build_servers(&set),
+                conns: Registry::default(),
+                rr: 0,
+                rng,
+            }),
+            next_conn: AtomicU64::new(1),
+            observer: opts.observer,
+            changed: tokio::sync::watch::channel(0).0,
+        });
+        if on_disk.as_ref() != Some(&b.state()) {
+            b.write_state_file();
+        }
+        b
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The balancer's config: a snapshot, replaced whole on reload (readers never lock).
+    pub fn config(&self) -> Arc<BalancerConfig> {
+        self.cfg.load_full()
+    }
+
+    /// Replace the config (SIGHUP). The file's server list is applied only when it differs
+    /// from the one in force before ([`state_file`]'s rule): a set changed through the API
+    /// stays when the reload touched other keys. Returns whether the set changed.
+    ///
+    /// # Errors
+    /// As [`Balancer::set_servers`]; a refused config leaves the old one whole.
+    pub fn replace_config(self: &Arc<Self>, cfg: BalancerConfig) -> Result<bool, SetError> {
+        let new_set = ServerSet::of_config(&cfg);
+        if new_set.servers.is_empty() {
+            return Err(SetError::Empty);
+        }
+        validate_set(&new_set.servers, new_set.default.as_ref(), &cfg.listen)?;
+        let list_changed = ServerSet::of_config(&self.config()) != new_set;
+        self.cfg.store(Arc::new(cfg));
+        if list_changed {
+            self.set_servers(&new_set.servers, new_set.default.as_ref())
+        } else {
+            // The running set stays; the file now records the new config.
+            self.write_state_file();
+            Ok(false)
+        }
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Server addresses in set order (the default last if it is only STANDBY).
+    pub fn server_specs(&self) -> Vec<ServerAddr> {
+        self.lock()
+            .servers
+            .iter()
+            .filter(|s| s.state != ServerState::Invalid)
+            .map(|s| s.addr.clone())
+            .collect()
+    }
+
+    /// Status of every server.
+    pub fn status(&self) -> Vec<ServerStatus> {
+        let inner = self.lock();
+        inner
+            .servers
+            .iter()
+            .map(|s| ServerStatus {
+                address: s.addr.clone(),
+                state: s.state,
+                default: s.is_default,
+                hold: s.hold,
+                connections: inner.conns.count(&s.addr),
+                consecutive_failures: s.consecutive_failures,
+                last_check: s
+                    .last_check
+                    .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                    .map(|d| d.as_secs_f64()),
+                last_error: s.last_error.clone(),
+            })
+            .collect()
+    }
+
+    /// True when some server could take a connection now (see `Server::can_serve`: passing
+    /// checks, or RECOVERING/STANDBY whose last check passed; with `health.loop = false` also
+    /// an unchecked one). A FAILED set with a failing default outside it is not usable.
+    pub fn has_usable_server(&self) -> bool {
+        let loop_enabled = self.cfg.load().health.loop_enabled;
+        self.lock()
+            .servers
+            .iter()
+            .any(|s| s.can_serve(loop_enabled))
+    }
+
+    /// When `server` was last checked (`None`: never, or not in the set).
+    pub fn last_checked(&self, server: &ServerAddr) -> Option<Instant> {
+        let inner = self.lock();
+        inner
+            .index(server)
+            .and_then(|i| inner.servers[i].last_check_at)
+    }
+
+    /// Servers to dial, best first (see [`select`]).
+    pub fn dial_order(&self) -> Vec<ServerAddr> {
+        let policy = self.cfg.load().policy;
+        let mut guard = self.lock();
+        let Inner {
+            servers,
+            conns,
+            rr,
+            rng,
+        } = &mut *guard;
+        select::dial_order(servers, |a| conns.count(a), policy, rr, rng)
+    }
+
+    /// Record a dial result. Success: HEALTHY/PREFERRED → ACTIVE (under `failover` the previous
+    /// ACTIVE server becomes HEALTHY). Failure: counts as a failed check when `passive`.
+    pub fn record_dial(self: &Arc<Self>, server: &ServerAddr, result: Result<(), String>) {
+        let (policy, passive) = {
+            let cfg = self.cfg.load();
+            (cfg.policy, cfg.health.passive)
+        };
+        match result {
+            Ok(()) => {
+                let changed = {
+                    let mut inner = self.lock();
+                    let Some(idx) = inner.index(server) else {
+                        return;
+                    };
+                    state::on_dial_ok(&self.name, &mut inner.servers, idx, policy)
+                };
+                if changed {
+                    self.bump();
+                }
+            }
+            Err(e) if passive => {
+                self.record_check(server, Err(Failure::Dial(e)));
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Record a health check result and apply `rise`/`fall`. A server that turns FAILED has its
+    /// connections handled per `on_unhealthy`; a recovery to PREFERRED fails back (kills
+    /// connections on less preferred ACTIVE servers) under `failover` with `failback = true`.
+    pub fn record_check(
+        self: &Arc<Self>,
+        server: &ServerAddr,
+        result: Result<(), Failure>,
+    ) -> CheckOutcome {
+        let cfg = self.config();
+        let mut out = CheckOutcome::default();
+        let fx = {
+            let mut inner = self.lock();
+            let Some(idx) = inner.index(server) else {
+                return out;
+            };
+            out.from = Some(inner.servers[idx].state);
+            let has_conns = inner.conns.count(server) > 0;
+            let fx = state::on_check(
+                &self.name,
+                &mut inner.servers,
+                idx,
+                result.as_ref().map(|_| ()),
+                &cfg,
+                has_conns,
+            );
+            out.to = Some(inner.servers[idx].state);
+            fx
+        };
+        out.killed = self.apply(fx);
+        if out.from != out.to {
+            // The state file holds the set and the default, which checks never change.
+            self.bump();
+        }
+        out
+    }
+
+    /// Run what a transition asked for: kill, then the node-wide kill where configured.
+    fn apply(&self, fx: Effects) -> usize {
+        let mut killed = 0;
+        for (server, reason) in fx.kill {
+            let taken = self.lock().conns.take(&server);
+            killed += self.kill_entries(&server, taken, reason);
+        }
+        for server in fx.node_kill {
+            self.node_kill(&server);
+        }
+        killed
+    }
+
+    fn node_kill(&self, server: &ServerAddr) {
+        if self.cfg.load().health.kill_scope == KillScope::Node {
+            self.observer.node_kill(server);
+        }
+    }
+
+    /// Count a reset of an established connection by `server` (passive signal): with
+    /// `health.passive`, every `passive_reset_limit` consecutive resets count as one failed
+    /// check. Returns whether one was recorded.
+    pub fn record_server_reset(self: &Arc<Self>, server: &ServerAddr) -> bool {
+        let cfg = self.config();
+        if !cfg.health.passive {
+            return false;
+        }
+        debug!(balancer = %self.name, %server, "server reset a connection; counting toward passive_reset_limit");
+        self.record_passive_reset(server, cfg.health.passive_reset_limit)
+    }
+
+    /// Count a reset by `server`: every `limit` consecutive resets count as one failed check.
+    /// Returns whether one was recorded.
+    pub fn record_passive_reset(self: &Arc<Self>, server: &ServerAddr, limit: u32) -> bool {
+        let due = {
+            let mut inner = self.lock();
+            let Some(idx) = inner.index(server) else {
+                return false;
+            };
+            let s = &mut inner.servers[idx];
+            s.passive_resets += 1;
+            let due = s.passive_resets >= limit;
+            if due {
+                s.passive_resets = 0;
+            }
+            due
+        };
+        if due {
+            self.record_check(server, Err(Failure::Resets(limit)));
+        }
+        due
+    }
+
+    /// Kill the connections of servers whose drain deadline passed; returns how many.
+    pub fn expire_drains(self: &Arc<Self>) -> usize {
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        {
+            let mut inner = self.lock();
+            for s in &mut inner.servers {
+                if s.drain_deadline.is_some_and(|d| d <= now) {
+                    s.drain_deadline = None;
+                    expired.push(s.addr.clone());
+                }
+            }
+        }
+        expired
+            .into_iter()
+            .map(|server| {
+                let taken = self.lock().conns.take(&server);
+                let n = self.kill_entries(&server, taken, KillReason::DrainTimeout);
+                self.node_kill(&server);
+                n
+            })
+            .sum()
+    }
+
+    fn kill_entries(
+        &self,
+        server: &ServerAddr,
+        conns: Vec<ConnEntry>,
+        reason: KillReason,
+    ) -> usize {
+        let n = conns.len();
+        for c in conns {
+            c.kill(reason);
+        }
+        if n > 0 {
+            warn!(balancer = %self.name, %server, connections = n, reason = reason.label(), "killed connections");
+            self.observer.killed(&self.name, server, reason, n);
+        }
+        n
+    }
+
+    /// The server of the set (or the default) that `spec` names, normalised.
+    fn known(&self, spec: &str) -> Result<ServerAddr, SetError> {
+        let unknown = || SetError::UnknownServer(spec.to_string());
+        let addr = ServerAddr::parse(spec).map_err(|_| unknown())?;
+        let inner = self.lock();
+        inner.index(&addr).map(|_| addr).ok_or_else(unknown)
+    }
+
+    /// Kill every connection to the server `spec` names (any spelling of it).
+    ///
+    /// # Errors
+    /// [`SetError::UnknownServer`].
+    pub fn kill_server(&self, spec: &str, reason: KillReason) -> Result<usize, SetError> {
+        let server = self.known(spec)?;
+        let taken = self.lock().conns.take(&server);
+        Ok(self.kill_entries(&server, taken, reason))
+    }
+
+    /// Kill every connection of the balancer (shutdown).
+    pub fn kill_all(&self, reason: KillReason) -> usize {
+        let taken = self.lock().conns.take_all();
+        taken
+            .into_iter()
+            .map(|(server, c)| self.kill_entries(&server, c, reason))
+            .sum()
+    }
+
+    /// Total open connections.
+    pub fn connection_count(&self) -> usize {
+        self.lock().conns.total()
+    }
+
+    /// Set an operator hold on the server `spec` names: `Drain` (no new connections),
+    /// `Disabled` (no new, existing killed), `None` (enable). Returns how many were killed.
+    ///
+    /// # Errors
+    /// [`SetError::UnknownServer`].
+    pub fn set_hold(self: &Arc<Self>, spec: &str, hold: Hold) -> Result<usize, SetError> {
+        let server = self.known(spec)?;
+        let taken = {
+            let mut inner = self.lock();
+            let Some(idx) = inner.index(&server) else {
+                return Err(SetError::UnknownServer(spec.to_string()));
+            };
+            let s = &mut inner.servers[idx];
+            info!(balancer = %self.name, %server, from = ?s.hold, to = ?hold, "server hold changed");
+            s.hold = hold;
+            if hold == Hold::Disabled {
+                inner.conns.take(&server)
+            } else {
+                Vec::new()
+            }
+        };
+        self.bump();
+        Ok(self.kill_entries(&server, taken, KillReason::Admin))
+    }
+
+    /// Replace the server set and default. An unchanged set does nothing (returns `false`); new
+    /// servers start UNCHECKED; removed ones go INVALID and their connections are closed; a
+    /// previous default that was only STANDBY is removed with its connections (K3s rules).
+    ///
+    /// # Errors
+    /// [`SetError`] for an empty list, duplicates or one of lb's listeners.
+    pub fn set_servers(
+        self: &Arc<Self>,
+        servers: &[ServerAddr],
+        default: Option<&ServerAddr>,
+    ) -> Result<bool, SetError> {
+        if servers.is_empty() {
+            return Err(SetError::Empty);
+        }
+        validate_set(servers, default, &self.cfg.load().listen)?;
+        let want = ServerSet {
+            servers: servers.to_vec(),
+            default: default.cloned(),
+        };
+        let mut removed = Vec::new();
+        {
+            let mut inner = self.lock();
+            if inner.set() == want {
+                return Ok(false);
+            }
+            let mut old: Vec<Server> = std::mem::take(&mut inner.servers);
+            let mut next = Vec::new();
+            for addr in servers
+                .iter()
+                .chain(default.filter(|d| !servers.contains(d)))
+            {
+                let in_set = servers.contains(addr);
+                let is_default = default == Some(addr);
+                let s = match old.iter().position(|s| s.addr == *addr) {
+                    Some(i) => {
+                        let mut s = old.remove(i);
+                        if s.in_set && !in_set && s.state != ServerState::Failed {
+                            transition(
+                                &self.name,
+                                &mut s,
+                                ServerState::Standby,
+                                "default server left the set",
+                            );
+                        } else if !s.in_set && in_set {
+                            transition(
+                                &self.name,
+                                &mut s,
+                                ServerState::Unchecked,
+                                "added to the set",
+                            );
+                        }
+                        s.in_set = in_set;
+                        s.is_default = is_default;
+                        s
+                    }
+                    None => {
+                        let s = Server::new(addr.clone(), is_default, in_set);
+                        info!(balancer = %self.name, server = %addr, state = %s.state, "server added");
+                        s
+                    }
+                };
+                next.push(s);
+            }
+            for mut s in old {
+                transition(
+                    &self.name,
+                    &mut s,
+                    ServerState::Invalid,
+                    "removed from the set",
+                );
+                let taken = inner.conns.take(&s.addr);
+                removed.push((s.addr, taken));
+            }
+            inner.servers = next;
+        }
+        for (server, c) in removed {
+            self.kill_entries(&server, c, KillReason::Removed);
+        }
+        self.bump();
+        self.write_state_file();
+        Ok(true)
+    }
+
+    /// Add one server at the end of the set.
+    ///
+    /// # Errors
+    /// As [`Balancer::set_servers`].
+    pub fn add_server(self: &Arc<Self>, server: &ServerAddr) -> Result<bool, SetError> {
+        let mut set = self.lock().set();
+        set.servers.push(server.clone());
+        self.set_servers(&set.servers, set.default.as_ref())
+    }
+
+    /// Remove the server `spec` names from the set.
+    ///
+    /// # Errors
+    /// [`SetError::UnknownServer`], or [`SetError::Empty`] when it is the last.
+    pub fn remove_server(self: &Arc<Self>, spec: &str) -> Result<bool, SetError> {
+        let unknown = || SetError::UnknownServer(spec.to_string());
+        let server = ServerAddr::parse(spec).map_err(|_| unknown())?;
+        let mut set = self.lock().set();
+        let before = set.servers.len();
+        set.servers.retain(|s| *s != server);
+        if set.servers.len() == before {
+            return Err(unknown());
+        }
+        self.set_servers(&set.servers, set.default.as_ref())
+    }
+
+    /// The default server, if any.
+    pub fn default_server(&self) -> Option<ServerAddr> {
+        self.lock().set().default
+    }
+
+    /// Register a new connection to `server`; the guard unregisters on drop. A server no longer
+    /// in the balancer gets a guard that is already cancelled.
+    pub fn register(self: &Arc<Self>, server: &ServerAddr) -> ConnGuard {
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let mut inner = self.lock();
+        let (cancel, reason) = if inner.index(server).is_some() {
+            inner.conns.insert(server, id)
+        } else {
+            let c = tokio_util::sync::CancellationToken::new();
+            c.cancel();
+            (c, Arc::new(Mutex::new(None)))
+        };
+        drop(inner);
+        ConnGuard {
+            cancel,
+            reason,
+            balancer: self.clone(),
+            server: server.clone(),
+            id,
+        }
+    }
+
+    fn unregister(&self, server: &ServerAddr, id: u64) {
+        self.lock().conns.remove(server, id);
+    }
+
+    /// The set and default as the state file records them.
+    fn state(&self) -> StateFile {
+        let set = self.lock().set();
+        StateFile {
+            servers: set.servers,
+            default: set.default,
+            configured: Some(ServerSet::of_config(&self.config())),
+        }
+    }
+
+    fn write_state_file(&self) {
+        let Some(path) = self.cfg.load().state_file.clone() else {
+            return;
+        };
+        if let Err(e) = state_file::write(&path, &self.state()) {
+            warn!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

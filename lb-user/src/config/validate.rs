@@ -1,0 +1,271 @@
+//! Checks of a parsed config that serde cannot make: names, addresses, thresholds, durations,
+//! files. Each refusal is a [`ConfigError::Invalid`] naming the key, the value and the reason.
+
+use std::{collections::HashSet, net::SocketAddr, time::Duration};
+
+use super::{
+    BalancerConfig, CheckKind, Config, ConfigError, HealthConfig, StatusMatch, readable_file,
+};
+use crate::addr::validate_set;
+
+impl Config {
+    /// Check everything serde cannot: names, addresses, thresholds, durations.
+    ///
+    /// # Errors
+    /// The first [`ConfigError::Invalid`] found, naming its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.balancers.is_empty() {
+            return Err(ConfigError::invalid(
+                "balancer",
+                "[]",
+                "at least one [[balancer]] (or --listen and --server) is required",
+            ));
+        }
+        if self.datapath.max_buffered_bytes < 64 * 1024 {
+            return Err(ConfigError::invalid(
+                "datapath.max_buffered_bytes",
+                self.datapath.max_buffered_bytes,
+                "must be at least 65536",
+            ));
+        }
+        if !(4096..=16 * 1024 * 1024).contains(&self.datapath.copy_buffer_bytes) {
+            return Err(ConfigError::invalid(
+                "datapath.copy_buffer_bytes",
+                self.datapath.copy_buffer_bytes,
+                "must be between 4096 and 16777216",
+            ));
+        }
+        if self.balancers.len() > lb_common::MAX_BALANCERS as usize {
+            return Err(ConfigError::invalid(
+                "balancer",
+                self.balancers.len(),
+                format!("at most {} balancers", lb_common::MAX_BALANCERS),
+            ));
+        }
+        if let Some(path) = &self.admin.token_file {
+            readable_file("admin.token_file", path, true)?;
+        }
+        let all_listens: Vec<SocketAddr> = self
+            .balancers
+            .iter()
+            .flat_map(|b| b.listen.iter().copied())
+            .collect();
+        for (i, a) in all_listens.iter().enumerate() {
+            for b in &all_listens[i + 1..] {
+                let overlap = a.port() == b.port()
+                    && a.is_ipv4() == b.is_ipv4()
+                    && a != b
+                    && (a.ip().is_unspecified() || b.ip().is_unspecified());
+                if overlap {
+                    return Err(ConfigError::invalid(
+                        "balancer.listen",
+                        format!("{a} and {b}"),
+                        "a wildcard listener and another on the same port cannot both bind",
+                    ));
+                }
+            }
+        }
+        let mut names = HashSet::new();
+        let mut listens = HashSet::new();
+        for (i, b) in self.balancers.iter().enumerate() {
+            let key = |k: &str| format!("balancer[{i}].{k}");
+            if b.name.is_empty()
+                || !b
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+            {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    &b.name,
+                    "must be non-empty and use only letters, digits, '-', '_' and '.'",
+                ));
+            }
+            if !names.insert(b.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    &b.name,
+                    "duplicate balancer name",
+                ));
+            }
+            if b.listen.is_empty() {
+                return Err(ConfigError::invalid(
+                    key("listen"),
+                    "[]",
+                    "at least one listen address is required",
+                ));
+            }
+            for l in &b.listen {
+                if !listens.insert(*l) {
+                    return Err(ConfigError::invalid(key("listen"), l, "address used twice"));
+                }
+            }
+            validate_balancer(i, b, &all_listens)?;
+        }
+        Ok(())
+    }
+}
+
+/// One `[[balancer]]`'s own keys; `all_listens` are every balancer's listeners (a server equal
+/// to one would make lb dial itself).
+fn validate_balancer(
+    i: usize,
+    b: &BalancerConfig,
+    all_listens: &[SocketAddr],
+) -> Result<(), ConfigError> {
+    let key = |k: &str| format!("balancer[{i}].{k}");
+    if b.servers.is_empty() {
+        return Err(ConfigError::invalid(
+            key("servers"),
+            "[]",
+            "at least one server is required",
+        ));
+    }
+    // A server equal to any balancer's listener would make lb dial itself.
+    validate_set(&b.servers, b.default_server.as_ref(), all_listens).map_err(|e| {
+        ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
+    })?;
+    if b.dial_timeout.0.is_zero() {
+        return Err(ConfigError::invalid(
+            key("dial_timeout"),
+            b.dial_timeout,
+            "must be more than 0",
+        ));
+    }
+    if b.connect_budget.0 < b.dial_timeout.0 {
+        return Err(ConfigError::invalid(
+            key("connect_budget"),
+            b.connect_budget,
+            "must be at least dial_timeout",
+        ));
+    }
+    validate_health(i, &b.health)
+}
+
+/// One `[balancer.health]`.
+fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
+    let hkey = |k: &str| format!("balancer[{i}].health.{k}");
+    if h.rise == 0 {
+        return Err(ConfigError::invalid(
+            hkey("rise"),
+            h.rise,
+            "must be at least 1",
+        ));
+    }
+    if h.passive_reset_limit == 0 {
+        return Err(ConfigError::invalid(
+            hkey("passive_reset_limit"),
+            h.passive_reset_limit,
+            "must be at least 1",
+        ));
+    }
+    if h.fall == 0 {
+        return Err(ConfigError::invalid(
+            hkey("fall"),
+            h.fall,
+            "must be at least 1",
+        ));
+    }
+    for (name, d) in [("interval", h.interval), ("timeout", h.timeout)] {
+        if d.0 < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(hkey(name), d, "must be at least 10ms"));
+        }
+    }
+    for (name, d) in [
+        ("fast_interval", h.fast_interval),
+        ("down_interval", h.down_interval),
+    ] {
+        if let Some(d) = d
+            && d.0 < Duration::from_millis(10)
+        {
+            return Err(ConfigError::invalid(hkey(name), d, "must be at least 10ms"));
+        }
+    }
+    match h.kind {
+        CheckKind::Http | CheckKind::Tunnel => {
+            let Some(url) = &h.url else {
+                return Err(ConfigError::invalid(
+                    hkey("url"),
+                    "(none)",
+                    "required for http and tunnel checks",
+                ));
+            };
+            let ok_schemes: &[&str] = if h.kind == CheckKind::Http {
+                &["http://", "https://"]
+            } else {
+                &["ws://", "wss://"]
+            };
+            if !ok_schemes.iter().any(|s| url.starts_with(s)) {
+                return Err(ConfigError::invalid(
+                    hkey("url"),
+                    url,
+                    format!("must start with {}", ok_schemes.join(" or ")),
+                ));
+            }
+        }
+        CheckKind::Tcp | CheckKind::Tls => {}
+    }
+    if h.expect_status.is_empty() {
+        return Err(ConfigError::invalid(
+            hkey("expect_status"),
+            "[]",
+            "at least one status",
+        ));
+    }
+    if h.max_response_bytes == 0 {
+        return Err(ConfigError::invalid(
+            hkey("max_response_bytes"),
+            0,
+            "must be at least 1",
+        ));
+    }
+    for m in &h.expect_status {
+        let (lo, hi) = match *m {
+            StatusMatch::Code(c) => (c, c),
+            StatusMatch::Range(lo, hi) => (lo, hi),
+        };
+        if lo < 100 || hi > 599 {
+            return Err(ConfigError::invalid(
+                hkey("expect_status"),
+                format!("{m:?}"),
+                "HTTP status codes are 100-599",
+            ));
+        }
+    }
+    if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
+        let probe = url.replace("{server}", "198.18.0.1:1");
+        let ok = probe
+            .parse::<hyper::Uri>()
+            .is_ok_and(|u| u.host().is_some_and(|h| !h.is_empty()));
+        if !ok {
+            return Err(ConfigError::invalid(
+                hkey("url"),
+                url,
+                "not a valid URL (with {server} as host:port)",
+            ));
+        }
+    }
+    for (name, path) in [
+        ("ca_file", &h.ca_file),
+        ("cert_file", &h.cert_file),
+        ("key_file", &h.key_file),
+    ] {
+        if let Some(path) = path {
+            readable_file(&hkey(name), path, false)?;
+        }
+    }
+    if h.cert_file.is_some() != h.key_file.is_some() {
+        let given = h
+            .cert_file
+            .as_ref()
+            .or(h.key_file.as_ref())
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        return Err(ConfigError::invalid(
+            hkey("cert_file"),
+            given,
+            "cert_file and key_file go together",
+        ));
+    }
+    Ok(())
+}

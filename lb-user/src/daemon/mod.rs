@@ -1,0 +1,408 @@
+//! The daemon: builds the data path, balancers, listeners and health checks from a config,
+//! keeps the control loop's heartbeat, reloads on SIGHUP ([`reload`]) and drains on SIGTERM.
+//! The admin API sees it only through a [`Handle`].
+
+pub mod reload;
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{error, info, warn};
+
+use crate::{
+    addr::ServerAddr,
+    balancer::{Balancer, KillReason, Observer, Options},
+    config::{Config, DatapathMode, Overrides},
+    datapath::Datapath,
+    health::HealthService,
+    metrics::{KillLabels, Metrics, ModeLabel},
+    proxy::{self, PreDial, ProxyCtx},
+};
+
+/// The running daemon.
+pub struct Daemon {
+    config: ArcSwap<Config>,
+    config_path: Option<PathBuf>,
+    overrides: Overrides,
+    /// Balancers, in config order.
+    balancers: ArcSwap<Vec<Arc<Balancer>>>,
+    datapath: Option<Arc<Datapath>>,
+    datapath_mode: DatapathMode,
+    /// Why `auto` fell back to userspace, if it did.
+    datapath_fallback: Option<String>,
+    metrics: Arc<Metrics>,
+    health: Arc<HealthService>,
+    proxy: Arc<ProxyCtx>,
+    /// Control loop heartbeat, milliseconds since the Unix epoch.
+    heartbeat_ms: AtomicU64,
+    /// Set once the first round of checks of every balancer finished.
+    first_checks_done: AtomicBool,
+    /// Fired when shutdown starts.
+    shutdown: CancellationToken,
+    /// Background tasks (health loops, heartbeat).
+    tasks: TaskTracker,
+    listeners: Mutex<Vec<(SocketAddr, CancellationToken)>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon")
+            .field("datapath_mode", &self.datapath_mode)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// An error and its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        out.push_str(": ");
+        out.push_str(&src.to_string());
+        cur = src.source();
+    }
+    out
+}
+
+/// Attach the data path as `mode` asks.
+///
+/// # Errors
+/// With `bpf`, the reason the kernel path could not be attached.
+pub fn attach_datapath(
+    cfg: &Config,
+) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
+    let d = &cfg.datapath;
+    match d.mode {
+        DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
+        DatapathMode::Bpf => {
+            let dp = Datapath::load(d).context("--datapath bpf: kernel data path unavailable")?;
+            Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None))
+        }
+        DatapathMode::Auto => match Datapath::load(d) {
+            Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
+            Err(e) => {
+                let reason = error_chain(&e);
+                warn!(reason = %reason, "kernel data path unavailable; falling back to the userspace copy path");
+                Ok((None, DatapathMode::Userspace, Some(reason)))
+            }
+        },
+    }
+}
+
+/// Counts kills in `lb_connections_killed_total` and runs the node-wide kill.
+struct KillCounter {
+    metrics: Arc<Metrics>,
+}
+
+impl Observer for KillCounter {
+    fn killed(&self, balancer: &str, server: &ServerAddr, reason: KillReason, n: usize) {
+        self.metrics
+            .connections_killed
+            .get_or_create(&KillLabels {
+                balancer: balancer.to_string(),
+                server: server.to_string(),
+                reason: reason.label().into(),
+            })
+            .inc_by(n as u64);
+    }
+
+    fn node_kill(&self, server: &ServerAddr) {
+        crate::kill::spawn_node_kill(server.to_string());
+    }
+}
+
+impl Daemon {
+    /// Attach the data path, bind every listener, start the health checks and the heartbeat.
+    /// Must run on the runtime the daemon lives on.
+    ///
+    /// # Errors
+    /// Data path (`bpf` mode) or listener bind failures; nothing is left running then.
+    pub async fn start(
+        cfg: Config,
+        config_path: Option<PathBuf>,
+        overrides: Overrides,
+    ) -> anyhow::Result<Arc<Daemon>> {
+        let (datapath, datapath_mode, datapath_fallback) = attach_datapath(&cfg)?;
+        let metrics = Arc::new(Metrics::new());
+        metrics
+            .datapath_info
+            .get_or_create(&ModeLabel {
+                mode: datapath_mode.to_string(),
+            })
+            .set(1);
+        let tasks = TaskTracker::new();
+        let health = HealthService::new(metrics.clone(), tasks.clone());
+        let pre_dial: PreDial = {
+            let health = health.clone();
+            Arc::new(move |b: Arc<Balancer>, server: ServerAddr| {
+                let health = health.clone();
+                Box::pin(async move { health.before_dial(&b, &server).await })
+            })
+        };
+        let proxy_ctx = Arc::new(ProxyCtx {
+            datapath: datapath.clone(),
+            copy_buffer_bytes: cfg.datapath.copy_buffer_bytes,
+            metrics: metrics.clone(),
+            pre_dial: Some(pre_dial),
+            tasks: TaskTracker::new(),
+            listeners: cfg
+                .balancers
+                .iter()
+                .flat_map(|b| b.listen.iter().copied())
+                .collect(),
+        });
+        let observer: Arc<dyn Observer> = Arc::new(KillCounter {
+            metrics: metrics.clone(),
+        });
+        let balancers: Vec<Arc<Balancer>> = cfg
+            .balancers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let opts = Options {
+                    observer: observer.clone(),
+                    seed: None,
+                };
+                Balancer::build(u32::try_from(i).unwrap_or(0), b.clone(), opts)
+            })
+            .collect();
+        let daemon = Arc::new(Daemon {
+            config: ArcSwap::from_pointee(cfg),
+            config_path,
+            overrides,
+            balancers: ArcSwap::from_pointee(balancers.clone()),
+            datapath,
+            datapath_mode,
+            datapath_fallback,
+            metrics,
+            health,
+            proxy: proxy_ctx.clone(),
+            heartbeat_ms: AtomicU64::new(now_ms()),
+            first_checks_done: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+            tasks: tasks.clone(),
+            listeners: Mutex::new(Vec::new()),
+            runtime: tokio::runtime::Handle::current(),
+        });
+
+        // Listeners first: a bind failure is fatal and nothing else has started.
+        let mut bound = Vec::new();
+        for b in &balancers {
+            for addr in &b.config().listen {
+                let l = proxy::bind(*addr)
+                    .with_context(|| format!("balancer {}: cannot listen on {addr}", b.name))?;
+                bound.push((b.clone(), *addr, l));
+            }
+        }
+        for (b, addr, l) in bound {
+            if let Some(dp) = &daemon.datapath {
+                dp.add_listener(addr, b.id)
+                    .with_context(|| format!("registering listener {addr}"))?;
+            }
+            let stop = CancellationToken::new();
+            daemon
+                .listeners
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((addr, stop.clone()));
+            tokio::spawn(proxy::serve(l, b.clone(), proxy_ctx.clone(), stop));
+            info!(balancer = %b.name, listen = %addr, "listening");
+        }
+        if let Some(dp) = &daemon.datapath {
+            dp.start_refresher(daemon.shutdown.clone())?;
+        }
+
+        // First round of checks, then the loops. Balancers with `health.loop = false` get no
+        // round: their checks run only before dials and on `/check`.
+        {
+            let daemon = daemon.clone();
+            tasks.spawn(async move {
+                let bs = daemon.balancers.load_full();
+                let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
+                futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
+                daemon.first_checks_done.store(true, Ordering::Relaxed);
+                for b in bs.iter() {
+                    daemon.health.start(b.clone(), daemon.shutdown.clone());
+                }
+            });
+        }
+        // Heartbeat of the control loop.
+        {
+            let daemon = daemon.clone();
+            tasks.spawn(async move {
+                loop {
+                    daemon.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
+                    tokio::select! {
+                        () = daemon.shutdown.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    }
+                }
+            });
+        }
+        Ok(daemon)
+    }
+
+    /// The narrow view the admin API gets.
+    pub fn handle(self: &Arc<Self>) -> Handle {
+        Handle(self.clone())
+    }
+
+    /// Find a balancer by name.
+    pub fn balancer(&self, name: &str) -> Option<Arc<Balancer>> {
+        self.balancers
+            .load()
+            .iter()
+            .find(|b| b.name == name)
+            .cloned()
+    }
+
+    /// Serve until SIGTERM or SIGINT (SIGHUP reloads), then drain and stop.
+    ///
+    /// # Errors
+    /// The signal handlers could not be installed.
+    pub async fn run_until_signalled(self: &Arc<Self>) -> anyhow::Result<()> {
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                _ = hup.recv() => {
+                    reload::reload(self, self.config_path.as_deref(), &self.overrides);
+                }
+            }
+        }
+        self.shutdown().await;
+        Ok(())
+    }
+
+    /// Stop accepting, let connections finish for `shutdown_grace`, reset the rest, stop tasks.
+    pub async fn shutdown(&self) {
+        let grace = self.config.load().shutdown_grace.0;
+        info!(grace = ?grace, "shutting down: no new connections, draining");
+        for (_, stop) in self
+            .listeners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            stop.cancel();
+        }
+        self.proxy.tasks.close();
+        let start = Instant::now();
+        if tokio::time::timeout(grace, self.proxy.tasks.wait())
+            .await
+            .is_err()
+        {
+            let killed: usize = self
+                .balancers
+                .load()
+                .iter()
+                .map(|b| b.kill_all(KillReason::Shutdown))
+                .sum();
+            warn!(killed, "grace period over; reset the remaining connections");
+            if tokio::time::timeout(Duration::from_secs(5), self.proxy.tasks.wait())
+                .await
+                .is_err()
+            {
+                error!("connections did not end after reset");
+            }
+        }
+        self.shutdown.cancel();
+        self.tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.tasks.wait()).await;
+        info!(elapsed = ?start.elapsed(), "stopped; kernel programs detach as lb exits");
+    }
+}
+
+/// What the admin API may read and ask of the daemon: snapshots, lookups, checks, metrics.
+#[derive(Clone, Debug)]
+pub struct Handle(Arc<Daemon>);
+
+impl Handle {
+    /// The config in force (a snapshot).
+    pub fn config(&self) -> Arc<Config> {
+        self.0.config.load_full()
+    }
+
+    /// Every balancer, in config order.
+    pub fn balancers(&self) -> Arc<Vec<Arc<Balancer>>> {
+        self.0.balancers.load_full()
+    }
+
+    /// The balancer named `name`.
+    pub fn balancer(&self, name: &str) -> Option<Arc<Balancer>> {
+        self.0.balancer(name)
+    }
+
+    /// The data path in use (`bpf` or `userspace`).
+    pub fn datapath_mode(&self) -> DatapathMode {
+        self.0.datapath_mode
+    }
+
+    /// Why `auto` fell back to userspace, if it did.
+    pub fn datapath_fallback(&self) -> Option<&str> {
+        self.0.datapath_fallback.as_deref()
+    }
+
+    /// Whether the kernel data path is attached.
+    pub fn datapath_attached(&self) -> bool {
+        self.0.datapath.is_some()
+    }
+
+    /// Age of the control loop's heartbeat.
+    pub fn heartbeat_age(&self) -> Duration {
+        Duration::from_millis(now_ms().saturating_sub(self.0.heartbeat_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Whether the first round of checks finished.
+    pub fn first_checks_done(&self) -> bool {
+        self.0.first_checks_done.load(Ordering::Relaxed)
+    }
+
+    /// Whether the daemon is draining or stopped.
+    pub fn shutting_down(&self) -> bool {
+        self.0.proxy.tasks.is_closed() || self.0.shutdown.is_cancelled()
+    }
+
+    /// Fired when the daemon stops.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.0.shutdown.clone()
+    }
+
+    /// The metrics in Prometheus text format.
+    pub fn render_metrics(&self) -> String {
+        self.0
+            .metrics
+            .render(&self.0.balancers.load(), self.0.datapath.as_deref())
+    }
+
+    /// Check every server of `balancers` now, on the daemon's runtime (not the caller's): the
+    /// returned task ends when every check is recorded; aborting it cancels the checks.
+    pub fn spawn_checks(&self, balancers: Vec<Arc<Balancer>>) -> tokio::task::JoinHandle<()> {
+        let health = self.0.health.clone();
+        self.0.runtime.spawn(async move {
+            futures::future::join_all(balancers.iter().map(|b| health.check_all(b))).await;
+        })
+    }
+}
