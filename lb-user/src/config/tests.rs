@@ -1,0 +1,156 @@
+//! Unit tests of config parsing and validation.
+
+use super::*;
+
+const FULL: &str = r#"
+[admin]
+listen = "127.0.0.1:9901"
+
+[datapath]
+mode = "auto"
+
+[[balancer]]
+name = "apiserver"
+listen = ["127.0.0.1:6443", "[::1]:6443"]
+servers = ["198.18.0.2:6443", "198.18.0.3:6443"]
+default_server = "198.18.0.2:6443"
+policy = "failover"
+dial_timeout = "10s"
+state_file = "/var/lib/lb/apiserver.json"
+
+[balancer.health]
+kind = "http"
+url = "https://{server}/ping"
+expect_status = [200, "300-399"]
+interval = "1s"
+timeout = "1s"
+rise = 2
+fall = 1
+on_unhealthy = "kill"
+"#;
+
+#[test]
+fn design_example_parses() {
+    let cfg = Config::from_toml(FULL, "test").unwrap();
+    let b = &cfg.balancers[0];
+    assert_eq!(b.listen.len(), 2);
+    assert_eq!(b.health.kind, CheckKind::Http);
+    assert_eq!(
+        b.health.expect_status,
+        vec![StatusMatch::Code(200), StatusMatch::Range(300, 399)]
+    );
+    assert_eq!(b.dial_timeout.0, Duration::from_secs(10));
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let err = Config::from_toml(&FULL.replace("policy =", "polcy ="), "f.toml").unwrap_err();
+    assert!(err.to_string().contains("polcy"), "{err}");
+}
+
+#[test]
+fn bad_values_name_their_key() {
+    let cases = [
+        (FULL.replace("rise = 2", "rise = 0"), "health.rise"),
+        (
+            FULL.replace("interval = \"1s\"", "interval = \"1x\""),
+            "interval",
+        ),
+        (
+            FULL.replace("\"198.18.0.3:6443\"]", "\"198.18.0.2:6443\"]"),
+            "servers",
+        ),
+        (
+            FULL.replace("https://{server}", "ftp://{server}"),
+            "health.url",
+        ),
+        (
+            FULL.replace("name = \"apiserver\"", "name = \"a b\""),
+            "name",
+        ),
+    ];
+    for (text, key) in cases {
+        let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+}
+
+#[test]
+fn refuses_what_could_never_run() {
+    let two = r#"
+[[balancer]]
+name = "a"
+listen = ["127.0.0.1:7001"]
+servers = ["127.0.0.1:7002"]
+
+[[balancer]]
+name = "b"
+listen = ["127.0.0.1:7002"]
+servers = ["198.18.0.2:1"]
+"#;
+    let err = Config::from_toml(two, "f").unwrap_err().to_string();
+    assert!(
+        err.contains("own listen address"),
+        "a server equal to another balancer's listener: {err}"
+    );
+    let cases = [
+        (
+            FULL.replace(
+                "servers = [\"198.18.0.2:6443\", \"198.18.0.3:6443\"]",
+                "servers = []",
+            ),
+            "at least one server",
+        ),
+        (
+            FULL.replace("https://{server}/ping", "http://{server/x y"),
+            "health.url",
+        ),
+        (
+            FULL.replace(
+                "expect_status = [200, \"300-399\"]",
+                "expect_status = [999]",
+            ),
+            "expect_status",
+        ),
+        (
+            FULL.replace(
+                "kind = \"http\"",
+                "kind = \"http\"\nca_file = \"/nonexistent/ca.pem\"",
+            ),
+            "ca_file",
+        ),
+        (
+            FULL.replace("[admin]", "[admin]\ntoken_file = \"/nonexistent/token\""),
+            "admin.token_file",
+        ),
+        (
+            FULL.replace("\"[::1]:6443\"", "\"0.0.0.0:6443\""),
+            "wildcard",
+        ),
+    ];
+    for (text, want) in cases {
+        let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+        assert!(err.contains(want), "expected {want:?} in: {err}");
+    }
+}
+
+#[test]
+fn flags_define_a_balancer_and_win() {
+    let o = Overrides {
+        listen: vec!["127.0.0.1:7000".parse().unwrap()],
+        servers: vec!["198.18.0.2:80".parse().unwrap()],
+        datapath: Some(DatapathMode::Userspace),
+        health_loop: Some(false),
+        ..Overrides::default()
+    };
+    let cfg = Config::load(None, &o).unwrap();
+    assert_eq!(cfg.balancers[0].name, "default");
+    assert_eq!(cfg.datapath.mode, DatapathMode::Userspace);
+    assert!(!cfg.balancers[0].health.loop_enabled);
+}
+
+#[test]
+fn durations() {
+    assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+    assert!(parse_duration("ten").unwrap_err().contains("ten"));
+}
