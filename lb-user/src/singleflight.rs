@@ -50,8 +50,8 @@ where
     T: Clone + Send + Sync + 'static,
     M: Clone + Send + 'static,
 {
-    /// Join the run of `key` in flight, or start `start()` as a new one with `meta` (e.g. its
-    /// start time). Returns the run's meta, whether it was joined, and the run to await. The
+    /// Join the run of `key` in flight, or start `start()` as a new one with `meta()` (e.g. its
+    /// start time, taken before `start` is called). Returns the run's meta, whether it was joined, and the run to await. The
     /// run leaves the map when it finishes, so a later caller starts afresh.
     pub fn join(
         &self,
@@ -66,6 +66,9 @@ where
             return (m.clone(), true, run);
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
+        // Meta first: `start` may already run the work (on another thread), and a start time
+        // taken after it would postdate results the run recorded.
+        let m = meta();
         let work = start();
         let map = self.runs.clone();
         let k = key.clone();
@@ -79,7 +82,6 @@ where
         }
         .boxed()
         .shared();
-        let m = meta();
         if let Some(weak) = run.downgrade() {
             runs.insert(key, (id, m.clone(), weak));
         }
