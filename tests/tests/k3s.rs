@@ -156,7 +156,8 @@ fall = 1
     ensure!(code == 400, "empty server list must be refused, got {code}");
     drop(holders);
 
-    // The state file holds the new set, and is loaded on restart when the default matches.
+    // The state file holds the new set. On restart with the config unchanged, the set changed
+    // through the API stands (the config's list is the one the file was written under).
     let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_file)?)?;
     ensure!(
         saved["servers"] == serde_json::json!([addr[1], addr[2]]),
@@ -164,19 +165,23 @@ fall = 1
     );
     ensure!(saved["default"] == addr[1], "state file default: {saved}");
     lb.terminate(Duration::from_secs(35))?;
-    std::fs::write(&cfg_path, config(&addr[1]))?;
     let lb2 = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
     ensure!(
         state_of(&lb2, &addr[0])? == "(absent)",
         "state file not loaded: s1 is back"
     );
+    ensure!(
+        state_of(&lb2, &addr[1])? != "(absent)" && state_of(&lb2, &addr[2])? != "(absent)",
+        "the API's set must stand"
+    );
     drop(lb2);
-    // With another default in the config, the state file is ignored.
+    // The operator edited the config's server list (here its default): the edit wins and the
+    // state file is ignored.
     std::fs::write(&cfg_path, config(&addr[2]))?;
     let lb3 = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
     ensure!(
         state_of(&lb3, &addr[0])? != "(absent)",
-        "state file with another default must be ignored"
+        "a state file written under another config list must be ignored"
     );
     drop(lb3);
     let _ = std::fs::remove_dir_all(&dir);
