@@ -91,7 +91,7 @@ pub struct ModeLabel {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    /// `lb_server_state` (DESIGN.md numeric states).
+    /// `lb_server_state`: the state as its number (0 INVALID ... 7 ACTIVE, K3s's order of preference).
     pub server_state: Family<ServerLabels, Gauge>,
     /// `lb_server_connections`.
     pub server_connections: Family<ServerLabels, Gauge>,

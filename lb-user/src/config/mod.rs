@@ -17,7 +17,7 @@ use crate::addr::{ProxyUrl, ServerAddr};
 /// Exit code of `lb config check` and `lb run` for an invalid configuration.
 pub const EXIT_INVALID_CONFIG: i32 = 2;
 
-/// Default admin listen address (DESIGN.md contract).
+/// Default admin listen address: loopback only, port 9901.
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
 /// Default per-server dial timeout: 10 s, as the K3s agent load balancer uses.
 pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
