@@ -1,0 +1,119 @@
+//! SIGHUP and the server list: a set changed through the admin API survives a reload that
+//! touched other keys (its connections too), and an edit of the file's own list takes effect.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{Holder, Lb, Place, free_port, http_request, skip_unless_root};
+
+fn config(listen: SocketAddr, server: &str, interval: &str) -> String {
+    format!(
+        r#"
+[[balancer]]
+name = "b"
+listen = ["{listen}"]
+servers = ["{server}"]
+
+[balancer.health]
+kind = "tcp"
+interval = "{interval}"
+timeout = "300ms"
+rise = 1
+"#
+    )
+}
+
+fn servers(lb: &Lb) -> Result<Vec<String>> {
+    Ok(lb.status()?["balancers"][0]["servers"]
+        .as_array()
+        .context("servers")?
+        .iter()
+        .filter_map(|s| s["address"].as_str().map(String::from))
+        .collect())
+}
+
+fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+    let start = Instant::now();
+    while !f()? {
+        if start.elapsed() > within {
+            bail!("condition not met within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn hup(lb: &Lb) -> Result<()> {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(lb.pid())?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP)?;
+    Ok(())
+}
+
+/// Defect: SIGHUP re-applied the file's `servers` to any balancer whose config changed in any
+/// key, discarding a set changed through the API and killing its connections.
+#[test]
+fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
+    if skip_unless_root("sighup_keeps_the_apis_set_unless_the_files_list_changed") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(3, 9000, |i| format!("s{i}"))?;
+    let s: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let dir = std::env::temp_dir().join(format!("lb-reload-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let cfg = dir.join("lb.toml");
+    let result = (|| -> Result<()> {
+        std::fs::write(&cfg, config(listen, &s[0], "300ms"))?;
+        let lb = Lb::start(&[
+            "--config",
+            cfg.to_str().context("path")?,
+            "--datapath",
+            "userspace",
+        ])?;
+        lb.wait_ready(Duration::from_secs(10))?;
+
+        // The API moves the balancer to s1; a client holds a connection there.
+        let body = format!(r#"{{"servers": ["{}"]}}"#, s[1]);
+        let (code, resp) = http_request(lb.admin, "PUT", "/balancers/b/servers", Some(&body))?;
+        ensure!(code == 200, "PUT servers: {code} {resp}");
+        wait_until(Duration::from_secs(5), || Ok(lb.get("/readyz")?.0 == 200))?;
+        let holder = Holder::start(&Place::default(), listen, 0, 60_000)?;
+        let ev = holder.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s1", "the client must reach s1: {ev}");
+
+        // A reload that changes another key: the API's set and the connection stay.
+        std::fs::write(&cfg, config(listen, &s[0], "400ms"))?;
+        hup(&lb)?;
+        wait_until(Duration::from_secs(5), || {
+            Ok(lb.log_text().contains("config reloaded"))
+        })?;
+        ensure!(
+            servers(&lb)? == [s[1].clone()],
+            "the API's set must survive the reload: {:?}\n{}",
+            servers(&lb)?,
+            lb.log_text()
+        );
+        ensure!(
+            holder.next(Duration::from_millis(1500)).is_err(),
+            "the connection to s1 must survive a reload that left the list alone"
+        );
+
+        // A reload whose own list changed: the file wins, s1's connection is closed.
+        std::fs::write(&cfg, config(listen, &s[2], "400ms"))?;
+        hup(&lb)?;
+        wait_until(Duration::from_secs(5), || {
+            Ok(servers(&lb)? == [s[2].clone()])
+        })?;
+        let ev = holder.next(Duration::from_secs(5))?;
+        ensure!(
+            ev["event"] != "connected",
+            "the removed server's connection must end: {ev}"
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
