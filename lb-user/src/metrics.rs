@@ -87,6 +87,15 @@ pub struct ModeLabel {
     pub mode: String,
 }
 
+/// Labels of `lb_clients_refused_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `all_failed` or `all_servers_failed`.
+    pub reason: String,
+}
+
 /// All metric families.
 #[derive(Debug)]
 pub struct Metrics {
@@ -122,6 +131,14 @@ pub struct Metrics {
     pub inflight_checks: Gauge,
     /// `lb_connections_total`: accepted client connections.
     pub connections_total: Family<BalancerLabel, Counter>,
+    /// `lb_dials_abandoned_total`: dials given up because their server turned FAILED, was
+    /// removed, drained or disabled while they were in progress.
+    pub dials_abandoned: Family<BalancerLabel, Counter>,
+    /// `lb_dials_raced_total`: dials made at once to every server because all were FAILED.
+    pub dials_raced: Family<BalancerLabel, Counter>,
+    /// `lb_clients_refused_total{reason}`: clients reset without a server (`all_failed`: every
+    /// server FAILED with `all_failed = "refuse"`; `all_servers_failed`: no dial succeeded).
+    pub clients_refused: Family<RefusedLabels, Counter>,
     last_kernel: Mutex<HashMap<(String, String), u64>>,
 }
 
@@ -236,6 +253,24 @@ impl Metrics {
             "Client connections accepted",
             connections_total.clone(),
         );
+        let dials_abandoned = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "dials_abandoned",
+            "Dials given up because their server turned FAILED, was removed or held meanwhile",
+            dials_abandoned.clone(),
+        );
+        let dials_raced = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "dials_raced",
+            "Dials made at once to every server because all were FAILED",
+            dials_raced.clone(),
+        );
+        let clients_refused = Family::<RefusedLabels, Counter>::default();
+        registry.register(
+            "clients_refused",
+            "Clients reset without reaching a server",
+            clients_refused.clone(),
+        );
         Metrics {
             registry,
             server_state,
@@ -253,6 +288,9 @@ impl Metrics {
             datapath_info,
             inflight_checks,
             connections_total,
+            dials_abandoned,
+            dials_raced,
+            clients_refused,
             last_kernel: Mutex::new(HashMap::new()),
         }
     }

@@ -289,6 +289,30 @@ impl Balancer {
             .any(|s| s.can_serve(loop_enabled))
     }
 
+    /// `server`'s state and hold, `None` when it is not in the balancer (any more).
+    pub fn dial_state(&self, server: &ServerAddr) -> Option<(ServerState, Hold)> {
+        let inner = self.lock();
+        inner
+            .index(server)
+            .map(|i| (inner.servers[i].state, inner.servers[i].hold))
+    }
+
+    /// Whether every server a dial could use is FAILED (a STANDBY default whose last check
+    /// failed counts as failed): the case `all_failed` decides.
+    pub fn all_failed(&self) -> bool {
+        let inner = self.lock();
+        let mut candidates = inner
+            .servers
+            .iter()
+            .filter(|s| s.hold == Hold::None && s.state != ServerState::Invalid)
+            .peekable();
+        candidates.peek().is_some()
+            && candidates.all(|s| {
+                s.state == ServerState::Failed
+                    || (s.state == ServerState::Standby && s.consecutive_failures > 0)
+            })
+    }
+
     /// When `server` was last checked (`None`: never, or not in the set).
     pub fn last_checked(&self, server: &ServerAddr) -> Option<Instant> {
         let inner = self.lock();

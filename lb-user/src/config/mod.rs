@@ -265,6 +265,19 @@ impl Default for DatapathConfig {
     }
 }
 
+/// `all_failed`: a client's fate when every server is FAILED.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AllFailed {
+    /// Dial every server at once, bounded by `dial_timeout` and `connect_budget`; the first
+    /// to answer serves the client, which is reset as soon as all have failed (K3s #10240:
+    /// never refuse while a dial could still work).
+    #[default]
+    Try,
+    /// Reset the client at once (HAProxy's behaviour with no server up).
+    Refuse,
+}
+
 /// `[balancer.health]`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -321,6 +334,9 @@ pub struct HealthConfig {
     pub key_file: Option<PathBuf>,
     /// TLS: accept any server certificate.
     pub insecure_skip_verify: bool,
+    /// The check `url` targets one place for every server (no `{server}` in it), on purpose;
+    /// without this, `lb config check` refuses such a URL for a balancer of several servers.
+    pub shared_target: bool,
 }
 
 impl Default for HealthConfig {
@@ -351,6 +367,7 @@ impl Default for HealthConfig {
             cert_file: None,
             key_file: None,
             insecure_skip_verify: false,
+            shared_target: false,
         }
     }
 }
@@ -428,6 +445,10 @@ pub struct BalancerConfig {
     /// Bound on one client's whole dial attempt; default 30 s.
     #[serde(default = "default_connect_budget")]
     pub connect_budget: Dur,
+    /// What a client gets when every server is FAILED: `try` (dial them all at once, K3s's rule
+    /// never to refuse while a dial could still work) or `refuse` (reset it at once).
+    #[serde(default)]
+    pub all_failed: AllFailed,
     /// JSON file remembering servers and default across restarts.
     #[serde(default)]
     pub state_file: Option<PathBuf>,
@@ -563,6 +584,7 @@ impl Config {
                     failback: true,
                     dial_timeout: default_dial_timeout(),
                     connect_budget: default_connect_budget(),
+                    all_failed: AllFailed::Try,
                     state_file: None,
                     proxy: None,
                     health: HealthConfig::default(),

@@ -154,3 +154,30 @@ fn durations() {
     assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
     assert!(parse_duration("ten").unwrap_err().contains("ten"));
 }
+
+#[test]
+fn a_check_url_without_server_needs_shared_target_with_several_servers() {
+    let one_url = FULL.replace("https://{server}/ping", "https://198.18.0.9/ping");
+    let err = Config::from_toml(&one_url, "f.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("health.url") && err.contains("shared_target"),
+        "{err}"
+    );
+    let intended = one_url.replace("kind = \"http\"", "kind = \"http\"\nshared_target = true");
+    Config::from_toml(&intended, "f.toml").unwrap();
+    // One server: nothing to mix up.
+    let single = one_url.replace(
+        "servers = [\"198.18.0.2:6443\", \"198.18.0.3:6443\"]",
+        "servers = [\"198.18.0.2:6443\"]",
+    );
+    Config::from_toml(&single, "f.toml").unwrap();
+    // all_failed takes try or refuse only.
+    let bad = FULL.replace(
+        "policy = \"failover\"",
+        "policy = \"failover\"\nall_failed = \"wait\"",
+    );
+    let err = Config::from_toml(&bad, "f.toml").unwrap_err().to_string();
+    assert!(err.contains("all_failed") || err.contains("wait"), "{err}");
+}

@@ -139,7 +139,21 @@ fn validate_balancer(
             "must be at least dial_timeout",
         ));
     }
-    validate_health(i, &b.health)
+    validate_health(i, &b.health)?;
+    let h = &b.health;
+    if let (CheckKind::Http | CheckKind::Tunnel, Some(url), false) =
+        (h.kind, &h.url, h.shared_target)
+        && b.servers.len() > 1
+        && !url.contains("{server}")
+    {
+        return Err(ConfigError::invalid(
+            format!("balancer[{i}].health.url"),
+            url,
+            "has no {server}, so every server's health would be this one URL's; put {server} \
+             in it, or set health.shared_target = true if that is intended",
+        ));
+    }
+    Ok(())
 }
 
 /// One `[balancer.health]`.

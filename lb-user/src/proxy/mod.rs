@@ -7,7 +7,7 @@ use std::{
     net::{Shutdown, SocketAddr},
     pin::Pin,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use tokio::net::{TcpListener, TcpStream};
@@ -20,8 +20,7 @@ use crate::{
     addr::ServerAddr,
     balancer::Balancer,
     datapath::{Datapath, Pair},
-    metrics::{BalancerLabel, DialLabels, Metrics},
-    net::{self, Route, is_local_exhaustion},
+    metrics::{BalancerLabel, Metrics},
 };
 
 /// Runs before dialing `server`: returns `false` to skip it (e.g. a check-before-dial just
@@ -29,6 +28,10 @@ use crate::{
 pub type PreDial = Arc<
     dyn Fn(Arc<Balancer>, ServerAddr) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync,
 >;
+
+mod dial;
+
+pub use dial::dial;
 
 thread_local! {
     /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
@@ -108,109 +111,6 @@ pub async fn serve(
             }
         }
     }
-}
-
-/// Dial the first server that answers, in the balancer's order, within `dial_timeout` each and
-/// `connect_budget` overall. Returns the server's spec and the socket.
-///
-/// # Errors
-/// `io::ErrorKind::NotConnected` with "all servers failed" when none answered.
-pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(ServerAddr, TcpStream)> {
-    let cfg = balancer.config();
-    let deadline = Instant::now() + cfg.connect_budget.0;
-    let mut errors = Vec::new();
-    let order = balancer.dial_order();
-    let mut deferred = Vec::new();
-    // Servers whose check-before-dial failed are dialed after all others, so failing checks
-    // alone never make lb refuse every client (K3s #10240).
-    let route = Route::from_env(cfg.proxy.clone());
-    let mut queue: std::collections::VecDeque<(ServerAddr, bool)> =
-        order.into_iter().map(|s| (s, true)).collect();
-    while let Some((spec, first_pass)) = queue.pop_front() {
-        if Instant::now() >= deadline {
-            errors.push("connect budget used up".to_string());
-            break;
-        }
-        if first_pass
-            && let Some(pre) = &ctx.pre_dial
-            && !pre(balancer.clone(), spec.clone()).await
-        {
-            deferred.push(spec);
-            if queue.is_empty() {
-                queue.extend(deferred.drain(..).map(|s| (s, false)));
-            }
-            continue;
-        }
-        let start = Instant::now();
-        let budget = deadline
-            .saturating_duration_since(start)
-            .min(cfg.dial_timeout.0);
-        let result = tokio::time::timeout(budget, net::connect(&spec, &route))
-            .await
-            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")));
-        let status = if result.is_ok() { "ok" } else { "error" };
-        ctx.metrics
-            .dial_duration
-            .get_or_create(&DialLabels {
-                balancer: balancer.name.clone(),
-                status: status.into(),
-            })
-            .observe(start.elapsed().as_secs_f64());
-        match result {
-            Ok(stream)
-                if stream
-                    .peer_addr()
-                    .is_ok_and(|p| is_own_listener(&ctx.listeners, p)) =>
-            {
-                // A host name that resolves to lb itself: refuse instead of dialing in a loop.
-                let e = format!("{spec} is one of lb's own listeners (a loop)");
-                warn!(balancer = %balancer.name, server = %spec, "dial reached lb's own listener; refusing the loop");
-                abort(&stream);
-                balancer.record_dial(&spec, Err(e.clone()));
-                errors.push(e);
-            }
-            Ok(stream) => {
-                balancer.record_dial(&spec, Ok(()));
-                return Ok((spec, stream));
-            }
-            Err(e) if is_local_exhaustion(&e) => {
-                // Out of descriptors or memory here says nothing about the server.
-                warn!(balancer = %balancer.name, server = %spec, error = %e, "dial failed for a local reason; not held against the server");
-                errors.push(format!("{spec}: {e}"));
-            }
-            Err(e) => {
-                debug!(balancer = %balancer.name, server = %spec, error = %e, "dial failed");
-                balancer.record_dial(&spec, Err(e.to_string()));
-                errors.push(format!("{spec}: {e}"));
-            }
-        }
-        if queue.is_empty() {
-            queue.extend(deferred.drain(..).map(|s| (s, false)));
-        }
-    }
-    Err(io::Error::new(
-        io::ErrorKind::NotConnected,
-        format!("all servers failed ({})", errors.join("; ")),
-    ))
-}
-
-/// Whether `peer` is one of `listeners` (a wildcard listener matches any local address on its
-/// port).
-fn is_own_listener(listeners: &[SocketAddr], peer: SocketAddr) -> bool {
-    let peer_ip = match peer.ip() {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), std::net::IpAddr::V4),
-        ip => ip,
-    };
-    listeners.iter().any(|l| {
-        l.port() == peer.port()
-            && (l.ip() == peer_ip
-                || (l.ip().is_unspecified() && (peer_ip.is_loopback() || is_local_ip(peer_ip))))
-    })
-}
-
-/// Whether `ip` is an address of this host (can be bound).
-fn is_local_ip(ip: std::net::IpAddr) -> bool {
-    std::net::TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 /// Serve one client connection from dial to close.

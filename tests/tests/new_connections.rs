@@ -1,0 +1,251 @@
+//! Failover for clients that connect during an outage, not only those already connected: a
+//! dial in progress to a server that turns FAILED is abandoned at once and the client moves on
+//! to the next server, so no new client waits out `dial_timeout` on a blackholed server; with
+//! every server FAILED, lb dials them all at once (`all_failed = "try"`, reset within one
+//! `dial_timeout`) or resets the client at once (`all_failed = "refuse"`).
+//!
+//! A blackholed host has a dead neighbour entry: its packets vanish (no RST, no ICMP).
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{Host, Lb, Place, free_port, run_client, skip_unless_root};
+
+/// Checks: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
+const INTERVAL_MS: u64 = 500;
+const FALL: u64 = 2;
+const TIMEOUT_MS: u64 = 300;
+/// The bound for a new client: `interval × fall + timeout + 1 s`.
+const BOUND_MS: u64 = INTERVAL_MS * FALL + TIMEOUT_MS + 1000;
+/// Scheduling slack on a loaded 2-core machine (process start of the client included).
+const SLACK_MS: u64 = 700;
+
+struct Setup {
+    hosts: Vec<Host>,
+    lb: Lb,
+    listen: SocketAddr,
+    config: PathBuf,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl Setup {
+    /// Two hosts `s0`, `s1` on :9000 behind lb (userspace copy: dialing is what is tested),
+    /// `dial_timeout` long enough that waiting it out would show; returns once both are
+    /// PREFERRED.
+    fn new(dial_timeout: &str, all_failed: &str) -> Result<Setup> {
+        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+        let port = free_port()?;
+        let text = format!(
+            r#"
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+dial_timeout = "{dial_timeout}"
+all_failed = "{all_failed}"
+
+[balancer.health]
+kind = "tcp"
+interval = "{INTERVAL_MS}ms"
+timeout = "{TIMEOUT_MS}ms"
+rise = 2
+fall = {FALL}
+"#,
+            servers = lb_tests::toml_addrs(&hosts, 9000),
+        );
+        let config =
+            std::env::temp_dir().join(format!("lb-new-conns-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, &text)?;
+        let lb = Lb::start(&[
+            "--config",
+            &config.display().to_string(),
+            "--datapath",
+            "userspace",
+        ])?;
+        let s = Setup {
+            hosts,
+            lb,
+            listen: format!("127.0.0.1:{port}").parse()?,
+            config,
+        };
+        for i in 0..2 {
+            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+        }
+        Ok(s)
+    }
+
+    fn state(&self, i: usize) -> Result<String> {
+        let st = self.lb.status()?;
+        let addr = self.hosts[i].addr(9000).to_string();
+        Ok(st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .find(|s| s["address"] == addr.as_str())
+            .and_then(|s| s["state"].as_str())
+            .unwrap_or("")
+            .to_string())
+    }
+
+    fn wait_state(&self, i: usize, want: &str, within: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let now = self.state(i)?;
+            if now == want {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!(
+                    "s{i} is {now}, not {want}, after {within:?}\n{}",
+                    self.lb.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// One client of `listen`: connect, one echo round trip; returns whether it was served and how
+/// long it took from start to answer (or reset).
+fn client(listen: SocketAddr, limit: Duration) -> Result<(bool, Duration)> {
+    let start = Instant::now();
+    let v = run_client(&Place::default(), listen, &["rr", "1", "16"], limit)?;
+    Ok((v["ok"] == true, start.elapsed()))
+}
+
+#[test]
+fn a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time() -> Result<()> {
+    let name = "a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time";
+    if skip_unless_root(name) {
+        return Ok(());
+    }
+    let s = Setup::new("10s", "try")?;
+    // s0 is preferred: a new client's dial to it hangs once it is blackholed.
+    s.hosts[0].blackhole(true)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let (ok, took) = client(s.listen, Duration::from_secs(30))?;
+    eprintln!("client started 0.2 s into the blackhole: served {ok} after {took:?}");
+    ensure!(ok, "the client must be served by s1\n{}", s.lb.log_text());
+    ensure!(
+        took < Duration::from_millis(BOUND_MS + SLACK_MS),
+        "served after {took:?}: more than interval x fall + timeout + 1 s (dial_timeout is 10 s)"
+    );
+    ensure!(
+        s.lb.metric("lb_dials_abandoned_total", "balancer=\"api\"") >= 1.0,
+        "the dial to s0 must have been abandoned"
+    );
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+#[test]
+fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<()> {
+    let name = "a_connect_loop_through_three_outages_never_waits_past_the_bound";
+    if skip_unless_root(name) {
+        return Ok(());
+    }
+    let s = Setup::new("10s", "try")?;
+    let waits: Arc<Mutex<Vec<(bool, Duration)>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // One new client every 100 ms for the whole run, each on its own thread.
+    let looper = {
+        let (listen, waits, stop) = (s.listen, waits.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut clients = Vec::new();
+            for _ in 0..400 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let waits = waits.clone();
+                clients.push(std::thread::spawn(move || {
+                    if let Ok(r) = client(listen, Duration::from_secs(30)) {
+                        waits.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                    }
+                }));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            for c in clients {
+                let _ = c.join();
+            }
+        })
+    };
+    let outages = (|| -> Result<()> {
+        for round in 0..3 {
+            let i = round % 2;
+            s.hosts[i].blackhole(true)?;
+            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+            std::thread::sleep(Duration::from_millis(1000));
+            s.hosts[i].blackhole(false)?;
+            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        Ok(())
+    })();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = looper.join();
+    outages?;
+    let waits = waits.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let worst = waits.iter().map(|(_, d)| *d).max().unwrap_or_default();
+    let failed = waits.iter().filter(|(ok, _)| !ok).count();
+    eprintln!(
+        "{} clients through 3 outages: {failed} not served, worst wait {worst:?}",
+        waits.len()
+    );
+    ensure!(waits.len() >= 50, "too few clients ran: {}", waits.len());
+    ensure!(failed == 0, "{failed} clients were not served");
+    ensure!(
+        worst < Duration::from_millis(BOUND_MS + SLACK_MS),
+        "a client waited {worst:?}, past interval x fall + timeout + 1 s"
+    );
+    Ok(())
+}
+
+#[test]
+fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once() -> Result<()> {
+    let name = "with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once";
+    if skip_unless_root(name) {
+        return Ok(());
+    }
+    for (all_failed, bound) in [
+        ("try", Duration::from_secs(3 + 1)),
+        ("refuse", Duration::from_millis(500 + SLACK_MS)),
+    ] {
+        let s = Setup::new("3s", all_failed)?;
+        for i in 0..2 {
+            s.hosts[i].blackhole(true)?;
+        }
+        for i in 0..2 {
+            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+        }
+        let (ok, took) = client(s.listen, Duration::from_secs(30))?;
+        eprintln!("all_failed = {all_failed}: reset after {took:?}");
+        ensure!(!ok, "no server can answer");
+        ensure!(
+            took < bound,
+            "all_failed = {all_failed}: reset after {took:?}, bound {bound:?} (dials one after \
+             another would take 2 x 3 s)"
+        );
+        let refused = s.lb.metric("lb_clients_refused_total", "balancer=\"api\"");
+        ensure!(refused >= 1.0, "lb_clients_refused_total not counted");
+        if all_failed == "try" {
+            ensure!(
+                s.lb.metric("lb_dials_raced_total", "balancer=\"api\"") >= 2.0,
+                "both servers must have been dialed at once"
+            );
+        }
+        for i in 0..2 {
+            s.hosts[i].blackhole(false)?;
+        }
+    }
+    Ok(())
+}
