@@ -47,13 +47,18 @@ pub enum Host {
 /// (`[::1]:80`, never `[0:0::1]:80`), host names in lower case. Two spellings of one server are
 /// one `ServerAddr`, so a server has one registry entry, one metric series and one state.
 ///
-/// Serialised as its text; parsing refuses anything but `host:port` / `[v6]:port` with a port in
-/// 1..=65535.
+/// A host name may be pinned to one of the addresses it resolves to, written
+/// `name:port (address)`: the balancer turns a name into one pinned server per address, each
+/// balanced and health-checked on its own, so one dead address never takes the name down.
+///
+/// Serialised as its text; parsing refuses anything but `host:port`, `[v6]:port` or
+/// `name:port (address)` with a port in 1..=65535.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServerAddr {
     text: String,
     host: Host,
     port: u16,
+    pin: Option<IpAddr>,
 }
 
 impl ServerAddr {
@@ -62,6 +67,16 @@ impl ServerAddr {
     /// # Errors
     /// [`AddrError`] naming what is wrong.
     pub fn parse(spec: &str) -> Result<ServerAddr, AddrError> {
+        if let Some((name, pin)) = spec.strip_suffix(')').and_then(|s| s.split_once(" (")) {
+            let ip: IpAddr = pin
+                .parse()
+                .map_err(|_| AddrError::BadHost(pin.to_string()))?;
+            let base = ServerAddr::parse(name)?;
+            if matches!(base.host, Host::Ip(_)) {
+                return Err(AddrError::BadHost(spec.to_string()));
+            }
+            return Ok(base.pinned_to(ip));
+        }
         if let Ok(sa) = spec.parse::<SocketAddr>() {
             return ServerAddr::from_socket_addr(sa);
         }
@@ -86,7 +101,54 @@ impl ServerAddr {
             text: format!("{host}:{port}"),
             host: Host::Name(host),
             port,
+            pin: None,
         })
+    }
+
+    /// This name pinned to `ip`, one of its addresses: `name:port (ip)`.
+    pub fn pinned_to(&self, ip: IpAddr) -> ServerAddr {
+        let authority = self.authority();
+        ServerAddr {
+            text: format!("{authority} ({ip})"),
+            host: self.host.clone(),
+            port: self.port,
+            pin: Some(ip),
+        }
+    }
+
+    /// The address a pinned name is pinned to.
+    pub fn pin(&self) -> Option<IpAddr> {
+        self.pin
+    }
+
+    /// `host:port` without the pin: what a URL's `{server}` and a `Host` header carry.
+    pub fn authority(&self) -> String {
+        match &self.host {
+            Host::Ip(ip) => SocketAddr::new(*ip, self.port).to_string(),
+            Host::Name(n) => format!("{n}:{}", self.port),
+        }
+    }
+
+    /// The addresses to balance over for this server: itself when it is an IP address or
+    /// already pinned; for a name, one pinned server per address it resolves to (in the
+    /// resolver's order, each once), or the name itself when it resolves to nothing now (it
+    /// is then resolved at each dial). Blocks on the system resolver.
+    pub fn expand(&self) -> Vec<ServerAddr> {
+        if self.pin.is_some() || matches!(self.host, Host::Ip(_)) {
+            return vec![self.clone()];
+        }
+        let mut ips: Vec<IpAddr> = Vec::new();
+        if let Ok(found) = std::net::ToSocketAddrs::to_socket_addrs(&self.authority()) {
+            for sa in found {
+                if !ips.contains(&sa.ip()) {
+                    ips.push(sa.ip());
+                }
+            }
+        }
+        if ips.is_empty() {
+            return vec![self.clone()];
+        }
+        ips.into_iter().map(|ip| self.pinned_to(ip)).collect()
     }
 
     /// A literal socket address as a server.
@@ -101,10 +163,11 @@ impl ServerAddr {
             text: sa.to_string(),
             host: Host::Ip(sa.ip()),
             port: sa.port(),
+            pin: None,
         })
     }
 
-    /// The normalised text, `host:port` or `[v6]:port`.
+    /// The normalised text, `host:port`, `[v6]:port` or `name:port (address)`.
     pub fn as_str(&self) -> &str {
         &self.text
     }
@@ -128,11 +191,12 @@ impl ServerAddr {
         self.port
     }
 
-    /// The socket address when the host is a literal IP.
+    /// The socket address when the host is a literal IP or a pinned name.
     pub fn socket_addr(&self) -> Option<SocketAddr> {
-        match self.host {
-            Host::Ip(ip) => Some(SocketAddr::new(ip, self.port)),
-            Host::Name(_) => None,
+        match (&self.host, self.pin) {
+            (Host::Ip(ip), _) => Some(SocketAddr::new(*ip, self.port)),
+            (Host::Name(_), Some(ip)) => Some(SocketAddr::new(ip, self.port)),
+            (Host::Name(_), None) => None,
         }
     }
 }

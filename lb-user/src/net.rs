@@ -52,7 +52,12 @@ pub async fn connect(server: &ServerAddr, route: &Route) -> io::Result<TcpStream
         return connect_direct(server).await;
     };
     let mut s = connect_direct(proxy.addr()).await?;
-    s.write_all(format!("CONNECT {server} HTTP/1.1\r\nHost: {server}\r\n\r\n").as_bytes())
+    // A pinned name asks the proxy for its one address, not for whatever the name resolves to.
+    let target = server
+        .pin()
+        .and(server.socket_addr())
+        .map_or_else(|| server.authority(), |sa| sa.to_string());
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
     let mut head = Vec::with_capacity(256);
     let mut byte = [0u8; 1];
@@ -87,7 +92,7 @@ async fn connect_direct(server: &ServerAddr) -> io::Result<TcpStream> {
     );
     let addrs: Vec<std::net::SocketAddr> = match server.socket_addr() {
         Some(sa) => vec![sa],
-        None => tokio::net::lookup_host(server.as_str()).await?.collect(),
+        None => tokio::net::lookup_host(server.authority()).await?.collect(),
     };
     for addr in addrs {
         match TcpStream::connect(addr).await {

@@ -27,6 +27,8 @@ const SLACK_MS: u64 = 700;
 
 struct Setup {
     hosts: Vec<Host>,
+    /// How `/status` names each host's server.
+    names: Vec<String>,
     lb: Lb,
     listen: SocketAddr,
     config: PathBuf,
@@ -44,6 +46,20 @@ impl Setup {
     /// PREFERRED.
     fn new(dial_timeout: &str, all_failed: &str) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+        let servers = lb_tests::toml_addrs(&hosts, 9000);
+        let names = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+        Setup::with(hosts, &servers, names, dial_timeout, all_failed)
+    }
+
+    /// As [`Setup::new`] with `servers` (TOML list items) naming `hosts`, as `/status` shows
+    /// them in `names`.
+    fn with(
+        hosts: Vec<Host>,
+        servers: &str,
+        names: Vec<String>,
+        dial_timeout: &str,
+        all_failed: &str,
+    ) -> Result<Setup> {
         let port = free_port()?;
         let text = format!(
             r#"
@@ -60,8 +76,7 @@ interval = "{INTERVAL_MS}ms"
 timeout = "{TIMEOUT_MS}ms"
 rise = 2
 fall = {FALL}
-"#,
-            servers = lb_tests::toml_addrs(&hosts, 9000),
+"#
         );
         let config =
             std::env::temp_dir().join(format!("lb-new-conns-{}-{port}.toml", std::process::id()));
@@ -74,6 +89,7 @@ fall = {FALL}
         ])?;
         let s = Setup {
             hosts,
+            names,
             lb,
             listen: format!("127.0.0.1:{port}").parse()?,
             config,
@@ -86,7 +102,7 @@ fall = {FALL}
 
     fn state(&self, i: usize) -> Result<String> {
         let st = self.lb.status()?;
-        let addr = self.hosts[i].addr(9000).to_string();
+        let addr = &self.names[i];
         Ok(st["balancers"][0]["servers"]
             .as_array()
             .context("servers")?
@@ -154,7 +170,67 @@ fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<(
     if skip_unless_root(name) {
         return Ok(());
     }
-    let s = Setup::new("10s", "try")?;
+    connect_loop_through_outages(&Setup::new("10s", "try")?, 3)
+}
+
+/// Lines added to `/etc/hosts` for one test, removed on drop (also when the test fails).
+struct HostsEntries(String);
+
+impl HostsEntries {
+    fn add(name: &str, ips: &[std::net::Ipv4Addr]) -> Result<HostsEntries> {
+        let marker = format!("# lb-test {} {name}", std::process::id());
+        let mut text = std::fs::read_to_string("/etc/hosts")?;
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        for ip in ips {
+            text.push_str(&format!("{ip} {name} {marker}\n"));
+        }
+        std::fs::write("/etc/hosts", text)?;
+        Ok(HostsEntries(marker))
+    }
+}
+
+impl Drop for HostsEntries {
+    fn drop(&mut self) {
+        if let Ok(text) = std::fs::read_to_string("/etc/hosts") {
+            let kept: String = text
+                .lines()
+                .filter(|l| !l.contains(&self.0))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let _ = std::fs::write("/etc/hosts", kept);
+        }
+    }
+}
+
+/// A host name with two addresses (two test hosts, through `/etc/hosts`): each address is
+/// its own server, so with either one blackholed the name keeps serving every new client.
+#[test]
+fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()> {
+    let test = "a_name_with_two_addresses_keeps_serving_with_either_blackholed";
+    if skip_unless_root(test) {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let name = format!("lbt-two-{}.test", std::process::id());
+    let _entries = HostsEntries::add(&name, &[hosts[0].ip, hosts[1].ip])?;
+    let names = hosts
+        .iter()
+        .map(|h| format!("{name}:9000 ({})", h.ip))
+        .collect();
+    let s = Setup::with(hosts, &format!("\"{name}:9000\""), names, "10s", "try")?;
+    let st = s.lb.status()?;
+    ensure!(
+        st["balancers"][0]["servers"].as_array().map(Vec::len) == Some(2),
+        "one server per address: {st}"
+    );
+    connect_loop_through_outages(&s, 2)
+}
+
+/// A new client every 100 ms while the servers are blackholed in turn, `outages` times: every
+/// client is served, none waits past the bound.
+fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
     let waits: Arc<Mutex<Vec<(bool, Duration)>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // One new client every 100 ms for the whole run, each on its own thread.
@@ -179,8 +255,8 @@ fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<(
             }
         })
     };
-    let outages = (|| -> Result<()> {
-        for round in 0..3 {
+    let ran = (|| -> Result<()> {
+        for round in 0..outages {
             let i = round % 2;
             s.hosts[i].blackhole(true)?;
             s.wait_state(i, "FAILED", Duration::from_secs(5))?;
@@ -193,12 +269,12 @@ fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<(
     })();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = looper.join();
-    outages?;
+    ran?;
     let waits = waits.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let worst = waits.iter().map(|(_, d)| *d).max().unwrap_or_default();
     let failed = waits.iter().filter(|(ok, _)| !ok).count();
     eprintln!(
-        "{} clients through 3 outages: {failed} not served, worst wait {worst:?}",
+        "{} clients through {outages} outages: {failed} not served, worst wait {worst:?}",
         waits.len()
     );
     ensure!(waits.len() >= 50, "too few clients ran: {}", waits.len());

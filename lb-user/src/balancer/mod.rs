@@ -141,33 +141,44 @@ impl Inner {
         self.servers.iter().position(|s| s.addr == *addr)
     }
 
+    /// The set as configured: its entries (names, not their addresses), in order.
     fn set(&self) -> ServerSet {
+        let mut servers: Vec<ServerAddr> = Vec::new();
+        for s in self.servers.iter().filter(|s| s.in_set) {
+            if !servers.contains(&s.origin) {
+                servers.push(s.origin.clone());
+            }
+        }
         ServerSet {
-            servers: self
-                .servers
-                .iter()
-                .filter(|s| s.in_set)
-                .map(|s| s.addr.clone())
-                .collect(),
+            servers,
             default: self
                 .servers
                 .iter()
                 .find(|s| s.is_default)
-                .map(|s| s.addr.clone()),
+                .map(|s| s.origin.clone()),
         }
     }
 }
 
-fn build_servers(set: &ServerSet) -> Vec<Server> {
-    let mut out: Vec<Server> = set
-        .servers
+/// Every entry of `set` (its default last when it is not in the list) with the addresses it
+/// stands for ([`ServerAddr::expand`]: a name's addresses, each pinned). Resolves names, so it
+/// runs without the lock.
+fn expand(set: &ServerSet) -> Vec<(ServerAddr, Vec<ServerAddr>)> {
+    set.servers
         .iter()
-        .map(|s| Server::new(s.clone(), set.default.as_ref() == Some(s), true))
-        .collect();
-    if let Some(d) = &set.default
-        && !set.servers.contains(d)
-    {
-        out.push(Server::new(d.clone(), true, false));
+        .chain(set.default.iter().filter(|d| !set.servers.contains(d)))
+        .map(|origin| (origin.clone(), origin.expand()))
+        .collect()
+}
+
+fn build_servers(set: &ServerSet) -> Vec<Server> {
+    let mut out = Vec::new();
+    for (origin, addrs) in expand(set) {
+        let in_set = set.servers.contains(&origin);
+        let is_default = set.default.as_ref() == Some(&origin);
+        for addr in addrs {
+            out.push(Server::new(addr, origin.clone(), is_default, in_set));
+        }
     }
     out
 }
@@ -491,22 +502,35 @@ impl Balancer {
         n
     }
 
-    /// The server of the set (or the default) that `spec` names, normalised.
-    fn known(&self, spec: &str) -> Result<ServerAddr, SetError> {
+    /// The servers `spec` names, normalised: one address, or every address of a name.
+    fn known(&self, spec: &str) -> Result<Vec<ServerAddr>, SetError> {
         let unknown = || SetError::UnknownServer(spec.to_string());
         let addr = ServerAddr::parse(spec).map_err(|_| unknown())?;
-        let inner = self.lock();
-        inner.index(&addr).map(|_| addr).ok_or_else(unknown)
+        let found: Vec<ServerAddr> = self
+            .lock()
+            .servers
+            .iter()
+            .filter(|s| s.addr == addr || s.origin == addr)
+            .map(|s| s.addr.clone())
+            .collect();
+        if found.is_empty() {
+            return Err(unknown());
+        }
+        Ok(found)
     }
 
-    /// Kill every connection to the server `spec` names (any spelling of it).
+    /// Kill every connection to the server `spec` names (any spelling of it; a name: each of
+    /// its addresses).
     ///
     /// # Errors
     /// [`SetError::UnknownServer`].
     pub fn kill_server(&self, spec: &str, reason: KillReason) -> Result<usize, SetError> {
-        let server = self.known(spec)?;
-        let taken = self.lock().conns.take(&server);
-        Ok(self.kill_entries(&server, taken, reason))
+        let mut killed = 0;
+        for server in self.known(spec)? {
+            let taken = self.lock().conns.take(&server);
+            killed += self.kill_entries(&server, taken, reason);
+        }
+        Ok(killed)
     }
 
     /// Kill every connection of the balancer (shutdown).
@@ -529,23 +553,26 @@ impl Balancer {
     /// # Errors
     /// [`SetError::UnknownServer`].
     pub fn set_hold(self: &Arc<Self>, spec: &str, hold: Hold) -> Result<usize, SetError> {
-        let server = self.known(spec)?;
-        let taken = {
-            let mut inner = self.lock();
-            let Some(idx) = inner.index(&server) else {
-                return Err(SetError::UnknownServer(spec.to_string()));
+        let mut killed = 0;
+        for server in self.known(spec)? {
+            let taken = {
+                let mut inner = self.lock();
+                let Some(idx) = inner.index(&server) else {
+                    continue;
+                };
+                let s = &mut inner.servers[idx];
+                info!(balancer = %self.name, %server, from = ?s.hold, to = ?hold, "server hold changed");
+                s.hold = hold;
+                if hold == Hold::Disabled {
+                    inner.conns.take(&server)
+                } else {
+                    Vec::new()
+                }
             };
-            let s = &mut inner.servers[idx];
-            info!(balancer = %self.name, %server, from = ?s.hold, to = ?hold, "server hold changed");
-            s.hold = hold;
-            if hold == Hold::Disabled {
-                inner.conns.take(&server)
-            } else {
-                Vec::new()
-            }
-        };
+            killed += self.kill_entries(&server, taken, KillReason::Admin);
+        }
         self.bump();
-        Ok(self.kill_entries(&server, taken, KillReason::Admin))
+        Ok(killed)
     }
 
     /// Replace the server set and default. An unchanged set does nothing (returns `false`); new
@@ -567,49 +594,50 @@ impl Balancer {
             servers: servers.to_vec(),
             default: default.cloned(),
         };
+        if self.lock().set() == want {
+            return Ok(false);
+        }
+        let expanded = expand(&want);
         let mut removed = Vec::new();
         {
             let mut inner = self.lock();
-            if inner.set() == want {
-                return Ok(false);
-            }
             let mut old: Vec<Server> = std::mem::take(&mut inner.servers);
             let mut next = Vec::new();
-            for addr in servers
-                .iter()
-                .chain(default.filter(|d| !servers.contains(d)))
-            {
-                let in_set = servers.contains(addr);
-                let is_default = default == Some(addr);
-                let s = match old.iter().position(|s| s.addr == *addr) {
-                    Some(i) => {
-                        let mut s = old.remove(i);
-                        if s.in_set && !in_set && s.state != ServerState::Failed {
-                            transition(
-                                &self.name,
-                                &mut s,
-                                ServerState::Standby,
-                                "default server left the set",
-                            );
-                        } else if !s.in_set && in_set {
-                            transition(
-                                &self.name,
-                                &mut s,
-                                ServerState::Unchecked,
-                                "added to the set",
-                            );
+            for (origin, addrs) in expanded {
+                let in_set = servers.contains(&origin);
+                let is_default = default == Some(&origin);
+                for addr in addrs {
+                    let s = match old.iter().position(|s| s.addr == addr) {
+                        Some(i) => {
+                            let mut s = old.remove(i);
+                            if s.in_set && !in_set && s.state != ServerState::Failed {
+                                transition(
+                                    &self.name,
+                                    &mut s,
+                                    ServerState::Standby,
+                                    "default server left the set",
+                                );
+                            } else if !s.in_set && in_set {
+                                transition(
+                                    &self.name,
+                                    &mut s,
+                                    ServerState::Unchecked,
+                                    "added to the set",
+                                );
+                            }
+                            s.in_set = in_set;
+                            s.is_default = is_default;
+                            s.origin = origin.clone();
+                            s
                         }
-                        s.in_set = in_set;
-                        s.is_default = is_default;
-                        s
-                    }
-                    None => {
-                        let s = Server::new(addr.clone(), is_default, in_set);
-                        info!(balancer = %self.name, server = %addr, state = %s.state, "server added");
-                        s
-                    }
-                };
-                next.push(s);
+                        None => {
+                            let s = Server::new(addr.clone(), origin.clone(), is_default, in_set);
+                            info!(balancer = %self.name, server = %addr, state = %s.state, "server added");
+                            s
+                        }
+                    };
+                    next.push(s);
+                }
             }
             for mut s in old {
                 transition(

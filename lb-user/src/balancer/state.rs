@@ -157,7 +157,10 @@ impl From<String> for Failure {
 /// A server as the balancer tracks it (its connections live in the registry).
 #[derive(Debug)]
 pub(super) struct Server {
+    /// What is dialed and checked: an IP address, or a name pinned to one of its addresses.
     pub(super) addr: ServerAddr,
+    /// The entry of the set it came from (the name, for a name's addresses).
+    pub(super) origin: ServerAddr,
     pub(super) state: ServerState,
     pub(super) hold: Hold,
     pub(super) is_default: bool,
@@ -176,9 +179,15 @@ pub(super) struct Server {
 }
 
 impl Server {
-    pub(super) fn new(addr: ServerAddr, is_default: bool, in_set: bool) -> Server {
+    pub(super) fn new(
+        addr: ServerAddr,
+        origin: ServerAddr,
+        is_default: bool,
+        in_set: bool,
+    ) -> Server {
         Server {
             addr,
+            origin,
             state: if in_set {
                 ServerState::Unchecked
             } else {

@@ -49,7 +49,7 @@ pub(super) fn target(
         url: String::new(),
         reason: "no url configured".into(),
     })?;
-    let url = template.replace("{server}", server.as_str());
+    let url = template.replace("{server}", &server.authority());
     let bad = |reason: &str| CheckError::Url {
         url: url.clone(),
         reason: reason.into(),
@@ -84,6 +84,16 @@ pub(super) fn target(
     })
 }
 
+/// Where to connect for `t`: the server's own pinned address when the URL names the server
+/// (`{server}` of a name pinned to one of its addresses), else the URL's `host:port`.
+pub(super) fn connect_to(t: &Target, server: &ServerAddr) -> String {
+    if server.pin().is_some() && t.connect == server.authority() {
+        server.as_str().to_string()
+    } else {
+        t.connect.clone()
+    }
+}
+
 /// Whether `code` is accepted; an empty list accepts 200-299.
 pub(super) fn status_ok(expect: &[StatusMatch], code: u16) -> bool {
     if expect.is_empty() {
@@ -103,7 +113,7 @@ pub(super) async fn check(
     route: &Route,
 ) -> Result<(), CheckError> {
     let t = target(cfg.url.as_deref(), server, "http", "https")?;
-    let tcp = connect_tcp(&t.connect, route).await?;
+    let tcp = connect_tcp(&connect_to(&t, server), route).await?;
     if t.tls {
         let stream = tls::handshake(cfg, &t.host, tcp, Some(&["http/1.1"])).await?;
         exchange(cfg, &t, stream).await

@@ -39,7 +39,7 @@ type Reply = oneshot::Sender<Result<Duration, String>>;
 /// Connect, TLS or WebSocket handshake failures.
 async fn connect(cfg: &HealthConfig, server: &ServerAddr, route: &Route) -> Result<Ws, CheckError> {
     let t = target(cfg.url.as_deref(), server, "ws", "wss")?;
-    let tcp = connect_tcp(&t.connect, route).await?;
+    let tcp = connect_tcp(&super::http::connect_to(&t, server), route).await?;
     let io: Box<dyn Io> = if t.tls {
         Box::new(tls::handshake(cfg, &t.host, tcp, Some(&["http/1.1"])).await?)
     } else {
