@@ -424,7 +424,7 @@ impl Datapath {
     }
 
     /// Tell the kernel which addresses are lb's listeners for balancer `id`. Unspecified addresses
-    /// (`0.0.0.0`, `[::]`) register a wildcard for their port.
+    /// (`0.0.0.0`, `[::]`) register a wildcard for their port and address family only.
     ///
     /// # Errors
     /// [`DatapathError::Map`].
@@ -638,22 +638,18 @@ impl Datapath {
     }
 }
 
+/// The [`ListenerKey`]s of one listener: a wildcard of its own family for `0.0.0.0`/`[::]`
+/// (lb binds IPv6 listeners `IPV6_V6ONLY`, so `[::]` never accepts IPv4 clients and must not
+/// claim them from a `0.0.0.0` listener of another balancer), its address otherwise.
 fn listener_keys(addr: SocketAddr) -> Vec<ListenerKey> {
     let port = u32::from(addr.port());
     if addr.ip().is_unspecified() {
-        let mut keys = vec![ListenerKey {
+        let family = if addr.is_ipv6() { AF_INET6 } else { AF_INET };
+        return vec![ListenerKey {
             ip_be: [0; 4],
             port,
-            family: AF_INET,
+            family,
         }];
-        if addr.is_ipv6() {
-            keys.push(ListenerKey {
-                ip_be: [0; 4],
-                port,
-                family: AF_INET6,
-            });
-        }
-        return keys;
     }
     ip_words(addr.ip())
         .map(|(family, ip_be)| {
@@ -731,7 +727,19 @@ mod tests {
 
     #[test]
     fn wildcard_listener_keys() {
-        assert_eq!(listener_keys("0.0.0.0:80".parse().unwrap()).len(), 1);
-        assert_eq!(listener_keys("[::]:80".parse().unwrap()).len(), 2);
+        let v4 = listener_keys("0.0.0.0:80".parse().unwrap());
+        assert_eq!(v4.len(), 1);
+        assert_eq!(
+            (v4[0].family, v4[0].port, v4[0].ip_be),
+            (AF_INET, 80, [0; 4])
+        );
+        // IPV6_V6ONLY: `[::]` is an IPv6 wildcard only (it used to register an IPv4 one too,
+        // which charged a `0.0.0.0` listener's clients to the `[::]` listener's balancer).
+        let v6 = listener_keys("[::]:80".parse().unwrap());
+        assert_eq!(v6.len(), 1);
+        assert_eq!(
+            (v6[0].family, v6[0].port, v6[0].ip_be),
+            (AF_INET6, 80, [0; 4])
+        );
     }
 }
