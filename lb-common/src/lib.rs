@@ -49,6 +49,40 @@ pub const MAX_SCHEDULE_TIMEOUT: i64 = i64::MAX;
 /// `O_NONBLOCK` in `struct file::f_flags` (x86, arm64 and most architectures; `<fcntl.h>`).
 pub const O_NONBLOCK: u32 = 0o4000;
 
+/// Every program name, for the ELF check.
+pub const PROG_NAMES: [&str; 2] = [PROG_SOCKOPS, PROG_SK_MSG];
+
+/// Every global lb sets at load time, for the ELF check.
+pub const GLOBAL_NAMES: [&str; 5] = [
+    GLOBAL_OFF_SK_SOCKET,
+    GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SNDTIMEO,
+    GLOBAL_BLOCKING_SPLICE,
+];
+
+/// Whether two names are equal, usable in `const` context: `lb-ebpf` checks at compile time that
+/// each map, program and global it defines is named by the constant here (Rust attributes and
+/// item names cannot take a constant, so the kernel side states the name once as the item's
+/// identifier and asserts it against this crate).
+pub const fn same_name(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+const _: () = assert!(same_name(MAP_STATS, "LB_STATS") && !same_name(MAP_STATS, "LB_STATZ"));
+const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_STATS));
+
 /// Every map name, for the ELF check.
 pub const MAP_NAMES: [&str; 8] = [
     MAP_LISTENERS,
@@ -122,6 +156,19 @@ pub struct ListenerKey {
     pub family: u32,
 }
 const _: () = assert!(size_of::<ListenerKey>() == 24);
+
+impl ListenerKey {
+    /// The wildcard (`0.0.0.0` or `[::]`) listener of `port` (host order) in `family`
+    /// ([`AF_INET`] or [`AF_INET6`]). Each family has its own: lb binds IPv6 listeners
+    /// `IPV6_V6ONLY`, so `[::]` accepts no IPv4 client and registers only the [`AF_INET6`] one.
+    pub const fn wildcard(port: u32, family: u32) -> ListenerKey {
+        ListenerKey {
+            ip_be: [0; 4],
+            port,
+            family,
+        }
+    }
+}
 
 /// Per-connection counters kept by the sk_msg program (single writer: sends on one socket are
 /// serialised by the socket lock).

@@ -30,33 +30,66 @@ use aya_ebpf::{
     programs::{SkMsgContext, SockOpsContext},
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAX_BALANCERS, MAX_CONNECTIONS,
-    MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PairCtl,
-    PassReason, REFRESH_RING_BYTES, RefreshRequest, SockKey,
+    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, ListenerKey, MAP_CLIENTS,
+    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
+    MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
+    NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
+    REFRESH_RING_BYTES, RefreshRequest, SockKey,
 };
 
-#[map(name = "LB_LISTENERS")]
+/// The ELF names of maps (`#[map]` without `name`), programs and globals are their identifiers;
+/// attributes and identifiers cannot take a constant, so each is asserted here, at compile time,
+/// to be the name `lb_common` gives it and lb looks up.
+macro_rules! named_as {
+    ($($item:ident = $name:ident),+ $(,)?) => {
+        $(const _: () = assert!(
+            lb_common::same_name(stringify!($item), $name),
+            concat!(stringify!($item), " is not named as lb_common::", stringify!($name)),
+        );)+
+    };
+}
+
+named_as!(
+    LB_LISTENERS = MAP_LISTENERS,
+    LB_CLIENTS = MAP_CLIENTS,
+    LB_SERVERS = MAP_SERVERS,
+    LB_NETNS = MAP_NETNS,
+    LB_FLOWS = MAP_FLOWS,
+    LB_PAIRS = MAP_PAIRS,
+    LB_STATS = MAP_STATS,
+    LB_REFRESH = MAP_REFRESH,
+    lb_sockops = PROG_SOCKOPS,
+    lb_sk_msg = PROG_SK_MSG,
+    LB_OFF_SK_SOCKET = GLOBAL_OFF_SK_SOCKET,
+    LB_OFF_SOCKET_FILE = GLOBAL_OFF_SOCKET_FILE,
+    LB_OFF_F_FLAGS = GLOBAL_OFF_F_FLAGS,
+    LB_OFF_SNDTIMEO = GLOBAL_OFF_SNDTIMEO,
+    LB_BLOCKING_SPLICE = GLOBAL_BLOCKING_SPLICE,
+);
+
+#[map]
 static LB_LISTENERS: HashMap<ListenerKey, u32> = HashMap::with_max_entries(MAX_LISTENERS, 0);
 
-#[map(name = "LB_CLIENTS")]
+#[map]
 static LB_CLIENTS: SockHash<SockKey> = SockHash::with_max_entries(MAX_CONNECTIONS, 0);
 
-#[map(name = "LB_SERVERS")]
+#[map]
 static LB_SERVERS: SockHash<SockKey> = SockHash::with_max_entries(MAX_CONNECTIONS, 0);
 
-#[map(name = "LB_NETNS")]
+#[map]
 static LB_NETNS: LruHashMap<SockKey, u64> = LruHashMap::with_max_entries(MAX_CONNECTIONS, 0);
 
-#[map(name = "LB_FLOWS")]
+#[map]
 static LB_FLOWS: LruHashMap<SockKey, FlowState> = LruHashMap::with_max_entries(MAX_CONNECTIONS, 0);
 
-#[map(name = "LB_PAIRS")]
+#[map]
 static LB_PAIRS: HashMap<SockKey, PairCtl> = HashMap::with_max_entries(MAX_CONNECTIONS, 0);
 
-#[map(name = "LB_STATS")]
+#[map]
 static LB_STATS: PerCpuArray<BalancerStats> = PerCpuArray::with_max_entries(MAX_BALANCERS, 0);
 
-#[map(name = "LB_REFRESH")]
+#[map]
 static LB_REFRESH: RingBuf = RingBuf::with_byte_size(REFRESH_RING_BYTES, 0);
 
 // Kernel struct field offsets (bytes), set by lb at load time from the running kernel's BTF
@@ -133,10 +166,7 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         port: key.lb_port,
         family,
     };
-    let wildcard = ListenerKey {
-        ip_be: [0; 4],
-        ..listener
-    };
+    let wildcard = ListenerKey::wildcard(key.lb_port, family);
     // SAFETY: the values are plain u32s copied out before the map can change them.
     let found = unsafe {
         LB_LISTENERS

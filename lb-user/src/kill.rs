@@ -4,56 +4,52 @@
 //! lb's own connections are ended by the balancer's registry first; this reaches the rest, e.g.
 //! an apiserver talking to etcd directly.
 //!
+//! The messages are `netlink-packet-sock-diag`'s: a `SOCK_DIAG_BY_FAMILY` dump of live TCP
+//! sockets per family, then one `SOCK_DESTROY` (its `SockDiagDestroy`, message type 21) per
+//! match, carrying the `inet_diag_req_v2` with the socket id the dump returned; they travel on a
+//! `netlink-sys` socket.
+//!
 //! Minimum kernel: 4.5 with `CONFIG_INET_DIAG_DESTROY`; needs `CAP_NET_ADMIN`.
 
 use std::{
     net::{IpAddr, SocketAddr, ToSocketAddrs as _},
-    os::fd::{AsRawFd as _, OwnedFd},
     sync::atomic::{AtomicBool, AtomicU32, Ordering},
     time::Duration,
 };
 
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkBuffer, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload, NetlinkSerializable,
+};
+use netlink_packet_sock_diag::{
+    IPPROTO_TCP, SockDiagDestroy, SockDiagMessage,
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_SOCK_DIAG};
 use nix::{
     errno::Errno,
     sys::{
-        socket::{
-            AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto,
-            setsockopt, socket, sockopt,
-        },
+        socket::{setsockopt, sockopt},
         time::TimeVal,
     },
 };
 use tracing::{info, warn};
 
-const SOCK_DIAG_BY_FAMILY: u16 = 20;
-const SOCK_DESTROY: u16 = 21;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const IPPROTO_TCP: u8 = 6;
-/// `struct nlmsghdr`.
-const NLMSG_HDR_LEN: usize = 16;
-/// `struct inet_diag_sockid`: sport, dport (big endian), src[16], dst[16], if, cookie[2].
-const SOCKID_LEN: usize = 48;
-/// `struct inet_diag_req_v2`: family, protocol, ext, pad, states, sockid.
-const REQ_LEN: usize = 8 + SOCKID_LEN;
-/// `struct inet_diag_msg`: family, state, timer, retrans, sockid, then five u32.
-const DIAG_MSG_LEN: usize = 4 + SOCKID_LEN + 20;
 /// TCP states a live connection can be in (LISTEN, TIME_WAIT and CLOSE left out).
-const LIVE_STATES: u32 = (1 << 1) // ESTABLISHED
-    | (1 << 2) // SYN_SENT
-    | (1 << 3) // SYN_RECV
-    | (1 << 4) // FIN_WAIT1
-    | (1 << 5) // FIN_WAIT2
-    | (1 << 8) // CLOSE_WAIT
-    | (1 << 9) // LAST_ACK
-    | (1 << 11); // CLOSING
+const LIVE_STATES: StateFlags = StateFlags::ESTABLISHED
+    .union(StateFlags::SYN_SENT)
+    .union(StateFlags::SYN_RECV)
+    .union(StateFlags::FIN_WAIT1)
+    .union(StateFlags::FIN_WAIT2)
+    .union(StateFlags::CLOSE_WAIT)
+    .union(StateFlags::LAST_ACK)
+    .union(StateFlags::CLOSING);
 /// Bound on one netlink reply wait.
 const RECV_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bound on the sockets one dump may return.
 const MAX_SOCKETS: usize = 1_000_000;
+/// Receive buffer for one batch of replies (bytes).
+const RECV_BUFFER: usize = 64 * 1024;
 
 /// Errors of a node-wide kill.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +66,7 @@ pub enum KillError {
     /// `SOCK_DESTROY` failed for another reason (`EPERM` without `CAP_NET_ADMIN`).
     #[error("SOCK_DESTROY: {0}")]
     Destroy(#[source] Errno),
-    /// A reply that does not parse as netlink.
+    /// A dump reply whose payload does not decode as an `inet_diag_msg`.
     #[error("malformed netlink reply")]
     Malformed,
 }
@@ -96,28 +92,19 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
     let mut targets = Vec::new();
     match peer.ip() {
         IpAddr::V4(v4) => {
-            nl.dump(libc::AF_INET as u8, peer.port(), &v4.octets(), &mut targets)?;
-            nl.dump(
-                libc::AF_INET6 as u8,
-                peer.port(),
-                &v4.to_ipv6_mapped().octets(),
-                &mut targets,
-            )?;
+            nl.dump(peer, &mut targets)?;
+            let mapped = SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), peer.port());
+            nl.dump(mapped, &mut targets)?;
         }
-        IpAddr::V6(v6) => nl.dump(
-            libc::AF_INET6 as u8,
-            peer.port(),
-            &v6.octets(),
-            &mut targets,
-        )?,
+        IpAddr::V6(_) => nl.dump(peer, &mut targets)?,
     }
     let mut done = NodeKill {
         found: targets.len(),
         destroyed: 0,
     };
     let mut first_error = None;
-    for (family, id) in &targets {
-        match nl.destroy(*family, id) {
+    for target in targets {
+        match nl.destroy(target) {
             Ok(()) => done.destroyed += 1,
             // Closed on its own between the dump and now.
             Err(KillError::Destroy(Errno::ENOENT)) => {}
@@ -133,9 +120,10 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
     }
 }
 
-/// The hook the balancer calls when a server's connections are killed with
-/// `kill_scope = "node"`: resolves the server and destroys its sockets on a blocking thread,
-/// so the caller (the health loop) never waits on netlink.
+/// Destroy every socket to `server` (`host:port`, resolved to every address) on a blocking
+/// thread, so the caller (the health loop, with `kill_scope = "node"`) never waits on DNS or
+/// netlink. Uses the tokio runtime's blocking pool when called inside one, a new thread
+/// otherwise. Outcomes are logged; the kernel refusing `SOCK_DESTROY` is logged once.
 pub fn spawn_node_kill(server: String) {
     let work = move || kill_node(&server);
     match tokio::runtime::Handle::try_current() {
@@ -176,135 +164,139 @@ fn kill_node(server: &str) {
 
 static NEXT_SEQ: AtomicU32 = AtomicU32::new(1);
 
-/// A NETLINK_SOCK_DIAG socket.
+/// One socket found by a dump: its family and the id the kernel gave it (ports, addresses,
+/// interface, cookie), which `SOCK_DESTROY` takes back as is.
+struct Target {
+    family: u8,
+    id: SocketId,
+}
+
+/// A `NETLINK_SOCK_DIAG` socket.
 struct Netlink {
-    fd: OwnedFd,
+    socket: Socket,
+}
+
+/// One netlink message: header (`seq`, `flags`, type and length from `payload`) and payload.
+fn encode<M: NetlinkSerializable>(seq: u32, flags: u16, payload: M) -> Vec<u8> {
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    header.sequence_number = seq;
+    let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
+    msg.finalize();
+    let mut buf = vec![0u8; msg.buffer_len()];
+    msg.serialize(&mut buf);
+    buf
+}
+
+/// An io error from the netlink socket as an errno.
+fn errno(e: &std::io::Error) -> Errno {
+    Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
 impl Netlink {
     fn open() -> Result<Netlink, KillError> {
-        let fd = socket(
-            AddressFamily::Netlink,
-            SockType::Raw,
-            SockFlag::SOCK_CLOEXEC,
-            SockProtocol::NetlinkSockDiag,
-        )
-        .map_err(KillError::Socket)?;
+        let socket = Socket::new(NETLINK_SOCK_DIAG).map_err(|e| KillError::Socket(errno(&e)))?;
         let tv = TimeVal::new(i64::try_from(RECV_TIMEOUT.as_secs()).unwrap_or(2), 0);
-        setsockopt(&fd, sockopt::ReceiveTimeout, &tv).map_err(KillError::Socket)?;
-        Ok(Netlink { fd })
+        setsockopt(&socket, sockopt::ReceiveTimeout, &tv).map_err(KillError::Socket)?;
+        Ok(Netlink { socket })
     }
 
-    fn send(
-        &self,
-        msg_type: u16,
-        flags: u16,
-        family: u8,
-        states: u32,
-        id: &[u8; SOCKID_LEN],
-    ) -> Result<u32, Errno> {
+    /// Send `payload` with `flags` to the kernel; returns the sequence number.
+    fn send<M: NetlinkSerializable>(&self, flags: u16, payload: M) -> Result<u32, Errno> {
         let seq = NEXT_SEQ.fetch_add(1, Ordering::Relaxed);
-        let mut buf = Vec::with_capacity(NLMSG_HDR_LEN + REQ_LEN);
-        buf.extend_from_slice(
-            &u32::try_from(NLMSG_HDR_LEN + REQ_LEN)
-                .unwrap_or(72)
-                .to_ne_bytes(),
-        );
-        buf.extend_from_slice(&msg_type.to_ne_bytes());
-        buf.extend_from_slice(&flags.to_ne_bytes());
-        buf.extend_from_slice(&seq.to_ne_bytes());
-        buf.extend_from_slice(&0u32.to_ne_bytes());
-        buf.extend_from_slice(&[family, IPPROTO_TCP, 0, 0]);
-        buf.extend_from_slice(&states.to_ne_bytes());
-        buf.extend_from_slice(id);
-        sendto(
-            self.fd.as_raw_fd(),
-            &buf,
-            &NetlinkAddr::new(0, 0),
-            MsgFlags::empty(),
-        )?;
+        self.socket
+            .send_to(&encode(seq, flags, payload), &NetlinkAddr::new(0, 0), 0)
+            .map_err(|e| errno(&e))?;
         Ok(seq)
     }
 
-    /// Receive replies to `seq`, calling `each(type, payload)` until `DONE` or an error
-    /// message; an error message with errno 0 (an ACK) ends the wait successfully.
-    fn receive(&self, seq: u32, mut each: impl FnMut(u16, &[u8])) -> Result<(), Errno> {
-        let mut buf = vec![0u8; 64 * 1024];
+    /// Receive replies to `seq`, calling `each` with every inner message until `DONE` or an
+    /// error message; an error message with errno 0 (an ACK) ends the wait successfully. An
+    /// inner message that does not decode is passed as `None`.
+    fn receive(
+        &self,
+        seq: u32,
+        mut each: impl FnMut(Option<SockDiagMessage>),
+    ) -> Result<(), Errno> {
+        let mut buf = vec![0u8; RECV_BUFFER];
         let mut seen = 0usize;
         loop {
-            let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
-            if n == 0 {
+            let n = self
+                .socket
+                .recv(&mut &mut buf[..], 0)
+                .map_err(|e| errno(&e))?;
+            if n == 0 || n > buf.len() {
                 return Err(Errno::EPROTO);
             }
-            let mut off = 0;
-            while off + NLMSG_HDR_LEN <= n {
-                let len = read_u32(&buf, off) as usize;
-                let ty = read_u16(&buf, off + 4);
-                let msg_seq = read_u32(&buf, off + 8);
-                if len < NLMSG_HDR_LEN || off + len > n {
-                    return Err(Errno::EPROTO);
-                }
-                let payload = &buf[off + NLMSG_HDR_LEN..off + len];
-                off += (len + 3) & !3;
+            let mut batch = &buf[..n];
+            while !batch.is_empty() {
+                // Checks the header and that its length fits in what arrived.
+                let frame = NetlinkBuffer::new_checked(batch).map_err(|_| Errno::EPROTO)?;
+                let len = frame.length() as usize;
+                let msg_seq = frame.sequence_number();
+                let msg = &batch[..len];
+                batch = batch.get((len + 3) & !3..).unwrap_or_default();
                 if msg_seq != seq {
                     continue;
                 }
-                match ty {
-                    NLMSG_DONE => return Ok(()),
-                    NLMSG_ERROR => {
-                        if payload.len() < 4 {
-                            return Err(Errno::EPROTO);
-                        }
-                        let code = i32::from_ne_bytes(payload[..4].try_into().expect("4 bytes"));
-                        return if code == 0 {
-                            Ok(())
-                        } else {
-                            Err(Errno::from_raw(-code))
+                match NetlinkMessage::<SockDiagMessage>::deserialize(msg).map(|m| m.payload) {
+                    Ok(NetlinkPayload::Done(_)) => return Ok(()),
+                    Ok(NetlinkPayload::Error(e)) => {
+                        return match e.code {
+                            None => Ok(()),
+                            Some(code) => Err(Errno::from_raw(-code.get())),
                         };
                     }
-                    _ => {
+                    Ok(NetlinkPayload::InnerMessage(m)) => {
                         seen += 1;
-                        if seen > MAX_SOCKETS {
-                            return Err(Errno::E2BIG);
-                        }
-                        each(ty, payload);
+                        each(Some(m));
                     }
+                    Ok(_) => {}
+                    // The header parsed but the payload did not.
+                    Err(_) => {
+                        seen += 1;
+                        each(None);
+                    }
+                }
+                if seen > MAX_SOCKETS {
+                    return Err(Errno::E2BIG);
                 }
             }
         }
     }
 
-    /// Append the ids of live TCP sockets of `family` whose peer is `ip`:`port`.
-    fn dump(
-        &self,
-        family: u8,
-        port: u16,
-        ip: &[u8],
-        out: &mut Vec<(u8, [u8; SOCKID_LEN])>,
-    ) -> Result<(), KillError> {
+    /// Append the live TCP sockets whose peer is `peer` (its family's dump).
+    fn dump(&self, peer: SocketAddr, out: &mut Vec<Target>) -> Result<(), KillError> {
+        let (family, socket_id) = match peer {
+            SocketAddr::V4(_) => (libc::AF_INET as u8, SocketId::new_v4()),
+            SocketAddr::V6(_) => (libc::AF_INET6 as u8, SocketId::new_v6()),
+        };
+        let request = SockDiagMessage::InetRequest(InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: LIVE_STATES,
+            socket_id,
+        });
         let seq = self
-            .send(
-                SOCK_DIAG_BY_FAMILY,
-                NLM_F_REQUEST | NLM_F_DUMP,
-                family,
-                LIVE_STATES,
-                &[0; SOCKID_LEN],
-            )
+            .send(NLM_F_REQUEST | NLM_F_DUMP, request)
             .map_err(KillError::Dump)?;
         let mut malformed = false;
-        self.receive(seq, |ty, msg| {
-            if ty != SOCK_DIAG_BY_FAMILY {
-                return;
+        self.receive(seq, |msg| match msg {
+            Some(SockDiagMessage::InetResponse(r)) => {
+                let id = &r.header.socket_id;
+                if r.header.family == family
+                    && id.destination_port == peer.port()
+                    && id.destination_address == peer.ip()
+                {
+                    out.push(Target {
+                        family,
+                        id: id.clone(),
+                    });
+                }
             }
-            if msg.len() < DIAG_MSG_LEN {
-                malformed = true;
-                return;
-            }
-            let id: [u8; SOCKID_LEN] = msg[4..4 + SOCKID_LEN].try_into().expect("48 bytes");
-            let dport = u16::from_be_bytes([id[2], id[3]]);
-            if msg[0] == family && dport == port && id[20..20 + ip.len()] == *ip {
-                out.push((family, id));
-            }
+            Some(_) => {}
+            None => malformed = true,
         })
         .map_err(KillError::Dump)?;
         if malformed {
@@ -313,25 +305,75 @@ impl Netlink {
         Ok(())
     }
 
-    /// Destroy the socket `id` of `family`.
-    fn destroy(&self, family: u8, id: &[u8; SOCKID_LEN]) -> Result<(), KillError> {
+    /// Destroy one socket found by [`Netlink::dump`] (`SOCK_DESTROY`, acknowledged).
+    fn destroy(&self, target: Target) -> Result<(), KillError> {
         let seq = self
-            .send(
-                SOCK_DESTROY,
-                NLM_F_REQUEST | NLM_F_ACK,
-                family,
-                u32::MAX,
-                id,
-            )
+            .send(NLM_F_REQUEST | NLM_F_ACK, destroy_request(target))
             .map_err(KillError::Destroy)?;
-        self.receive(seq, |_, _| {}).map_err(KillError::Destroy)
+        self.receive(seq, |_| {}).map_err(KillError::Destroy)
     }
 }
 
-fn read_u32(buf: &[u8], off: usize) -> u32 {
-    u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes"))
+/// The `SOCK_DESTROY` request for `target`.
+fn destroy_request(target: Target) -> SockDiagDestroy {
+    SockDiagDestroy::new(SockDiagMessage::InetRequest(InetRequest {
+        family: target.family,
+        protocol: IPPROTO_TCP,
+        extensions: ExtensionFlags::empty(),
+        // The id names the socket; the kernel ignores the states for SOCK_DESTROY (all set).
+        states: StateFlags::from_bits_retain(u32::MAX),
+        socket_id: target.id,
+    }))
 }
 
-fn read_u16(buf: &[u8], off: usize) -> u16 {
-    u16::from_ne_bytes(buf[off..off + 2].try_into().expect("2 bytes"))
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+
+    /// The bytes of a `SOCK_DESTROY` as `<linux/sock_diag.h>` and `<linux/inet_diag.h>` lay
+    /// them out: `nlmsghdr` (16), then `inet_diag_req_v2` (family, protocol, ext, pad, states)
+    /// and `inet_diag_sockid` (ports big endian, 16-byte addresses, interface, cookie).
+    #[test]
+    fn destroy_request_wire_layout() {
+        let target = Target {
+            family: libc::AF_INET as u8,
+            id: SocketId {
+                source_port: 40_000,
+                destination_port: 6_443,
+                source_address: IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1)),
+                destination_address: IpAddr::V4(Ipv4Addr::new(198, 18, 0, 2)),
+                interface_id: 3,
+                cookie: [1, 2, 3, 4, 5, 6, 7, 8],
+            },
+        };
+        let b = encode(7, NLM_F_REQUEST | NLM_F_ACK, destroy_request(target));
+        assert_eq!(b.len(), 16 + 8 + 48);
+        let u16_at = |o: usize| u16::from_ne_bytes([b[o], b[o + 1]]);
+        let u32_at = |o: usize| u32::from_ne_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        assert_eq!(u32_at(0), 72);
+        assert_eq!(u16_at(4), 21, "SOCK_DESTROY");
+        assert_eq!(u16_at(6), NLM_F_REQUEST | NLM_F_ACK);
+        assert_eq!((u32_at(8), u32_at(12)), (7, 0));
+        assert_eq!(&b[16..20], &[libc::AF_INET as u8, 6, 0, 0]);
+        assert_eq!(u32_at(20), u32::MAX);
+        assert_eq!(&b[24..28], &[0x9c, 0x40, 0x19, 0x2b], "ports, big endian");
+        assert_eq!(
+            &b[28..44],
+            &[127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+        assert_eq!(&b[44..48], &[198, 18, 0, 2]);
+        assert_eq!(&b[48..60], &[0; 12]);
+        assert_eq!(u32_at(60), 3);
+        assert_eq!(&b[64..72], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+
+    #[test]
+    fn live_states_leave_out_listen_time_wait_and_close() {
+        assert_eq!(
+            LIVE_STATES.bits(),
+            (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11)
+        );
+    }
 }

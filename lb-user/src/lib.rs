@@ -11,7 +11,6 @@ pub mod config;
 pub mod daemon;
 pub mod datapath;
 pub mod health;
-pub mod kbtf;
 pub mod kill;
 pub mod metrics;
 pub mod net;

@@ -9,7 +9,6 @@ use std::{collections::BTreeMap, path::Path};
 const LAYERS: &[(&str, u32)] = &[
     ("addr", 0),
     ("singleflight", 0),
-    ("kbtf", 0),
     ("kill", 0),
     ("config", 1),
     ("net", 1),

@@ -126,7 +126,11 @@ impl Observer for KillCounter {
     }
 
     fn node_kill(&self, server: &ServerAddr) {
-        crate::kill::spawn_node_kill(server.to_string());
+        // A name pinned to one address: only that address's sockets.
+        let target = server
+            .socket_addr()
+            .map_or_else(|| server.authority(), |sa| sa.to_string());
+        crate::kill::spawn_node_kill(target);
     }
 }
 

@@ -4,8 +4,17 @@
 //!
 //! The BTF layout (header, type records, string section) is the kernel's documented format:
 //! <https://docs.kernel.org/bpf/btf.html>. Only what finding a struct member needs is decoded.
+//!
+//! Why not aya-obj's BTF (`aya_obj::btf::Btf`, 0.3.0 as aya 0.14 pins it): it parses this file
+//! (`Btf::from_sys_fs`, `Btf::parse`), but its public API stops at a type's id
+//! (`Btf::id_by_type_name_kind`). Reaching a struct's members needs `Btf::type_by_id`,
+//! `Btf::types`, `Struct::members` and `Btf::string_at`, which are all `pub(crate)` there, and
+//! `BtfType::Struct`'s fields are private. So the member offsets cannot be had from it without
+//! re-parsing its own serialised bytes, which is this reader again.
+//!
+//! Minimum kernel: 5.4 with `CONFIG_DEBUG_INFO_BTF`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Where the running kernel's BTF lives (kernel 5.4+ with `CONFIG_DEBUG_INFO_BTF`).
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
@@ -34,6 +43,54 @@ const KIND_DATASEC: u32 = 15;
 const KIND_DECL_TAG: u32 = 17;
 const KIND_ENUM64: u32 = 19;
 
+/// Why the kernel's BTF gave no offsets.
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    /// The file could not be read.
+    #[error("cannot read {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The data does not start with the little-endian BTF magic.
+    #[error("not little-endian BTF (bad magic)")]
+    BadMagic,
+    /// A header field or record points past the end of the data.
+    #[error("truncated BTF")]
+    Truncated,
+    /// A type kind this reader does not know (it may carry data that would be misread as types).
+    #[error("unknown BTF kind {kind} (newer kernel?)")]
+    UnknownKind {
+        /// The `BTF_KIND_*` number.
+        kind: u32,
+    },
+    /// No struct of that name with members.
+    #[error("kernel BTF has no struct {ty}")]
+    NoStruct {
+        /// The struct.
+        ty: &'static str,
+    },
+    /// The struct has no such member (also through anonymous members).
+    #[error("kernel BTF: struct {ty} has no field {field}")]
+    NoField {
+        /// The struct.
+        ty: &'static str,
+        /// The member.
+        field: &'static str,
+    },
+    /// The member is a bitfield, so it has no byte offset.
+    #[error("kernel BTF: {ty}.{field} is a bitfield")]
+    Bitfield {
+        /// The struct.
+        ty: &'static str,
+        /// The member.
+        field: &'static str,
+    },
+}
+
 /// Byte offsets the sk_msg program needs, each within its struct.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockOffsets {
@@ -50,9 +107,13 @@ pub struct SockOffsets {
 /// Read [`SockOffsets`] from the BTF file at `path` (normally [`VMLINUX_BTF`]).
 ///
 /// # Errors
-/// The file cannot be read, is not BTF, or lacks one of the structs or fields (named).
-pub fn sock_offsets(path: &Path) -> Result<SockOffsets, String> {
-    let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+/// [`BtfError`]: the file cannot be read, is not BTF, or lacks one of the structs or fields
+/// (named).
+pub fn sock_offsets(path: &Path) -> Result<SockOffsets, BtfError> {
+    let data = std::fs::read(path).map_err(|source| BtfError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let btf = Btf::parse(&data)?;
     Ok(SockOffsets {
         sk_socket: btf.member_offset("sock", "sk_socket")?,
@@ -76,16 +137,16 @@ struct Btf<'a> {
 }
 
 impl<'a> Btf<'a> {
-    fn parse(data: &'a [u8]) -> Result<Btf<'a>, String> {
+    fn parse(data: &'a [u8]) -> Result<Btf<'a>, BtfError> {
         let u16_at = |o: usize| data.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
         let u32_at = |o: usize| {
             data.get(o..o + 4)
                 .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         };
         if u16_at(0) != Some(MAGIC) {
-            return Err("not little-endian BTF (bad magic)".into());
+            return Err(BtfError::BadMagic);
         }
-        let bad = || "truncated BTF".to_string();
+        let bad = || BtfError::Truncated;
         let hdr_len = u32_at(4).ok_or_else(bad)? as usize;
         let type_off = u32_at(8).ok_or_else(bad)? as usize;
         let type_len = u32_at(12).ok_or_else(bad)? as usize;
@@ -116,7 +177,7 @@ impl<'a> Btf<'a> {
                 KIND_PTR | KIND_FWD | KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT
                 | KIND_FUNC | KIND_FLOAT | KIND_TYPE_TAG => 0,
                 // A kind this parser does not know may carry data it would misread as types.
-                other => return Err(format!("unknown BTF kind {other} (newer kernel?)")),
+                kind => return Err(BtfError::UnknownKind { kind }),
             };
             let composite = if matches!(kind, KIND_STRUCT | KIND_UNION) {
                 let mut members = Vec::with_capacity(vlen);
@@ -152,18 +213,18 @@ impl<'a> Btf<'a> {
     }
 
     /// Byte offset of `field` in the struct named `ty`, looking through anonymous members.
-    fn member_offset(&self, ty: &str, field: &str) -> Result<u32, String> {
+    fn member_offset(&self, ty: &'static str, field: &'static str) -> Result<u32, BtfError> {
         let found = self
             .types
             .iter()
             .flatten()
             .find(|c| self.name(c.name_off) == ty.as_bytes() && !c.members.is_empty());
-        let composite = found.ok_or_else(|| format!("kernel BTF has no struct {ty}"))?;
+        let composite = found.ok_or(BtfError::NoStruct { ty })?;
         let bits = self
             .find_member(composite, field.as_bytes(), 0)
-            .ok_or_else(|| format!("kernel BTF: struct {ty} has no field {field}"))?;
+            .ok_or(BtfError::NoField { ty, field })?;
         if !bits.is_multiple_of(8) {
-            return Err(format!("kernel BTF: {ty}.{field} is a bitfield"));
+            return Err(BtfError::Bitfield { ty, field });
         }
         Ok(bits / 8)
     }
@@ -219,10 +280,12 @@ mod tests {
     fn refuses_what_is_not_btf() {
         let dir = std::env::temp_dir().join(format!("lb-kbtf-{}", std::process::id()));
         std::fs::write(&dir, b"not btf at all").expect("write");
-        let e = sock_offsets(&dir).expect_err("garbage");
+        let e = sock_offsets(&dir).expect_err("garbage").to_string();
         let _ = std::fs::remove_file(&dir);
         assert!(e.contains("magic"), "{e}");
-        let e = sock_offsets(Path::new("/nonexistent/btf")).expect_err("missing");
+        let e = sock_offsets(Path::new("/nonexistent/btf"))
+            .expect_err("missing")
+            .to_string();
         assert!(e.contains("/nonexistent/btf"), "{e}");
     }
 }

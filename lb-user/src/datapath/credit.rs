@@ -1,0 +1,224 @@
+//! Redirect credit: the bound on bytes the sk_msg program may push into one server socket for a
+//! non-blocking client. It owns the server socket's buffer size, the credit cap, each grant
+//! (from the socket's queue, `SIOCOUTQ`) and the `lb-credit` thread that grants more when the
+//! program asks through the ring buffer.
+//!
+//! Why the credit exists: when a server socket is full, a redirected non-blocking send fails
+//! with `EAGAIN` while the client's own socket stays writable and is never woken again (measured
+//! here: an epoll client hung). With credit, such sends take the copy path, where ordinary TCP
+//! flow control holds the client back. Minimum kernel: as the data path, 5.15.
+
+use std::{
+    os::fd::{AsFd, RawFd},
+    sync::{Arc, Mutex},
+};
+
+use lb_common::{MODE_PASS, MODE_REDIRECT, PairCtl, SockKey};
+use tracing::{debug, warn};
+
+use super::Datapath;
+
+/// One paired connection as the credit refresher sees it.
+#[derive(Debug)]
+pub struct Pair {
+    key: SockKey,
+    server_fd: RawFd,
+    ctl: Mutex<PairCtl>,
+    /// The server socket's send buffer as the kernel set it (bytes, at most
+    /// `max_buffered_bytes`).
+    limit: u64,
+}
+
+impl Pair {
+    /// A new pair of client `key` and the server socket `server_fd`, whose send buffer is
+    /// `limit` bytes: redirecting (once lb has caught up), with the whole cap as credit and the
+    /// first refresh a quarter of the buffer in.
+    pub(super) fn new(key: SockKey, server_fd: RawFd, limit: u64) -> Pair {
+        let ctl = PairCtl {
+            copied: 0,
+            credit_end: credit_cap(limit),
+            refresh_at: limit / 4,
+            mode: MODE_REDIRECT,
+            _pad: 0,
+        };
+        Pair {
+            key,
+            server_fd,
+            ctl: Mutex::new(ctl),
+            limit,
+        }
+    }
+
+    /// The map key.
+    pub fn key(&self) -> SockKey {
+        self.key
+    }
+
+    /// What lb last told the kernel (or will tell it first).
+    pub(super) fn ctl(&self) -> PairCtl {
+        *self.ctl.lock().expect("poisoned")
+    }
+
+    /// Stop redirecting: every later send takes the copy path.
+    pub(super) fn stop(&self) {
+        self.ctl.lock().expect("poisoned").mode = MODE_PASS;
+    }
+
+    /// Set `credit_end`/`refresh_at` from the server socket's queue (`SIOCOUTQ`; an unreadable
+    /// queue counts as full).
+    fn grant(&self, ctl: &mut PairCtl, redirected: u64) {
+        let outq = outq_bytes(self.server_fd).unwrap_or(u64::MAX);
+        grant(ctl, credit_cap(self.limit), outq, redirected);
+    }
+}
+
+/// Credit bound (bytes): three quarters of the server socket's buffer `limit` (bytes), leaving
+/// room for the kernel's per-buffer overhead, so a redirected send never meets a full socket.
+fn credit_cap(limit: u64) -> u64 {
+    limit / 4 * 3
+}
+
+/// The program may redirect until the queue (`outq` bytes) would pass `cap`, counting from
+/// `redirected` (bytes redirected so far), and asks again a quarter of the way there.
+fn grant(ctl: &mut PairCtl, cap: u64, outq: u64, redirected: u64) {
+    let room = cap.saturating_sub(outq);
+    ctl.credit_end = redirected + room;
+    ctl.refresh_at = redirected + room / 4;
+}
+
+/// The `SO_SNDBUFFORCE` request (bytes) for a bound of `max_buffered` bytes toward the server.
+///
+/// The kernel doubles the request for its bookkeeping, so the socket then holds at most
+/// `max_buffered` bytes, which bounds lb's own copies and a blocking client waiting in the
+/// kernel. The buffer is set 64 KiB short of the bound because the kernel checks for room before
+/// each new skb and may pass its buffer by up to one (64 KiB with GSO).
+fn sndbuf_request(max_buffered: u64) -> u64 {
+    (max_buffered / 2)
+        .saturating_sub(32 * 1024)
+        .max(max_buffered / 4)
+}
+
+/// Size the server socket's send buffer for `max_buffered` bytes (see [`sndbuf_request`]) and
+/// return what the kernel set (bytes, at most `max_buffered`), so the credit never exceeds the
+/// real buffer. A refused `SO_SNDBUFFORCE` leaves autotuning on and is logged at debug level.
+pub(super) fn size_server_socket(server: &impl AsFd, max_buffered: u64) -> u64 {
+    use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+    let want = sndbuf_request(max_buffered);
+    let buf = usize::try_from(want).unwrap_or(usize::MAX);
+    if let Err(e) = setsockopt(server, sockopt::SndBufForce, &buf) {
+        debug!(error = %e, "SO_SNDBUFFORCE refused; relying on autotuning");
+    }
+    getsockopt(server, sockopt::SndBuf)
+        .ok()
+        .and_then(|b| u64::try_from(b).ok())
+        .map_or(want * 2, |b| b.min(max_buffered))
+}
+
+impl Datapath {
+    /// Publish how many bytes (`copied`) lb has copied from the accepted socket to the server
+    /// socket, with fresh credit: lb's own writes share the server socket with the redirected
+    /// bytes, so the credit is recomputed from the socket's queue to keep both within the bound.
+    pub fn set_copied(&self, pair: &Pair, copied: u64) {
+        let mut ctl = pair.ctl.lock().expect("poisoned");
+        ctl.copied = copied;
+        let redirected = self.flow(&pair.key).map_or(0, |f| f.redirected);
+        pair.grant(&mut ctl, redirected);
+        if let Err(e) = self.maps.pairs.publish(&pair.key, &ctl) {
+            warn!(error = %e, "cannot publish copied bytes");
+        }
+    }
+
+    /// Serve credit refresh requests on a dedicated thread (`lb-credit`) until `cancel` fires,
+    /// waking at least every 100 ms: for each, read the server socket's unsent+unacked bytes
+    /// (`SIOCOUTQ`) and grant credit so that at most `max_buffered_bytes` are queued toward the
+    /// server. A second call does nothing.
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    pub fn start_refresher(
+        self: &Arc<Self>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> std::io::Result<()> {
+        let Some(mut ring) = self.refresh.lock().expect("poisoned").take() else {
+            return Ok(());
+        };
+        let this = self.clone();
+        std::thread::Builder::new()
+            .name("lb-credit".into())
+            .spawn(move || {
+                while !cancel.is_cancelled() {
+                    let mut fds = [nix::poll::PollFd::new(
+                        ring.as_fd(),
+                        nix::poll::PollFlags::POLLIN,
+                    )];
+                    if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
+                        continue;
+                    }
+                    let mut reqs = Vec::new();
+                    while let Some(req) = ring.next_request() {
+                        reqs.push(req);
+                    }
+                    for req in reqs {
+                        this.refresh_one(&req.key);
+                    }
+                }
+            })?;
+        Ok(())
+    }
+
+    fn refresh_one(&self, key: &SockKey) {
+        let Some(pair) = self.pairs.lock().expect("poisoned").get(key).cloned() else {
+            return;
+        };
+        let Some(flow) = self.flow(key) else { return };
+        let mut ctl = pair.ctl.lock().expect("poisoned");
+        if ctl.mode != MODE_REDIRECT {
+            return;
+        }
+        pair.grant(&mut ctl, flow.redirected);
+        if let Err(e) = self.maps.pairs.publish(&pair.key, &ctl) {
+            warn!(error = %e, "cannot grant credit");
+        }
+    }
+}
+
+/// Unsent plus unacknowledged bytes in a TCP socket's send queue (`SIOCOUTQ`).
+fn outq_bytes(fd: RawFd) -> Option<u64> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ writes one c_int through the pointer, which points to a live c_int.
+    #[expect(unsafe_code, reason = "SIOCOUTQ has no safe wrapper")]
+    let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+    (rc == 0).then(|| u64::try_from(n).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1024 * 1024;
+
+    #[test]
+    fn default_bound_sizes() {
+        // The 4 MiB default: a 2 MiB - 32 KiB request, which the kernel doubles to 4 MiB - 64 KiB.
+        assert_eq!(sndbuf_request(4 * MIB), 2 * MIB - 32 * 1024);
+        // Small bounds never ask for less than a quarter.
+        assert_eq!(sndbuf_request(64 * 1024), 16 * 1024);
+        let limit = 4 * MIB - 64 * 1024;
+        let first = Pair::new(SockKey::default(), -1, limit).ctl();
+        assert_eq!(first.credit_end, credit_cap(limit));
+        assert_eq!(first.credit_end, limit / 4 * 3);
+        assert_eq!(first.refresh_at, limit / 4);
+        assert_eq!(first.mode, MODE_REDIRECT);
+    }
+
+    #[test]
+    fn grants_what_the_queue_leaves() {
+        let mut ctl = PairCtl::default();
+        grant(&mut ctl, 3 * MIB, MIB, 10 * MIB);
+        assert_eq!(ctl.credit_end, 12 * MIB);
+        assert_eq!(ctl.refresh_at, 10 * MIB + MIB / 2);
+        // A full (or unreadable) queue grants nothing.
+        grant(&mut ctl, 3 * MIB, u64::MAX, 10 * MIB);
+        assert_eq!((ctl.credit_end, ctl.refresh_at), (10 * MIB, 10 * MIB));
+    }
+}

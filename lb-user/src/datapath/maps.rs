@@ -1,0 +1,392 @@
+//! The BPF maps, behind small typed wrappers: the only place that takes maps out of the loaded
+//! object (by the names in `lb_common`), builds their keys from socket addresses, and decodes
+//! what the kernel writes (ring buffer records). Each wrapper serialises its own operations.
+//!
+//! Minimum kernel: 5.8 for the ring buffer; the rest is older than the data path's 5.15.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    sync::Mutex,
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf, SockHash, sock::SockMapFd},
+};
+use lb_common::{
+    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAP_CLIENTS, MAP_FLOWS,
+    MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl,
+    RefreshRequest, SockKey,
+};
+
+use super::DatapathError;
+
+fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
+    move |source| DatapathError::Map { map, source }
+}
+
+/// Every map of the object but the ring buffer, taken out of it once at load.
+pub(super) struct Maps {
+    pub(super) clients: Clients,
+    pub(super) servers: Servers,
+    pub(super) listeners: Listeners,
+    pub(super) netns: Netns,
+    pub(super) flows: Flows,
+    pub(super) pairs: Pairs,
+    pub(super) stats: Stats,
+}
+
+impl Maps {
+    /// Take every map out of the loaded object; the ring buffer comes apart, for the one
+    /// thread that reads it.
+    ///
+    /// # Errors
+    /// [`DatapathError::Missing`] for a map the object lacks, [`DatapathError::Map`] for one of
+    /// another type than expected.
+    pub(super) fn take(ebpf: &mut Ebpf) -> Result<(Maps, RefreshRing), DatapathError> {
+        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(DatapathError::Missing(name));
+        let maps = Maps {
+            clients: Clients(SockHash::try_from(take(MAP_CLIENTS)?).map_err(map_err(MAP_CLIENTS))?),
+            servers: Servers(Mutex::new(
+                SockHash::try_from(take(MAP_SERVERS)?).map_err(map_err(MAP_SERVERS))?,
+            )),
+            listeners: Listeners(Mutex::new(
+                HashMap::try_from(take(MAP_LISTENERS)?).map_err(map_err(MAP_LISTENERS))?,
+            )),
+            netns: Netns(Mutex::new(
+                HashMap::try_from(take(MAP_NETNS)?).map_err(map_err(MAP_NETNS))?,
+            )),
+            flows: Flows(Mutex::new(
+                HashMap::try_from(take(MAP_FLOWS)?).map_err(map_err(MAP_FLOWS))?,
+            )),
+            pairs: Pairs(Mutex::new(
+                HashMap::try_from(take(MAP_PAIRS)?).map_err(map_err(MAP_PAIRS))?,
+            )),
+            stats: Stats(Mutex::new(
+                PerCpuArray::try_from(take(MAP_STATS)?).map_err(map_err(MAP_STATS))?,
+            )),
+        };
+        let ring =
+            RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
+        Ok((maps, ring))
+    }
+}
+
+/// `LB_CLIENTS`: the client sockhash sockops fills; `lb_sk_msg` is attached to it and stays
+/// attached as long as this is held.
+pub(super) struct Clients(SockHash<MapData, SockKey>);
+
+impl Clients {
+    /// The map's descriptor, to attach sk_msg to.
+    pub(super) fn fd(&self) -> &SockMapFd {
+        self.0.fd()
+    }
+}
+
+/// `LB_SERVERS`: lb's server sockets, keyed by the client they serve.
+pub(super) struct Servers(Mutex<SockHash<MapData, SockKey>>);
+
+impl Servers {
+    /// Register `stream` as the server socket of the client `key`.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn insert_pair(
+        &self,
+        key: &SockKey,
+        stream: &impl AsRawFd,
+    ) -> Result<(), DatapathError> {
+        self.0
+            .lock()
+            .expect("poisoned")
+            .insert(key, stream.as_raw_fd(), 0)
+            .map_err(map_err(MAP_SERVERS))
+    }
+
+    /// Take the server socket of `key` out (before lb closes it); absent is fine.
+    pub(super) fn remove(&self, key: &SockKey) {
+        let _ = self.0.lock().expect("poisoned").remove(key);
+    }
+}
+
+/// `LB_LISTENERS`: lb's listener addresses → balancer id.
+pub(super) struct Listeners(Mutex<HashMap<MapData, ListenerKey, u32>>);
+
+impl Listeners {
+    /// Register `key` for balancer `id`.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn insert(&self, key: &ListenerKey, id: u32) -> Result<(), DatapathError> {
+        self.0
+            .lock()
+            .expect("poisoned")
+            .insert(key, id, 0)
+            .map_err(map_err(MAP_LISTENERS))
+    }
+}
+
+/// `LB_NETNS`: a client tuple (cookie 0) → its namespace cookie, or `NETNS_AMBIGUOUS`.
+pub(super) struct Netns(Mutex<HashMap<MapData, SockKey, u64>>);
+
+impl Netns {
+    /// The cookie sockops recorded for `tuple`.
+    pub(super) fn get(&self, tuple: &SockKey) -> Option<u64> {
+        self.0.lock().expect("poisoned").get(tuple, 0).ok()
+    }
+
+    /// Remove `tuple`'s entry if it still holds `cookie` (a newer connection from another
+    /// namespace may have taken it over).
+    pub(super) fn remove_if(&self, tuple: &SockKey, cookie: u64) {
+        let mut netns = self.0.lock().expect("poisoned");
+        if netns.get(tuple, 0).ok() == Some(cookie) {
+            let _ = netns.remove(tuple);
+        }
+    }
+}
+
+/// `LB_FLOWS`: per-connection byte counts, written by the kernel.
+pub(super) struct Flows(Mutex<HashMap<MapData, SockKey, FlowState>>);
+
+impl Flows {
+    /// The counts of `key`.
+    pub(super) fn get(&self, key: &SockKey) -> Option<FlowState> {
+        self.0.lock().expect("poisoned").get(key, 0).ok()
+    }
+
+    /// Forget `key`; absent is fine.
+    pub(super) fn remove(&self, key: &SockKey) {
+        let _ = self.0.lock().expect("poisoned").remove(key);
+    }
+}
+
+/// `LB_PAIRS`: lb's instructions per paired connection.
+pub(super) struct Pairs(Mutex<HashMap<MapData, SockKey, PairCtl>>);
+
+impl Pairs {
+    /// Publish `ctl` for `key` (the kernel sees it whole).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn publish(&self, key: &SockKey, ctl: &PairCtl) -> Result<(), DatapathError> {
+        self.0
+            .lock()
+            .expect("poisoned")
+            .insert(key, ctl, 0)
+            .map_err(map_err(MAP_PAIRS))
+    }
+
+    /// Take `key` out; absent is fine.
+    pub(super) fn remove(&self, key: &SockKey) {
+        let _ = self.0.lock().expect("poisoned").remove(key);
+    }
+}
+
+/// `LB_STATS`: per-CPU counters per balancer id.
+pub(super) struct Stats(Mutex<PerCpuArray<MapData, BalancerStats>>);
+
+impl Stats {
+    /// Balancer `id`'s counters, one per CPU; empty when the id is out of range.
+    pub(super) fn per_cpu(&self, id: u32) -> Vec<BalancerStats> {
+        self.0
+            .lock()
+            .expect("poisoned")
+            .get(&id, 0)
+            .map(|values| values.iter().copied().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// `LB_REFRESH`: the ring buffer of credit requests from sk_msg. Read by one thread.
+pub(super) struct RefreshRing(RingBuf<MapData>);
+
+impl RefreshRing {
+    /// The next request, skipping records that do not decode; `None` when the ring is empty.
+    pub(super) fn next_request(&mut self) -> Option<RefreshRequest> {
+        loop {
+            let item = self.0.next()?;
+            if let Some(req) = decode_request(&item) {
+                return Some(req);
+            }
+        }
+    }
+}
+
+impl AsFd for RefreshRing {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+/// Decode one ring buffer record: a [`RefreshRequest`] as the kernel laid it out (`#[repr(C)]`,
+/// native byte order), read field by field at its offsets so no unaligned or unsafe read is
+/// needed. `None` when the record is shorter than the struct.
+pub(super) fn decode_request(bytes: &[u8]) -> Option<RefreshRequest> {
+    use core::mem::offset_of;
+    let u64_at = |i: usize| -> Option<u64> {
+        Some(u64::from_ne_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
+    };
+    let u32_at = |i: usize| -> Option<u32> {
+        Some(u32::from_ne_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
+    };
+    let k = offset_of!(RefreshRequest, key);
+    let mut key = SockKey::default();
+    for (n, w) in key.client_ip_be.iter_mut().enumerate() {
+        *w = u32_at(k + offset_of!(SockKey, client_ip_be) + n * 4)?;
+    }
+    for (n, w) in key.lb_ip_be.iter_mut().enumerate() {
+        *w = u32_at(k + offset_of!(SockKey, lb_ip_be) + n * 4)?;
+    }
+    key.client_port = u32_at(k + offset_of!(SockKey, client_port))?;
+    key.lb_port = u32_at(k + offset_of!(SockKey, lb_port))?;
+    key.netns_cookie = u64_at(k + offset_of!(SockKey, netns_cookie))?;
+    key.family = u32_at(k + offset_of!(SockKey, family))?;
+    key._pad = u32_at(k + offset_of!(SockKey, _pad))?;
+    Some(RefreshRequest {
+        key,
+        redirected: u64_at(offset_of!(RefreshRequest, redirected))?,
+    })
+}
+
+/// Build the map key of a client connection from lb's accepted socket: `peer` is the client's
+/// address, `local` the listener address, `netns_cookie` the client socket's namespace. `None`
+/// when the two are of different families.
+pub fn sock_key(peer: SocketAddr, local: SocketAddr, netns_cookie: u64) -> Option<SockKey> {
+    let (family, client_ip_be) = ip_words(peer.ip());
+    let (lfamily, lb_ip_be) = ip_words(local.ip());
+    if family != lfamily {
+        return None;
+    }
+    Some(SockKey {
+        client_ip_be,
+        lb_ip_be,
+        client_port: u32::from(peer.port()),
+        lb_port: u32::from(local.port()),
+        netns_cookie,
+        family,
+        _pad: 0,
+    })
+}
+
+/// The [`ListenerKey`] of one listener: for `0.0.0.0`/`[::]` the wildcard of its own family
+/// only (lb binds IPv6 listeners `IPV6_V6ONLY`, so `[::]` never accepts IPv4 clients and must not
+/// claim them from a `0.0.0.0` listener of another balancer), its address otherwise.
+pub(super) fn listener_key(addr: SocketAddr) -> ListenerKey {
+    let port = u32::from(addr.port());
+    if addr.ip().is_unspecified() {
+        let family = if addr.is_ipv6() { AF_INET6 } else { AF_INET };
+        return ListenerKey::wildcard(port, family);
+    }
+    let (family, ip_be) = ip_words(addr.ip());
+    ListenerKey {
+        ip_be,
+        port,
+        family,
+    }
+}
+
+/// Address → (family, words in network byte order). IPv4-mapped IPv6 counts as IPv4.
+fn ip_words(ip: IpAddr) -> (u32, [u32; 4]) {
+    match ip {
+        IpAddr::V4(v4) => (AF_INET, [u32::from_ne_bytes(v4.octets()), 0, 0, 0]),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return ip_words(IpAddr::V4(v4));
+            }
+            let o = v6.octets();
+            let w = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            (AF_INET6, [w(0), w(4), w(8), w(12)])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_words_match_kernel_layout() {
+        let k = sock_key(
+            "127.0.0.2:40000".parse().unwrap(),
+            "127.0.0.1:6444".parse().unwrap(),
+            7,
+        )
+        .unwrap();
+        assert_eq!(k.client_ip_be[0].to_ne_bytes(), [127, 0, 0, 2]);
+        assert_eq!(
+            (k.client_port, k.lb_port, k.family, k.netns_cookie),
+            (40000, 6444, AF_INET, 7)
+        );
+        let mapped = sock_key(
+            "[::ffff:127.0.0.2]:40000".parse().unwrap(),
+            "127.0.0.1:6444".parse().unwrap(),
+            7,
+        )
+        .unwrap();
+        assert_eq!(mapped, k);
+        let v6 = sock_key("[::1]:1".parse().unwrap(), "[::1]:2".parse().unwrap(), 0).unwrap();
+        assert_eq!(v6.family, AF_INET6);
+        assert_eq!(v6.client_ip_be[3].to_ne_bytes(), [0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn wildcard_listener_keys() {
+        let v4 = listener_key("0.0.0.0:80".parse().unwrap());
+        assert_eq!((v4.family, v4.port, v4.ip_be), (AF_INET, 80, [0; 4]));
+        // IPV6_V6ONLY: `[::]` is an IPv6 wildcard only (it used to register an IPv4 one too,
+        // which charged a `0.0.0.0` listener's clients to the `[::]` listener's balancer).
+        let v6 = listener_key("[::]:80".parse().unwrap());
+        assert_eq!((v6.family, v6.port, v6.ip_be), (AF_INET6, 80, [0; 4]));
+        let one = listener_key("127.0.0.1:6443".parse().unwrap());
+        assert_eq!((one.family, one.port), (AF_INET, 6443));
+        assert_eq!(one.ip_be[0].to_ne_bytes(), [127, 0, 0, 1]);
+    }
+
+    /// A ring buffer record as `lb_sk_msg` writes it (`bpf_ringbuf_output` of a
+    /// `RefreshRequest`: the `#[repr(C)]` struct's bytes, native order), laid out here by hand
+    /// from the C layout (16 + 16 address bytes, two u32 ports, u64 cookie, u32 family, u32
+    /// padding, u64 count), decodes to every field.
+    #[test]
+    fn ring_buffer_record_round_trips() {
+        let mut rec = Vec::new();
+        for w in [0x0a00_0001u32, 0x0a00_0002, 0x0a00_0003, 0x0a00_0004] {
+            rec.extend_from_slice(&w.to_ne_bytes());
+        }
+        for w in [0x7f00_0001u32, 0x7f00_0002, 0x7f00_0003, 0x7f00_0004] {
+            rec.extend_from_slice(&w.to_ne_bytes());
+        }
+        rec.extend_from_slice(&40_000u32.to_ne_bytes());
+        rec.extend_from_slice(&6_443u32.to_ne_bytes());
+        rec.extend_from_slice(&0x1122_3344_5566_7788u64.to_ne_bytes());
+        rec.extend_from_slice(&AF_INET6.to_ne_bytes());
+        rec.extend_from_slice(&0u32.to_ne_bytes());
+        rec.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
+        assert_eq!(rec.len(), size_of::<RefreshRequest>());
+
+        let req = decode_request(&rec).expect("decodes");
+        assert_eq!(
+            req.key.client_ip_be,
+            [0x0a00_0001, 0x0a00_0002, 0x0a00_0003, 0x0a00_0004]
+        );
+        assert_eq!(
+            req.key.lb_ip_be,
+            [0x7f00_0001, 0x7f00_0002, 0x7f00_0003, 0x7f00_0004]
+        );
+        assert_eq!(req.key.client_port, 40_000);
+        assert_eq!(req.key.lb_port, 6_443);
+        assert_eq!(req.key.netns_cookie, 0x1122_3344_5566_7788);
+        assert_eq!(req.key.family, AF_INET6);
+        assert_eq!(req.key._pad, 0);
+        assert_eq!(req.redirected, 0x0102_0304_0506_0708);
+
+        // The ring buffer rounds records up to 8 bytes; a longer record still decodes, a
+        // shorter one does not.
+        rec.extend_from_slice(&[0xff; 8]);
+        assert_eq!(decode_request(&rec), Some(req));
+        assert_eq!(
+            decode_request(&rec[..size_of::<RefreshRequest>() - 1]),
+            None
+        );
+    }
+}

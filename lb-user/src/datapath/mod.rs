@@ -1,0 +1,385 @@
+//! The kernel data path: loads `lb-ebpf`, attaches sockops to a cgroup v2 with a link and sk_msg
+//! to the client sockhash, registers listeners, pairs and unpairs connections, and sums the
+//! splice counters. The rooms beside it: [`probe`] (what the kernel and process allow),
+//! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
+//! server) and [`btf`] (kernel struct offsets).
+//!
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
+//! held by this process only (nothing is pinned), so they are detached when lb exits, however it
+//! exits.
+
+mod btf;
+mod credit;
+mod maps;
+mod probe;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    os::fd::{AsFd, AsRawFd},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+use aya::{
+    Ebpf,
+    maps::MapError,
+    programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps},
+};
+use lb_common::{
+    BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
+    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS, PASS_REASONS, PROG_SK_MSG,
+    PROG_SOCKOPS, SockKey,
+};
+use tracing::{debug, info, warn};
+
+pub use self::{
+    btf::BtfError,
+    credit::Pair,
+    maps::sock_key,
+    probe::{detect_cgroup2, probe_kernel},
+};
+
+/// The compiled kernel programs (`lb-ebpf`, built by `build.rs`).
+pub static EBPF_OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
+
+/// Errors of the kernel data path.
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    /// Not root / no CAP_BPF and CAP_NET_ADMIN.
+    #[error("not privileged: loading BPF programs needs root (CAP_BPF, CAP_NET_ADMIN)")]
+    NotPrivileged,
+    /// Root without `CAP_PERFMON` (or `CAP_SYS_ADMIN`), e.g. in a container that drops it.
+    #[error(
+        "missing CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows the programs' pointer arithmetic only with it"
+    )]
+    NoPerfmon,
+    /// No cgroup v2 hierarchy found.
+    #[error("no cgroup v2 mount found in /proc/mounts (set datapath.cgroup)")]
+    NoCgroup2,
+    /// The cgroup directory could not be opened.
+    #[error("cannot open cgroup {path}")]
+    OpenCgroup {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The directory is not in a cgroup v2 hierarchy.
+    #[error("{0} is not a cgroup v2 directory (sockops attaches to cgroup v2 only)")]
+    NotCgroup2(PathBuf),
+    /// The kernel lacks a program type, map type or helper.
+    #[error("kernel lacks the {0}")]
+    MissingFeature(&'static str),
+    /// The object could not be loaded.
+    #[error("loading the BPF object failed")]
+    Load(#[source] aya::EbpfError),
+    /// A program or map is missing from the object.
+    #[error("BPF object has no {0}")]
+    Missing(&'static str),
+    /// A program failed to load or attach.
+    #[error("program {program}")]
+    Program {
+        /// Program name.
+        program: &'static str,
+        /// Why.
+        #[source]
+        source: ProgramError,
+    },
+    /// A helper only the blocking-client splice needs is refused (that feature alone is off).
+    #[error("the kernel refuses {helper} in sk_msg programs (needs CAP_PERFMON, no lockdown)")]
+    BlockingHelper {
+        /// The helper.
+        helper: &'static str,
+    },
+    /// The kernel's BTF gave no struct offsets (the blocking-client splice alone is off).
+    #[error(transparent)]
+    Btf(#[from] BtfError),
+    /// A map operation failed.
+    #[error("map {map}")]
+    Map {
+        /// Map name.
+        map: &'static str,
+        /// Why.
+        #[source]
+        source: MapError,
+    },
+}
+
+/// Kernel splice counters of one balancer, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpliceStats {
+    /// Client-to-server bytes redirected by sk_msg.
+    pub redirected_bytes: u64,
+    /// Client-to-server bytes that took the copy path.
+    pub passed_bytes: u64,
+    /// Sends that took the copy path, by [`lb_common::PassReason`] index.
+    pub pass: [u64; PASS_REASONS],
+    /// Client sockets registered by sockops.
+    pub registered: u64,
+    /// Credit refresh requests.
+    pub refresh_requests: u64,
+    /// Sends of blocking clients redirected past the credit (each waits in the kernel if the
+    /// server socket has no room).
+    pub blocking_redirects: u64,
+}
+
+impl SpliceStats {
+    fn add(&mut self, v: &BalancerStats) {
+        self.redirected_bytes += v.redirected_bytes;
+        self.passed_bytes += v.passed_bytes;
+        for (o, p) in self.pass.iter_mut().zip(v.pass) {
+            *o += p;
+        }
+        self.registered += v.registered;
+        self.refresh_requests += v.refresh_requests;
+        self.blocking_redirects += v.blocking_redirects;
+    }
+}
+
+/// The loaded kernel data path.
+pub struct Datapath {
+    /// The programs and the sockops link; dropping it detaches them.
+    _ebpf: Ebpf,
+    cgroup: PathBuf,
+    /// Every map; the sk_msg attachment lives as long as the client sockhash in it.
+    maps: maps::Maps,
+    /// The credit request ring, until [`Datapath::start_refresher`] takes it.
+    refresh: Mutex<Option<maps::RefreshRing>>,
+    /// Paired connections by key, for the credit refresher.
+    pairs: Mutex<HashMap<SockKey, Arc<Pair>>>,
+    /// `datapath.max_buffered_bytes` (bytes).
+    max_buffered: u64,
+}
+
+impl std::fmt::Debug for Datapath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Datapath")
+            .field("cgroup", &self.cgroup)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Datapath {
+    /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
+    /// sk_msg to the client sockhash. `cfg.blocking_splice` is honoured when the kernel allows it;
+    /// otherwise it is turned off alone, with a warning naming why.
+    ///
+    /// # Errors
+    /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
+    /// load/attach step that failed.
+    pub fn load(cfg: &crate::config::DatapathConfig) -> Result<Datapath, DatapathError> {
+        probe::privileges()?;
+        let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
+        probe_kernel()?;
+        let offsets = if cfg.blocking_splice {
+            probe::probe_blocking_splice()
+                .inspect_err(|why| {
+                    warn!(reason = %error_chain(why), "blocking clients will take the copy path when a server socket is full (datapath.blocking_splice off)");
+                })
+                .ok()
+        } else {
+            info!(
+                "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
+            );
+            None
+        };
+        let blocking = u32::from(offsets.is_some());
+        let offsets = offsets.unwrap_or_default();
+        let mut ebpf = aya::EbpfLoader::new()
+            .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
+            .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
+            .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
+            .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
+            .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
+            .load(EBPF_OBJ)
+            .map_err(DatapathError::Load)?;
+        let (maps, ring) = maps::Maps::take(&mut ebpf)?;
+
+        let prog_err =
+            |program: &'static str| move |source| DatapathError::Program { program, source };
+        let sk_msg: &mut SkMsg = ebpf
+            .program_mut(PROG_SK_MSG)
+            .ok_or(DatapathError::Missing(PROG_SK_MSG))?
+            .try_into()
+            .map_err(prog_err(PROG_SK_MSG))?;
+        sk_msg.load().map_err(prog_err(PROG_SK_MSG))?;
+        sk_msg
+            .attach(maps.clients.fd())
+            .map_err(prog_err(PROG_SK_MSG))?;
+
+        let sockops: &mut SockOps = ebpf
+            .program_mut(PROG_SOCKOPS)
+            .ok_or(DatapathError::Missing(PROG_SOCKOPS))?
+            .try_into()
+            .map_err(prog_err(PROG_SOCKOPS))?;
+        sockops.load().map_err(prog_err(PROG_SOCKOPS))?;
+        sockops
+            .attach(&cgroup_file, CgroupAttachMode::Single)
+            .map_err(prog_err(PROG_SOCKOPS))?;
+        info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
+        // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
+        // so a node daemon's resident size reflects what it holds.
+        // (glibc only; musl returns memory by itself.)
+        #[cfg(target_env = "gnu")]
+        // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
+        #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
+        Ok(Datapath {
+            _ebpf: ebpf,
+            cgroup,
+            maps,
+            refresh: Mutex::new(Some(ring)),
+            pairs: Mutex::new(HashMap::new()),
+            max_buffered: cfg.max_buffered_bytes,
+        })
+    }
+
+    /// The cgroup the sockops program is attached to.
+    pub fn cgroup(&self) -> &Path {
+        &self.cgroup
+    }
+
+    /// Tell the kernel which address is a listener of balancer `id`. An unspecified address
+    /// (`0.0.0.0`, `[::]`) registers a wildcard for its port and address family only.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn add_listener(&self, addr: SocketAddr, id: u32) -> Result<(), DatapathError> {
+        self.maps.listeners.insert(&maps::listener_key(addr), id)
+    }
+
+    /// Find the client socket's netns cookie for an accepted connection; `None` when sockops did
+    /// not register it (client outside the cgroup) or the tuple is ambiguous across namespaces.
+    pub fn client_key(&self, peer: SocketAddr, local: SocketAddr) -> Option<SockKey> {
+        let tuple = sock_key(peer, local, 0)?;
+        let cookie = self.maps.netns.get(&tuple)?;
+        if cookie == NETNS_AMBIGUOUS {
+            debug!(%peer, "tuple registered from two namespaces; copying in userspace");
+            return None;
+        }
+        Some(SockKey {
+            netns_cookie: cookie,
+            ..tuple
+        })
+    }
+
+    /// Pair a client (by key) with its server socket and start redirecting once lb has copied
+    /// every byte that took the copy path (the counting rule). Sizes the server socket's send
+    /// buffer for `max_buffered_bytes` first (see [`credit`]).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`]; the caller then copies in userspace.
+    pub fn pair(
+        &self,
+        key: SockKey,
+        server: &(impl AsRawFd + AsFd),
+    ) -> Result<Arc<Pair>, DatapathError> {
+        let limit = credit::size_server_socket(server, self.max_buffered);
+        let pair = Arc::new(Pair::new(key, server.as_raw_fd(), limit));
+        self.maps.servers.insert_pair(&key, server)?;
+        self.pairs
+            .lock()
+            .expect("poisoned")
+            .insert(key, pair.clone());
+        if let Err(e) = self.maps.pairs.publish(&key, &pair.ctl()) {
+            self.unpair(&pair);
+            return Err(e);
+        }
+        Ok(pair)
+    }
+
+    /// Bytes the client sent through the normal path (`FlowState::passed`) and redirected.
+    pub fn flow(&self, key: &SockKey) -> Option<FlowState> {
+        self.maps.flows.get(key)
+    }
+
+    /// Take a pair out of the maps: sends take the copy path from now on. The server socket is
+    /// removed from the sockhash before lb closes it.
+    pub fn unpair(&self, pair: &Pair) {
+        pair.stop();
+        let key = pair.key();
+        self.maps.pairs.remove(&key);
+        self.maps.servers.remove(&key);
+        self.pairs.lock().expect("poisoned").remove(&key);
+    }
+
+    /// Forget a connection's flow and namespace entries (after it ended).
+    pub fn forget(&self, key: &SockKey) {
+        self.maps.flows.remove(key);
+        let tuple = SockKey {
+            netns_cookie: 0,
+            ..*key
+        };
+        self.maps.netns.remove_if(&tuple, key.netns_cookie);
+    }
+
+    /// Splice counters of balancer `id`, summed over CPUs.
+    pub fn stats(&self, id: u32) -> SpliceStats {
+        let mut out = SpliceStats::default();
+        for v in self.maps.stats.per_cpu(id) {
+            out.add(&v);
+        }
+        out
+    }
+}
+
+/// `e` and its sources, joined with ": " (for a log line).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use object::{Object as _, ObjectSymbol as _};
+
+    use super::*;
+
+    /// Every map, program and global name lb looks up (the constants in `lb_common`) is in the
+    /// embedded object: maps and programs as aya's own parser finds them, globals as ELF symbols.
+    #[test]
+    fn embedded_object_has_every_name() {
+        let obj = aya_obj::Object::parse(EBPF_OBJ).expect("lb-ebpf parses");
+        for name in lb_common::MAP_NAMES {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name} in {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in lb_common::PROG_NAMES {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name} in {:?}",
+                obj.programs.keys()
+            );
+        }
+        let elf = object::File::parse(EBPF_OBJ).expect("lb-ebpf is ELF");
+        let symbols: Vec<&str> = elf.symbols().filter_map(|s| s.name().ok()).collect();
+        for name in lb_common::GLOBAL_NAMES {
+            assert!(symbols.contains(&name), "no global {name} in {symbols:?}");
+        }
+    }
+
+    #[test]
+    fn error_chain_joins_sources() {
+        let e = DatapathError::Btf(BtfError::Read {
+            path: "/sys/kernel/btf/vmlinux".into(),
+            source: std::io::Error::from_raw_os_error(libc::ENOENT),
+        });
+        assert_eq!(
+            error_chain(&e),
+            "cannot read /sys/kernel/btf/vmlinux: No such file or directory (os error 2)"
+        );
+    }
+}

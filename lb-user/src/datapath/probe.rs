@@ -1,0 +1,172 @@
+//! Feature probes run before anything is loaded: privileges, the cgroup v2 to attach to (from
+//! `/proc/mounts` or the configured directory), the program types, map types and helpers the
+//! splice needs, and what the blocking-client splice needs beyond it (two helpers and the
+//! kernel's BTF). Each names the first thing missing.
+//!
+//! Minimum kernel: 5.15 for the splice; the probes themselves run on any kernel.
+
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+};
+
+use super::{
+    DatapathError,
+    btf::{self, SockOffsets},
+};
+
+/// Find the cgroup v2 mount point in `/proc/mounts`.
+///
+/// # Errors
+/// [`DatapathError::NoCgroup2`].
+pub fn detect_cgroup2() -> Result<PathBuf, DatapathError> {
+    let mounts = std::fs::read_to_string("/proc/mounts").map_err(|_| DatapathError::NoCgroup2)?;
+    cgroup2_in(&mounts).ok_or(DatapathError::NoCgroup2)
+}
+
+/// The first `cgroup2` mount point in the text of `/proc/mounts`.
+fn cgroup2_in(mounts: &str) -> Option<PathBuf> {
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_dev, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            (fstype == "cgroup2").then(|| PathBuf::from(dir))
+        })
+        .next()
+}
+
+/// Open the cgroup to attach sockops to: `configured`, or the detected cgroup v2 root.
+///
+/// # Errors
+/// [`DatapathError::NoCgroup2`], [`DatapathError::OpenCgroup`], or
+/// [`DatapathError::NotCgroup2`] when the directory is in another file system.
+pub(super) fn open_cgroup(configured: Option<&Path>) -> Result<(PathBuf, File), DatapathError> {
+    let cgroup = match configured {
+        Some(p) => p.to_path_buf(),
+        None => detect_cgroup2()?,
+    };
+    let file = File::open(&cgroup).map_err(|source| DatapathError::OpenCgroup {
+        path: cgroup.clone(),
+        source,
+    })?;
+    let is_v2 = nix::sys::statfs::fstatfs(&file)
+        .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC);
+    if !is_v2 {
+        return Err(DatapathError::NotCgroup2(cgroup));
+    }
+    Ok((cgroup, file))
+}
+
+/// Root, and `CAP_PERFMON` (or `CAP_SYS_ADMIN`) for the verifier.
+///
+/// # Errors
+/// [`DatapathError::NotPrivileged`], [`DatapathError::NoPerfmon`].
+pub(super) fn privileges() -> Result<(), DatapathError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(DatapathError::NotPrivileged);
+    }
+    if !has_perfmon() {
+        return Err(DatapathError::NoPerfmon);
+    }
+    Ok(())
+}
+
+/// Check every kernel feature the splice needs, naming the first one missing: program types
+/// (sockops, sk_msg), map types (sockhash, LRU hash, per-CPU array, ring buffer) and helpers
+/// (`bpf_get_netns_cookie` in sockops and sk_msg, `bpf_msg_redirect_hash`).
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] naming it; the daemon then copies in userspace.
+pub fn probe_kernel() -> Result<(), DatapathError> {
+    use aya::{maps::MapType, programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for (ty, name) in [
+        (ProgramType::SockOps, "sockops program type"),
+        (ProgramType::SkMsg, "sk_msg program type"),
+    ] {
+        if !sys::is_program_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, name) in [
+        (MapType::SockHash, "sockhash map"),
+        (MapType::LruHash, "LRU hash map"),
+        (MapType::PerCpuArray, "per-CPU array map"),
+        (MapType::RingBuf, "ring buffer map (5.8+)"),
+    ] {
+        if !sys::is_map_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    for (ty, helper, name) in [
+        (
+            ProgramType::SockOps,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sockops (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_get_netns_cookie,
+            "bpf_get_netns_cookie in sk_msg (5.15+)",
+        ),
+        (
+            ProgramType::SkMsg,
+            H::BPF_FUNC_msg_redirect_hash,
+            "bpf_msg_redirect_hash",
+        ),
+    ] {
+        if !sys::is_helper_supported(ty, helper).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    Ok(())
+}
+
+/// Whether this process has `CAP_PERFMON` (bit 38) or `CAP_SYS_ADMIN` (bit 21) in its effective
+/// set (`CapEff` in `/proc/self/status`; bit numbers from `<linux/capability.h>`).
+fn has_perfmon() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 38 | 1 << 21) != 0)
+}
+
+/// What the past-credit redirect of blocking clients needs beyond the splice itself: the helpers
+/// `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg (`CAP_PERFMON`, no lockdown) and
+/// the kernel's BTF for the struct offsets.
+///
+/// # Errors
+/// The first thing missing: [`DatapathError::BlockingHelper`] or [`DatapathError::Btf`].
+pub(super) fn probe_blocking_splice() -> Result<SockOffsets, DatapathError> {
+    use aya::{programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for (helper, name) in [
+        (H::BPF_FUNC_skc_to_tcp_sock, "bpf_skc_to_tcp_sock"),
+        (H::BPF_FUNC_probe_read_kernel, "bpf_probe_read_kernel"),
+    ] {
+        if !sys::is_helper_supported(ProgramType::SkMsg, helper).unwrap_or(false) {
+            return Err(DatapathError::BlockingHelper { helper: name });
+        }
+    }
+    Ok(btf::sock_offsets(Path::new(btf::VMLINUX_BTF))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount() {
+        let mounts = "proc /proc proc rw 0 0\n\
+                      cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n\
+                      cgroup2 /sys/fs/cgroup/unified cgroup2 rw,nsdelegate 0 0\n";
+        assert_eq!(
+            cgroup2_in(mounts),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        assert_eq!(cgroup2_in("proc /proc proc rw 0 0\n"), None);
+    }
+}
