@@ -7,6 +7,7 @@
 
 mod registry;
 mod select;
+mod set;
 pub mod state;
 pub mod state_file;
 
@@ -30,7 +31,7 @@ pub use self::{
 };
 use self::{
     registry::{ConnEntry, Registry},
-    state::{Effects, Server, transition},
+    state::{Effects, Server},
     state_file::{ServerSet, StateFile},
 };
 pub use crate::addr::{MAX_SERVERS, SetError};
@@ -160,29 +161,6 @@ impl Inner {
     }
 }
 
-/// Every entry of `set` (its default last when it is not in the list) with the addresses it
-/// stands for ([`ServerAddr::expand`]: a name's addresses, each pinned). Resolves names, so it
-/// runs without the lock.
-fn expand(set: &ServerSet) -> Vec<(ServerAddr, Vec<ServerAddr>)> {
-    set.servers
-        .iter()
-        .chain(set.default.iter().filter(|d| !set.servers.contains(d)))
-        .map(|origin| (origin.clone(), origin.expand()))
-        .collect()
-}
-
-fn build_servers(set: &ServerSet) -> Vec<Server> {
-    let mut out = Vec::new();
-    for (origin, addrs) in expand(set) {
-        let in_set = set.servers.contains(&origin);
-        let is_default = set.default.as_ref() == Some(&origin);
-        for addr in addrs {
-            out.push(Server::new(addr, origin.clone(), is_default, in_set));
-        }
-    }
-    out
-}
-
 impl Balancer {
     /// Build from config with no observer and an OS-seeded RNG; see [`Balancer::build`].
     pub fn new(id: u32, cfg: BalancerConfig) -> Arc<Balancer> {
@@ -206,7 +184,7 @@ impl Balancer {
             id,
             cfg: ArcSwap::from_pointee(cfg),
             inner: Mutex::new(Inner {
-                servers: build_servers(&set),
+                servers: set::build_servers(&set),
                 conns: Registry::default(),
                 rr: 0,
                 rng,
@@ -573,116 +551,6 @@ impl Balancer {
         }
         self.bump();
         Ok(killed)
-    }
-
-    /// Replace the server set and default. An unchanged set does nothing (returns `false`); new
-    /// servers start UNCHECKED; removed ones go INVALID and their connections are closed; a
-    /// previous default that was only STANDBY is removed with its connections (K3s rules).
-    ///
-    /// # Errors
-    /// [`SetError`] for an empty list, duplicates or one of lb's listeners.
-    pub fn set_servers(
-        self: &Arc<Self>,
-        servers: &[ServerAddr],
-        default: Option<&ServerAddr>,
-    ) -> Result<bool, SetError> {
-        if servers.is_empty() {
-            return Err(SetError::Empty);
-        }
-        validate_set(servers, default, &self.cfg.load().listen)?;
-        let want = ServerSet {
-            servers: servers.to_vec(),
-            default: default.cloned(),
-        };
-        if self.lock().set() == want {
-            return Ok(false);
-        }
-        let expanded = expand(&want);
-        let mut removed = Vec::new();
-        {
-            let mut inner = self.lock();
-            let mut old: Vec<Server> = std::mem::take(&mut inner.servers);
-            let mut next = Vec::new();
-            for (origin, addrs) in expanded {
-                let in_set = servers.contains(&origin);
-                let is_default = default == Some(&origin);
-                for addr in addrs {
-                    let s = match old.iter().position(|s| s.addr == addr) {
-                        Some(i) => {
-                            let mut s = old.remove(i);
-                            if s.in_set && !in_set && s.state != ServerState::Failed {
-                                transition(
-                                    &self.name,
-                                    &mut s,
-                                    ServerState::Standby,
-                                    "default server left the set",
-                                );
-                            } else if !s.in_set && in_set {
-                                transition(
-                                    &self.name,
-                                    &mut s,
-                                    ServerState::Unchecked,
-                                    "added to the set",
-                                );
-                            }
-                            s.in_set = in_set;
-                            s.is_default = is_default;
-                            s.origin = origin.clone();
-                            s
-                        }
-                        None => {
-                            let s = Server::new(addr.clone(), origin.clone(), is_default, in_set);
-                            info!(balancer = %self.name, server = %addr, state = %s.state, "server added");
-                            s
-                        }
-                    };
-                    next.push(s);
-                }
-            }
-            for mut s in old {
-                transition(
-                    &self.name,
-                    &mut s,
-                    ServerState::Invalid,
-                    "removed from the set",
-                );
-                let taken = inner.conns.take(&s.addr);
-                removed.push((s.addr, taken));
-            }
-            inner.servers = next;
-        }
-        for (server, c) in removed {
-            self.kill_entries(&server, c, KillReason::Removed);
-        }
-        self.bump();
-        self.write_state_file();
-        Ok(true)
-    }
-
-    /// Add one server at the end of the set.
-    ///
-    /// # Errors
-    /// As [`Balancer::set_servers`].
-    pub fn add_server(self: &Arc<Self>, server: &ServerAddr) -> Result<bool, SetError> {
-        let mut set = self.lock().set();
-        set.servers.push(server.clone());
-        self.set_servers(&set.servers, set.default.as_ref())
-    }
-
-    /// Remove the server `spec` names from the set.
-    ///
-    /// # Errors
-    /// [`SetError::UnknownServer`], or [`SetError::Empty`] when it is the last.
-    pub fn remove_server(self: &Arc<Self>, spec: &str) -> Result<bool, SetError> {
-        let unknown = || SetError::UnknownServer(spec.to_string());
-        let server = ServerAddr::parse(spec).map_err(|_| unknown())?;
-        let mut set = self.lock().set();
-        let before = set.servers.len();
-        set.servers.retain(|s| *s != server);
-        if set.servers.len() == before {
-            return Err(unknown());
-        }
-        self.set_servers(&set.servers, set.default.as_ref())
     }
 
     /// The default server, if any.
