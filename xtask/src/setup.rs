@@ -157,7 +157,13 @@ pub fn run() -> Result<()> {
     }
     let toolchain = bpf_toolchain()?;
     let nightly_ok = Command::new("rustup")
-        .args(["component", "list", "--toolchain", &toolchain, "--installed"])
+        .args([
+            "component",
+            "list",
+            "--toolchain",
+            &toolchain,
+            "--installed",
+        ])
         .output()
         .is_ok_and(|o| {
             o.status.success() && String::from_utf8_lossy(&o.stdout).contains("rust-src")
