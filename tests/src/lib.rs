@@ -17,7 +17,7 @@ pub use cgroup::{TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, run_client};
 pub use cmd::{lb_bin, lbt_bin, set_bin_dir, sh, sibling_bin};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
-pub use http::{http_get, http_request};
+pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port};
 pub use skip::{is_root, kernel_version, skip_unless_kernel, skip_unless_root};
 pub use stream::{Digest, PatternStream};
