@@ -1,4 +1,5 @@
-//! Shared helpers: the workspace root, cargo invocations, and the test driver.
+//! Leaf helpers every command uses: the workspace root, cargo invocations, the release build and
+//! the parser of cargo test's output. It imports no other module of xtask.
 
 use std::{
     path::PathBuf,
@@ -98,88 +99,4 @@ pub fn cargo_test(args: &[&str], counts: &mut Counts) -> Result<()> {
         bail!("cargo test {} failed ({status})", args.join(" "));
     }
     Ok(())
-}
-
-/// Everything CI runs.
-///
-/// # Errors
-/// The first failing step.
-pub fn test() -> Result<()> {
-    let start = std::time::Instant::now();
-    cargo(&["fmt", "--all", "--check"])?;
-    cargo(&[
-        "clippy",
-        "--workspace",
-        "--exclude",
-        "lb-ebpf",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ])?;
-    let mut counts = Counts::default();
-    // `cargo test` also builds the `lb` and `lbt` binaries the integration tests run.
-    let mut result = cargo_test(
-        &[
-            "--workspace",
-            "--exclude",
-            "lb-ebpf",
-            "--",
-            "--test-threads=2",
-        ],
-        &mut counts,
-    );
-    eprintln!(
-        "xtask: host tests took {:.0} s",
-        start.elapsed().as_secs_f64()
-    );
-    // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
-    if result.is_ok() {
-        if lb_tests::is_root() {
-            let bench = build_release().and_then(|()| crate::bench::run(true));
-            match &bench {
-                Ok(()) => counts.passed += 1,
-                Err(_) => counts.failed += 1,
-            }
-            result = bench;
-        } else {
-            eprintln!("xtask: SKIP bench --quick: needs root (network namespaces, BPF)");
-            counts.ignored += 1;
-        }
-    }
-    // The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG
-    // here, plus the musl build). `LB_VM_TEST=0` leaves it out, saying so.
-    let vm_result = if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
-        eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 VM run is left out");
-        Ok(())
-    } else {
-        let vm_start = std::time::Instant::now();
-        let r = crate::vm::run(&["6.1"], crate::vm::DEFAULT_TIMEOUT, &[]).and_then(|outcomes| {
-            for o in &outcomes {
-                counts.passed += o.counts.passed;
-                counts.failed += o.counts.failed;
-                counts.ignored += o.counts.ignored;
-                // A guest that never reported still counts as a failure in the closing line.
-                if !o.ok() && o.counts.failed == 0 {
-                    counts.failed += 1;
-                }
-            }
-            crate::vm::verdict(&outcomes)
-        });
-        eprintln!(
-            "xtask: kernel 6.1 VM run took {:.0} s",
-            vm_start.elapsed().as_secs_f64()
-        );
-        if r.is_err() && counts.failed == 0 {
-            // The build or the run itself failed before any count.
-            counts.failed += 1;
-        }
-        r
-    };
-    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
-    println!(
-        "xtask test: {} passed, {} failed, {} skipped",
-        counts.passed, counts.failed, counts.ignored
-    );
-    result.and(vm_result)
 }
