@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use crate::{
     bench,
-    util::{Counts, build_release, cargo, cargo_test},
+    util::{Counts, Skip, build_release, cargo, cargo_test, check_privileged_skips},
     vm,
 };
 
@@ -53,8 +53,13 @@ pub fn run() -> Result<()> {
             }
             result = bench;
         } else {
-            eprintln!("xtask: SKIP bench --quick: needs root (network namespaces, BPF)");
-            counts.ignored += 1;
+            let reason = format!("{} (network namespaces, BPF)", lb_tests::NEEDS_ROOT);
+            eprintln!("xtask: SKIP bench --quick: {reason}");
+            counts.skipped += 1;
+            counts.skips.push(Skip {
+                test: "bench --quick".into(),
+                reason,
+            });
         }
     }
     // The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG
@@ -66,9 +71,7 @@ pub fn run() -> Result<()> {
         let vm_start = std::time::Instant::now();
         let r = vm::run(&["6.1"], vm::DEFAULT_TIMEOUT, &[]).and_then(|outcomes| {
             for o in &outcomes {
-                counts.passed += o.counts.passed;
-                counts.failed += o.counts.failed;
-                counts.ignored += o.counts.ignored;
+                counts.add(&o.counts);
                 // A guest that never reported still counts as a failure in the closing line.
                 if !o.ok() && o.counts.failed == 0 {
                     counts.failed += 1;
@@ -86,10 +89,19 @@ pub fn run() -> Result<()> {
         }
         r
     };
+    // Skipped tests are listed and counted as skipped, never as passed; as root (CI) a test
+    // that skipped for lack of privilege fails the run.
+    for s in &counts.skips {
+        eprintln!("xtask: skipped {s}");
+    }
+    let privilege = check_privileged_skips(&counts.skips, lb_tests::is_root());
+    if let Err(e) = &privilege {
+        eprintln!("xtask: {e}");
+    }
     eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
     println!(
         "xtask test: {} passed, {} failed, {} skipped",
-        counts.passed, counts.failed, counts.ignored
+        counts.passed, counts.failed, counts.skipped
     );
-    result.and(vm_result)
+    result.and(vm_result).and(privilege)
 }
