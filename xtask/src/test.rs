@@ -89,8 +89,18 @@ pub fn run() -> Result<()> {
         }
         r
     };
-    // Skipped tests are listed and counted as skipped, never as passed; as root (CI) a test
-    // that skipped for lack of privilege fails the run.
+    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
+    let privilege = close(&counts);
+    result.and(vm_result).and(privilege)
+}
+
+/// List every skipped test with its reason and print the closing line. Skips count as skipped,
+/// never as passed; when xtask runs as root (CI) a test that skipped for lack of privilege
+/// fails the run.
+///
+/// # Errors
+/// Names the tests that skipped for lack of privilege, when running as root.
+fn close(counts: &Counts) -> Result<()> {
     for s in &counts.skips {
         eprintln!("xtask: skipped {s}");
     }
@@ -98,10 +108,9 @@ pub fn run() -> Result<()> {
     if let Err(e) = &privilege {
         eprintln!("xtask: {e}");
     }
-    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
     println!(
         "xtask test: {} passed, {} failed, {} skipped",
         counts.passed, counts.failed, counts.skipped
     );
-    result.and(vm_result).and(privilege)
+    privilege
 }
