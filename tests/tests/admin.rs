@@ -20,8 +20,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Lb, Place, TestCgroup, client_command, free_port, http_get, http_request, lb_bin,
-    run_client, sh, skip_unless_root,
+    Holder, Host, Lb, Place, TestCgroup, client_command, free_port, http_get, http_request,
+    http_request_with, lb_bin, run_client, sh, skip_unless_root, unix_request,
 };
 use serde_json::Value;
 
@@ -87,38 +87,6 @@ fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<D
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// A request with extra headers over any stream; returns (status, body).
-fn request_on(
-    mut s: impl std::io::Read + std::io::Write,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Result<(u16, String)> {
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: lb\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes())?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    let code = resp
-        .split_whitespace()
-        .nth(1)
-        .context("no status")?
-        .parse()?;
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
 }
 
 fn tcp(addr: SocketAddr) -> Result<TcpStream> {
@@ -918,40 +886,35 @@ fn token_and_unix_socket() -> Result<()> {
     lb.wait_ready(Duration::from_secs(10))?;
     for path in ["/status", "/metrics", "/check"] {
         ensure!(lb.get(path)?.0 == 401, "{path} without a token");
-        let (c, _) = request_on(
-            tcp(lb.admin)?,
+        let (c, _) = http_request_with(
+            lb.admin,
             "GET",
             path,
             &[("Authorization", "Bearer wrong")],
-            "",
+            None,
         )?;
         ensure!(c == 401, "{path} with a wrong token: {c}");
-        let (c, _) = request_on(
-            tcp(lb.admin)?,
+        let (c, _) = http_request_with(
+            lb.admin,
             "GET",
             path,
             &[("Authorization", "Bearer s3cret-token")],
-            "",
+            None,
         )?;
         ensure!(c == 200, "{path} with the token: {c}");
     }
-    let unix = || -> Result<std::os::unix::net::UnixStream> {
-        let s = std::os::unix::net::UnixStream::connect(&sock)?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(s)
-    };
-    let (c, b) = request_on(
-        unix()?,
+    let (c, b) = unix_request(
+        &sock,
         "GET",
         "/status",
         &[("Authorization", "Bearer s3cret-token")],
-        "",
+        None,
     )?;
     ensure!(
         c == 200 && json(&b)?["balancers"][0]["name"] == "t",
         "{c} {b}"
     );
-    ensure!(request_on(unix()?, "GET", "/status", &[], "")?.0 == 401);
+    ensure!(unix_request(&sock, "GET", "/status", &[], None)?.0 == 401);
 
     let sock_arg = format!("unix:{}", sock.display());
     let tok = token.to_str().context("path")?;
@@ -970,12 +933,12 @@ fn token_and_unix_socket() -> Result<()> {
     // A rotated token applies without a restart.
     std::thread::sleep(Duration::from_millis(20));
     std::fs::write(&token, "rotated-token-2\n")?;
-    let (c, _) = request_on(
-        tcp(lb.admin)?,
+    let (c, _) = http_request_with(
+        lb.admin,
         "GET",
         "/status",
         &[("Authorization", "Bearer rotated-token-2")],
-        "",
+        None,
     )?;
     ensure!(c == 200, "rotated token: {c}");
     Ok(())

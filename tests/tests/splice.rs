@@ -1,5 +1,6 @@
-//! The kernel splice (issue 3): nothing lost or reordered, bounded buffering with real
-//! backpressure, IPv6, clients in other namespaces and child cgroups, clean restarts.
+//! The kernel splice (sk_msg redirecting client sends to the server socket): nothing lost or
+//! reordered, bounded buffering with real backpressure, IPv6, clients in other namespaces and
+//! child cgroups, clean restarts.
 
 use std::{
     process::Stdio,

@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod setup;
+mod test;
 mod util;
 mod vm;
 
@@ -76,7 +77,7 @@ fn main() -> Result<()> {
         }
         Cmd::Test => {
             setup::run()?;
-            util::test()
+            test::run()
         }
         Cmd::Bench { quick } => {
             setup::run()?;

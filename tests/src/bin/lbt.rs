@@ -12,7 +12,8 @@
 //! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
 //!
 //! Client commands print one JSON object per line on stdout. Blocking reads retry on
-//! `WouldBlock`: a socket in a sockhash can report it spuriously (DESIGN.md).
+//! `WouldBlock`: a socket in a sockhash (every client socket sockops adds to lb's `LB_CLIENTS`)
+//! can report it spuriously, even a blocking one.
 
 use std::{
     io::{self, BufRead, BufReader, Read, Write},

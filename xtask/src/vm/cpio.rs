@@ -1,9 +1,12 @@
-//! A small writer of `newc` cpio archives, the format the kernel unpacks as an initramfs.
+//! An initramfs in the `newc` cpio format the kernel unpacks: the `cpio` crate writes each
+//! entry (header, name, data, padding) and the trailer; this adds every parent directory once
+//! and refuses a path added twice.
 
 use std::collections::BTreeSet;
-use std::io::Write;
+use std::io::Write as _;
 
 use anyhow::{Result, bail};
+use cpio::NewcBuilder;
 
 /// An initramfs being assembled in memory: directories are added for every parent path.
 #[derive(Debug, Default)]
@@ -19,43 +22,22 @@ const S_IFREG: u32 = 0o100_000;
 const S_IFLNK: u32 = 0o120_000;
 
 impl Archive {
-    fn header(&mut self, name: &str, mode: u32, data: &[u8]) -> Result<()> {
+    fn entry(&mut self, name: &str, mode: u32, data: &[u8]) -> Result<()> {
         if !self.names.insert(name.to_string()) {
             bail!("initramfs: {name} added twice");
         }
         self.ino += 1;
-        let namesize = name.len() + 1;
         let Ok(filesize) = u32::try_from(data.len()) else {
             bail!("initramfs: {name} is larger than 4 GiB");
         };
-        // magic, ino, mode, uid, gid, nlink, mtime, filesize, devmajor, devminor, rdevmajor,
-        // rdevminor, namesize, check: all 8 hex digits.
-        write!(
-            self.out,
-            "070701{:08x}{mode:08x}{:08x}{:08x}{:08x}{:08x}{filesize:08x}{:08x}{:08x}{:08x}{:08x}{namesize:08x}{:08x}",
-            self.ino,
-            0,
-            0,
-            if mode & S_IFDIR != 0 { 2 } else { 1 },
-            0,
-            0,
-            0,
-            0,
-            0,
-            0
-        )?;
-        self.out.extend_from_slice(name.as_bytes());
-        self.out.push(0);
-        self.pad();
-        self.out.extend_from_slice(data);
-        self.pad();
+        let mut entry = NewcBuilder::new(name)
+            .ino(self.ino)
+            .mode(mode)
+            .nlink(if mode & S_IFDIR != 0 { 2 } else { 1 })
+            .write(std::mem::take(&mut self.out), filesize);
+        entry.write_all(data)?;
+        self.out = entry.finish()?;
         Ok(())
-    }
-
-    fn pad(&mut self) {
-        while !self.out.len().is_multiple_of(4) {
-            self.out.push(0);
-        }
     }
 
     /// Add `path` (relative, `a/b/c`) and its parents as directories, once each.
@@ -71,7 +53,7 @@ impl Archive {
             so_far.push_str(part);
             if self.dirs.insert(so_far.clone()) {
                 let name = so_far.clone();
-                self.header(&name, S_IFDIR | 0o755, &[])?;
+                self.entry(&name, S_IFDIR | 0o755, &[])?;
             }
         }
         Ok(())
@@ -91,7 +73,7 @@ impl Archive {
     pub fn file(&mut self, path: &str, perm: u32, data: &[u8]) -> Result<()> {
         let path = path.trim_start_matches('/');
         self.parent(path)?;
-        self.header(path, S_IFREG | (perm & 0o7777), data)
+        self.entry(path, S_IFREG | (perm & 0o7777), data)
     }
 
     /// Add a symbolic link `path` → `target`.
@@ -101,7 +83,7 @@ impl Archive {
     pub fn symlink(&mut self, path: &str, target: &str) -> Result<()> {
         let path = path.trim_start_matches('/');
         self.parent(path)?;
-        self.header(path, S_IFLNK | 0o777, target.as_bytes())
+        self.entry(path, S_IFLNK | 0o777, target.as_bytes())
     }
 
     /// Whether `path` was added.
@@ -113,9 +95,8 @@ impl Archive {
     ///
     /// # Errors
     /// Never in practice.
-    pub fn finish(mut self) -> Result<Vec<u8>> {
-        self.header("TRAILER!!!", 0, &[])?;
-        Ok(self.out)
+    pub fn finish(self) -> Result<Vec<u8>> {
+        Ok(cpio::newc::trailer(self.out)?)
     }
 }
 
@@ -143,6 +124,52 @@ mod tests {
         let hdr = &text[file - 110..file];
         assert_eq!(&hdr[14..22], "000081ed");
         assert_eq!(&hdr[54..62], "00000005");
+        Ok(())
+    }
+
+    #[test]
+    fn reads_back_with_the_crate_reader() -> Result<()> {
+        let mut a = Archive::default();
+        a.dir("etc/lb-vm")?;
+        a.file("/opt/lb/lb", 0o755, b"\x7fELF and more")?;
+        a.symlink("bin/sh", "/bin/busybox")?;
+        a.file("etc/lb-vm/args", 0o644, b"")?;
+        let mut rest: &[u8] = &a.finish()?;
+        let mut seen = Vec::new();
+        loop {
+            let mut r = cpio::NewcReader::new(rest)?;
+            let e = r.entry();
+            if e.is_trailer() {
+                break;
+            }
+            let (name, mode, nlink) = (e.name().to_string(), e.mode(), e.nlink());
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut r, &mut data)?;
+            seen.push((name, mode, nlink, data));
+            rest = r.finish()?;
+        }
+        let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "etc",
+                "etc/lb-vm",
+                "opt",
+                "opt/lb",
+                "opt/lb/lb",
+                "bin",
+                "bin/sh",
+                "etc/lb-vm/args"
+            ]
+        );
+        assert_eq!((seen[0].1, seen[0].2), (S_IFDIR | 0o755, 2));
+        assert_eq!((seen[4].1, seen[4].2), (S_IFREG | 0o755, 1));
+        assert_eq!(seen[4].3, b"\x7fELF and more");
+        assert_eq!(
+            (seen[6].1, &seen[6].3[..]),
+            (S_IFLNK | 0o777, &b"/bin/busybox"[..])
+        );
+        assert!(seen[7].3.is_empty());
         Ok(())
     }
 }

@@ -49,12 +49,11 @@ pub struct Outcome {
     pub release: String,
     /// `kvm` or `tcg`.
     pub accel: &'static str,
-    /// Test counts from the guest's result line (skips are not counted as passed).
+    /// Test counts from the guest's result line (skips are not counted as passed), and the
+    /// skipped tests with their reasons from the log (`SKIP` lines and tests libtest ignored).
     pub counts: util::Counts,
     /// Exit status of the test executables in the guest (0 when all passed).
     pub status: i64,
-    /// `name: reason` of each skipped test.
-    pub skips: Vec<String>,
     /// Names of failed tests.
     pub failures: Vec<String>,
     /// Seconds from qemu start to power-off.
@@ -197,8 +196,8 @@ fn read_log(log: &GuestLog, outcome: &mut Outcome) {
                 _ => in_failures = !line.is_empty() && line.starts_with("    "),
             }
         }
-        if let Some(at) = line.find("SKIP ") {
-            outcome.skips.push(line[at + 5..].trim().to_string());
+        if let Some(skip) = util::Skip::parse(line) {
+            outcome.counts.skips.push(skip);
         }
         if let Some(rest) = line.strip_prefix("test ")
             && let Some((name, verdict)) = rest.split_once(" ... ")
@@ -208,7 +207,10 @@ fn read_log(log: &GuestLog, outcome: &mut Outcome) {
                     outcome.failures.push(name.to_string());
                 }
             } else if verdict.starts_with("ignored") {
-                outcome.skips.push(format!("{name}: {verdict}"));
+                outcome.counts.skips.push(util::Skip {
+                    test: name.to_string(),
+                    reason: verdict.to_string(),
+                });
             }
         }
     }
@@ -235,7 +237,7 @@ fn read_log(log: &GuestLog, outcome: &mut Outcome) {
     outcome.status = field("status").unwrap_or(-1);
     outcome.counts.passed = count("passed");
     outcome.counts.failed = count("failed");
-    outcome.counts.ignored = count("skipped");
+    outcome.counts.skipped = count("skipped");
     if outcome.status != 0 && outcome.counts.failed == 0 && outcome.failures.is_empty() {
         outcome.error = Some(format!(
             "the test executable exited with {} without a failed test (crash?)",
@@ -260,11 +262,11 @@ fn print_summary(outcomes: &[Outcome]) {
             if o.ok() { "ok" } else { "FAIL" },
             o.counts.passed,
             o.counts.failed,
-            o.counts.ignored,
+            o.counts.skipped,
             o.guest_secs,
             o.total_secs
         );
-        for s in &o.skips {
+        for s in &o.counts.skips {
             println!("  skipped on {}: {s}", o.label);
         }
         for f in &o.failures {
@@ -459,9 +461,10 @@ mod tests {
             &mut o,
         );
         assert!(o.ok(), "{o:?}");
-        assert_eq!((o.counts.passed, o.counts.ignored), (1, 2));
+        assert_eq!((o.counts.passed, o.counts.skipped), (1, 2));
+        let skips: Vec<String> = o.counts.skips.iter().map(ToString::to_string).collect();
         assert_eq!(
-            o.skips,
+            skips,
             vec![
                 "b: needs bpf_sock_destroy (kernel 6.5+)".to_string(),
                 "c: ignored, slow".to_string()

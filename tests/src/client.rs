@@ -1,0 +1,169 @@
+//! `lbt client` runs: where a client runs (cgroup, namespace), one-shot runs that print a JSON
+//! result, and long-running holders whose events are read line by line.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::cmd::lbt_bin;
+
+/// Where an `lbt client` runs.
+#[derive(Clone, Debug, Default)]
+pub struct Place<'a> {
+    /// Inside this cgroup (so sockops sees its sockets).
+    pub cgroup: Option<&'a Path>,
+    /// Inside this network namespace.
+    pub netns: Option<&'a str>,
+}
+
+impl<'a> Place<'a> {
+    /// Inside cgroup `cg`, in lb's own network namespace.
+    pub fn cgroup(cg: &'a Path) -> Place<'a> {
+        Place {
+            cgroup: Some(cg),
+            netns: None,
+        }
+    }
+}
+
+/// Build the command for `lbt client --connect addr <action...>` placed as asked.
+pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
+    let lbt = lbt_bin();
+    // `ip netns exec` mounts a fresh /sys, hiding the cgroup tree: join the cgroup first, then
+    // enter the namespace.
+    let netns = place
+        .netns
+        .map(|ns| format!("ip netns exec {ns} "))
+        .unwrap_or_default();
+    let mut inner = format!("exec {netns}{} client --connect {addr}", lbt.display());
+    for a in action {
+        inner.push(' ');
+        inner.push_str(a);
+    }
+    if let Some(cg) = place.cgroup {
+        inner = format!("echo $$ > {}/cgroup.procs && {inner}", cg.display());
+    }
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &inner]);
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Run `lbt client` to completion (bounded by `timeout`) and parse its last JSON line.
+///
+/// # Errors
+/// Spawn failure, timeout (the client is killed) or no JSON output.
+pub fn run_client(
+    place: &Place<'_>,
+    addr: SocketAddr,
+    action: &[&str],
+    timeout: Duration,
+) -> Result<serde_json::Value> {
+    let mut child = client_command(place, addr, action)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("lbt client {action:?} did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().with_context(|| {
+        format!(
+            "lbt client printed nothing; stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    serde_json::from_str(last).with_context(|| {
+        format!(
+            "lbt output {last:?}; stderr {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// A long-running `lbt client ... hold`, whose events are read line by line.
+#[derive(Debug)]
+pub struct Holder {
+    child: Child,
+    rx: std::sync::mpsc::Receiver<serde_json::Value>,
+}
+
+impl Holder {
+    /// Start `hold --reconnect N --max-ms M`.
+    ///
+    /// # Errors
+    /// Spawn failure.
+    pub fn start(
+        place: &Place<'_>,
+        addr: SocketAddr,
+        reconnect: u32,
+        max_ms: u64,
+    ) -> Result<Holder> {
+        let r = reconnect.to_string();
+        let m = max_ms.to_string();
+        let mut child = client_command(place, addr, &["hold", "--reconnect", &r, "--max-ms", &m])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let out = child.stdout.take().context("stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str(&line)
+                    && tx.send(v).is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Ok(Holder { child, rx })
+    }
+
+    /// Next event within `timeout`.
+    ///
+    /// # Errors
+    /// No event in time.
+    pub fn next(&self, timeout: Duration) -> Result<serde_json::Value> {
+        self.rx
+            .recv_timeout(timeout)
+            .context("no event from the holding client")
+    }
+
+    /// Wait for an event whose `event` field is `kind`, skipping others.
+    ///
+    /// # Errors
+    /// None within `timeout`.
+    pub fn wait_for(&self, kind: &str, timeout: Duration) -> Result<serde_json::Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ev = self.next(left)?;
+            if ev["event"] == kind {
+                return Ok(ev);
+            }
+        }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,213 @@
+//! Test hosts: network namespaces reached over veth pairs, each in its own /24 of
+//! 198.18.0.0/15, serving `lbt`; blackholing one.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::cmd::{lbt_bin, sh};
+
+static NEXT_SUBNET: AtomicU32 = AtomicU32::new(0);
+
+/// A test host: a network namespace reached from the root namespace over a veth pair, in its own
+/// /24 of 198.18.0.0/15 (root side `.1`, host side `.2`).
+#[derive(Debug)]
+pub struct Host {
+    /// Namespace name.
+    pub ns: String,
+    /// Root-side interface.
+    pub veth: String,
+    /// The host's address.
+    pub ip: Ipv4Addr,
+    /// The root side's address.
+    pub gateway: Ipv4Addr,
+    servers: Vec<Child>,
+}
+
+impl Host {
+    /// Create a host with a fresh subnet (retrying past names or subnets in use).
+    ///
+    /// # Errors
+    /// `ip` failures.
+    pub fn new() -> Result<Host> {
+        let base = std::process::id() % 97;
+        for _ in 0..512 {
+            let n = (base * 5 + NEXT_SUBNET.fetch_add(1, Ordering::Relaxed)) % 510 + 1;
+            let (b2, b3) = (18 + n / 256, n % 256);
+            let veth = format!("lbt{n}");
+            let peer = format!("lbt{n}p");
+            if sh(
+                "ip",
+                &["link", "add", &veth, "type", "veth", "peer", "name", &peer],
+            )
+            .is_err()
+            {
+                continue;
+            }
+            let ns = format!("lbt{n}-{}", std::process::id());
+            let host = Host {
+                ns: ns.clone(),
+                veth: veth.clone(),
+                ip: Ipv4Addr::new(198, b2 as u8, b3 as u8, 2),
+                gateway: Ipv4Addr::new(198, b2 as u8, b3 as u8, 1),
+                servers: Vec::new(),
+            };
+            let setup = || -> Result<()> {
+                sh("ip", &["netns", "add", &ns])?;
+                sh("ip", &["link", "set", &peer, "netns", &ns])?;
+                sh(
+                    "ip",
+                    &["addr", "add", &format!("{}/24", host.gateway), "dev", &veth],
+                )?;
+                sh("ip", &["link", "set", &veth, "up"])?;
+                host.exec_ok(
+                    "ip",
+                    &["addr", "add", &format!("{}/24", host.ip), "dev", &peer],
+                )?;
+                host.exec_ok("ip", &["link", "set", &peer, "up"])?;
+                host.exec_ok("ip", &["link", "set", "lo", "up"])?;
+                host.exec_ok(
+                    "ip",
+                    &["route", "add", "default", "via", &host.gateway.to_string()],
+                )?;
+                Ok(())
+            };
+            setup()?;
+            return Ok(host);
+        }
+        bail!("no free test subnet in 198.18.0.0/15")
+    }
+
+    /// A new host already serving `lbt` on `port` as `name`.
+    ///
+    /// # Errors
+    /// As [`Host::new`] and [`Host::serve`].
+    pub fn serving(port: u16, name: &str) -> Result<Host> {
+        let mut h = Host::new()?;
+        h.serve(port, name)?;
+        Ok(h)
+    }
+
+    /// Run a command inside the namespace.
+    ///
+    /// # Errors
+    /// Failure or non-zero exit.
+    pub fn exec_ok(&self, cmd: &str, args: &[&str]) -> Result<String> {
+        let mut all = vec!["netns", "exec", &self.ns, cmd];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+
+    /// `ip:port` of this host.
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(self.ip), port)
+    }
+
+    /// Start `lbt serve` on `port`, named `name`; waits until it listens.
+    ///
+    /// # Errors
+    /// Spawn failure or the server not becoming ready within 10 s.
+    pub fn serve(&mut self, port: u16, name: &str) -> Result<()> {
+        let addr = self.addr(port).to_string();
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.ns,
+                lbt_bin().to_str().unwrap_or("lbt"),
+                "serve",
+                "--listen",
+                &addr,
+                "--name",
+                name,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning lbt serve")?;
+        let out = child.stdout.take().context("stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(out).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let ready = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+        self.servers.push(child);
+        if ready.trim() != "ready" {
+            bail!("lbt serve on {addr} did not start");
+        }
+        Ok(())
+    }
+
+    /// Kill every server on this host (new connections are refused with RST).
+    pub fn stop_servers(&mut self) {
+        for mut c in self.servers.drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Blackhole the host: the root side's neighbour entry for it points at a MAC nobody has, so
+    /// every packet toward it vanishes (no RST, no ICMP, connects hang), as with a crashed machine
+    /// or a partition; the host's own link stays up.
+    ///
+    /// # Errors
+    /// `ip` failure.
+    pub fn blackhole(&self, on: bool) -> Result<()> {
+        let ip = self.ip.to_string();
+        if on {
+            sh(
+                "ip",
+                &[
+                    "neigh",
+                    "replace",
+                    &ip,
+                    "lladdr",
+                    "02:00:00:00:00:01",
+                    "dev",
+                    &self.veth,
+                    "nud",
+                    "permanent",
+                ],
+            )?;
+        } else {
+            sh("ip", &["neigh", "del", &ip, "dev", &self.veth])?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.stop_servers();
+        let _ = sh("ip", &["link", "del", &self.veth]);
+        let _ = sh("ip", &["netns", "del", &self.ns]);
+    }
+}
+
+/// `n` hosts serving `lbt` on `port`, host `i` named `name(i)`.
+///
+/// # Errors
+/// As [`Host::serving`].
+pub fn serving_hosts(n: usize, port: u16, name: impl Fn(usize) -> String) -> Result<Vec<Host>> {
+    (0..n).map(|i| Host::serving(port, &name(i))).collect()
+}
+
+/// `"ip:port", "ip:port"` of `hosts`, for a TOML array.
+pub fn toml_addrs(hosts: &[Host], port: u16) -> String {
+    hosts
+        .iter()
+        .map(|h| format!("\"{}\"", h.addr(port)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A network namespace for clients (its own loopback, reaching lb over a veth pair).
+pub type ClientNs = Host;

@@ -1,0 +1,185 @@
+//! The `lb` process under test: started on a free admin port, asked over its admin API,
+//! terminated on drop.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{cmd::lb_bin, http::http_get};
+
+/// A free TCP port on 127.0.0.1 (bound and released).
+///
+/// # Errors
+/// Bind failure.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A running `lb run`, killed (SIGTERM, then SIGKILL) on drop.
+#[derive(Debug)]
+pub struct Lb {
+    child: Child,
+    /// Admin address.
+    pub admin: SocketAddr,
+    /// Where its log goes.
+    pub log: PathBuf,
+}
+
+impl Lb {
+    /// Start `lb run` with `args` plus `--admin-listen` on a free port; waits until `/livez`
+    /// answers 200 (or the process exits).
+    ///
+    /// # Errors
+    /// When lb exits or does not answer within 15 s; the error carries its log.
+    pub fn start(args: &[&str]) -> Result<Lb> {
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let log = std::env::temp_dir().join(format!(
+            "lb-test-{}-{}.log",
+            std::process::id(),
+            admin.port()
+        ));
+        let logf = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(lb_bin());
+        cmd.arg("run")
+            .args(args)
+            .arg("--admin-listen")
+            .arg(admin.to_string());
+        cmd.env(
+            "LB_LOG",
+            std::env::var("LB_LOG").unwrap_or_else(|_| "info".into()),
+        );
+        let child = cmd
+            .stdout(logf.try_clone()?)
+            .stderr(logf)
+            .spawn()
+            .with_context(|| format!("spawning {}", lb_bin().display()))?;
+        let mut lb = Lb { child, admin, log };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Some(status) = lb.child.try_wait()? {
+                bail!("lb exited with {status}: {}", lb.log_text());
+            }
+            if http_get(admin, "/livez").is_ok_and(|(code, _)| code == 200) {
+                return Ok(lb);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("lb did not answer /livez within 15 s: {}", lb.log_text())
+    }
+
+    /// The log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// GET a path on the admin API: (status, body).
+    ///
+    /// # Errors
+    /// Connect/IO failure.
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
+        http_get(self.admin, path)
+    }
+
+    /// Sum of the samples of metric `name` (exact family name, e.g. `lb_spliced_bytes_total`)
+    /// whose labels contain `label` (`""` for all); 0 when absent or unreachable.
+    pub fn metric(&self, name: &str, label: &str) -> f64 {
+        let (_, body) = self.get("/metrics").unwrap_or_default();
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next().is_some_and(|n| n == name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// `/status` as JSON.
+    ///
+    /// # Errors
+    /// Request or JSON failure.
+    pub fn status(&self) -> Result<serde_json::Value> {
+        let (code, body) = self.get("/status")?;
+        if code != 200 {
+            bail!("/status answered {code}: {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    /// Wait until `/readyz` answers 200.
+    ///
+    /// # Errors
+    /// Not ready within `timeout`.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.get("/readyz").is_ok_and(|(c, _)| c == 200) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("lb not ready within {timeout:?}: {}", self.log_text())
+    }
+
+    /// Wait until no server is UNCHECKED or RECOVERING, so clients land where the policy says
+    /// and no first check moves them afterwards.
+    ///
+    /// # Errors
+    /// Not settled within `timeout`.
+    pub fn wait_settled(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let st = self.status()?;
+            let settling = st["balancers"]
+                .as_array()
+                .context("balancers")?
+                .iter()
+                .flat_map(|b| b["servers"].as_array().cloned().unwrap_or_default())
+                .any(|s| s["state"] == "UNCHECKED" || s["state"] == "RECOVERING");
+            if !settling {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("servers not settled within {timeout:?}: {st}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Send SIGTERM and wait up to `timeout` for exit; returns the exit code.
+    ///
+    /// # Errors
+    /// Still running after `timeout` (then killed).
+    pub fn terminate(&mut self, timeout: Duration) -> Result<i32> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id())?);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(st) = self.child.try_wait()? {
+                return Ok(st.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        bail!("lb did not exit within {timeout:?} of SIGTERM")
+    }
+}
+
+impl Drop for Lb {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.terminate(Duration::from_secs(3));
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! `cargo xtask test`: everything CI runs, in order: fmt, clippy, the unit and integration tests
+//! on the host kernel, the quick bench, and the integration tests in the kernel 6.1 guest; it
+//! closes with one line of counts.
+
+use anyhow::Result;
+
+use crate::{
+    bench,
+    util::{Counts, Skip, build_release, cargo, cargo_test, check_privileged_skips},
+    vm,
+};
+
+/// Everything CI runs.
+///
+/// # Errors
+/// The first failing step.
+pub fn run() -> Result<()> {
+    let start = std::time::Instant::now();
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "lb-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    let mut counts = Counts::default();
+    // `cargo test` also builds the `lb` and `lbt` binaries the integration tests run.
+    let mut result = cargo_test(
+        &[
+            "--workspace",
+            "--exclude",
+            "lb-ebpf",
+            "--",
+            "--test-threads=2",
+        ],
+        &mut counts,
+    );
+    eprintln!(
+        "xtask: host tests took {:.0} s",
+        start.elapsed().as_secs_f64()
+    );
+    // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
+    if result.is_ok() {
+        if lb_tests::is_root() {
+            let bench = build_release().and_then(|()| bench::run(true));
+            match &bench {
+                Ok(()) => counts.passed += 1,
+                Err(_) => counts.failed += 1,
+            }
+            result = bench;
+        } else {
+            let reason = format!("{} (network namespaces, BPF)", lb_tests::NEEDS_ROOT);
+            eprintln!("xtask: SKIP bench --quick: {reason}");
+            counts.skipped += 1;
+            counts.skips.push(Skip {
+                test: "bench --quick".into(),
+                reason,
+            });
+        }
+    }
+    // The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG
+    // here, plus the musl build). `LB_VM_TEST=0` leaves it out, saying so.
+    let vm_result = if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
+        eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 VM run is left out");
+        Ok(())
+    } else {
+        let vm_start = std::time::Instant::now();
+        let r = vm::run(&["6.1"], vm::DEFAULT_TIMEOUT, &[]).and_then(|outcomes| {
+            for o in &outcomes {
+                counts.add(&o.counts);
+                // A guest that never reported still counts as a failure in the closing line.
+                if !o.ok() && o.counts.failed == 0 {
+                    counts.failed += 1;
+                }
+            }
+            vm::verdict(&outcomes)
+        });
+        eprintln!(
+            "xtask: kernel 6.1 VM run took {:.0} s",
+            vm_start.elapsed().as_secs_f64()
+        );
+        if r.is_err() && counts.failed == 0 {
+            // The build or the run itself failed before any count.
+            counts.failed += 1;
+        }
+        r
+    };
+    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
+    let privilege = close(&counts);
+    result.and(vm_result).and(privilege)
+}
+
+/// List every skipped test with its reason and print the closing line. Skips count as skipped,
+/// never as passed; when xtask runs as root (CI) a test that skipped for lack of privilege
+/// fails the run.
+///
+/// # Errors
+/// Names the tests that skipped for lack of privilege, when running as root.
+fn close(counts: &Counts) -> Result<()> {
+    for s in &counts.skips {
+        eprintln!("xtask: skipped {s}");
+    }
+    let privilege = check_privileged_skips(&counts.skips, lb_tests::is_root());
+    if let Err(e) = &privilege {
+        eprintln!("xtask: {e}");
+    }
+    println!(
+        "xtask test: {} passed, {} failed, {} skipped",
+        counts.passed, counts.failed, counts.skipped
+    );
+    privilege
+}
