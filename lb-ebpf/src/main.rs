@@ -4,8 +4,9 @@
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
 //!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
-//!   its server socket and copied every byte that went the normal way (the counting rule from
-//!   DESIGN.md), it redirects the client's sends straight to the server socket's egress, within
+//!   its server socket and copied every byte that went the normal way (the counting rule: it
+//!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
+//!   before pairing are never overtaken), it redirects the client's sends straight to the server socket's egress, within
 //!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
 //!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
 //!   too: the kernel then makes it wait for room in the server socket, whose send buffer
