@@ -75,6 +75,9 @@ listen = ["127.0.0.1:{port}"]
 servers = [{servers}]
 dial_timeout = "{dial_timeout}"
 all_failed = "{all_failed}"
+# Fail-back resets the clients of the backup when the primary returns, by design (tests/k3s.rs
+# covers it); here every reset would be a client the outage failed, so it is off.
+failback = false
 
 [balancer.health]
 kind = "tcp"
