@@ -6,7 +6,8 @@
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
-//!   before pairing are never overtaken), it redirects the client's sends straight to the server socket's egress, within
+//!   before pairing are never overtaken), it redirects the client's sends straight to the
+//!   server socket's egress, within
 //!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
 //!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
 //!   too: the kernel then makes it wait for room in the server socket, whose send buffer
