@@ -164,6 +164,7 @@ defaults
     mode tcp
     maxconn {maxconn}
     timeout connect 2s
+    option redispatch
     timeout client 10m
     timeout server 10m
     timeout check 1s

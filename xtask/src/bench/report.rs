@@ -168,6 +168,20 @@ pub const METRICS: &[MetricDef] = &[
         false,
     ),
     m(
+        "newcomer_wait_ms",
+        "failover",
+        "6 failover: longest wait of a client connecting during the outage",
+        "ms",
+        false,
+    ),
+    m(
+        "newcomers_unserved",
+        "failover",
+        "6 failover: clients connecting during the outage not served (of 30)",
+        "clients",
+        false,
+    ),
+    m(
         "kill_total_ms",
         "failover",
         "7 kill {n} conns: blackhole → all closed",
@@ -254,7 +268,8 @@ impl Results {
                     id if id.starts_with("cpu_proxy") || id.starts_with("idle_rss") => {
                         kind.is_proxy()
                     }
-                    "failover_ms" | "kill_total_ms" | "kill_after_down_ms" => kind.kills_sessions(),
+                    "failover_ms" | "newcomer_wait_ms" | "newcomers_unserved" | "kill_total_ms"
+                    | "kill_after_down_ms" => kind.kills_sessions(),
                     "splice_share_up" => kind == Kind::LbBpf,
                     _ => true,
                 };

@@ -362,8 +362,12 @@ pub fn idle_and_kill(
     Ok(())
 }
 
+/// Clients that connect during a failover outage (one every 100 ms for 3 s).
+const NEWCOMERS: u64 = 30;
+
 /// Scenario 6: `opts.holders` long-lived clients on server `a`; `a` is blackholed; the time until
-/// every client is connected to `b` again.
+/// every client is connected to `b` again, and the longest wait of a client that connects during
+/// the outage (connect to answered round trip).
 ///
 /// # Errors
 /// A contender fails to start or a client does not fail over within 20 s.
@@ -398,6 +402,35 @@ pub fn failover(
             }
             let t0 = Instant::now();
             hosts.a.blackhole(true)?;
+            // Clients that connect during the outage: one every 100 ms for 3 s, each timed from
+            // its start to its one answered round trip.
+            let newcomers = {
+                let (cg, addr) = (cg.to_path_buf(), r.addr);
+                std::thread::spawn(move || -> Vec<(bool, Duration)> {
+                    let clients: Vec<_> = (0..NEWCOMERS)
+                        .map(|i| {
+                            let cg = cg.clone();
+                            let start = t0 + Duration::from_millis(100 * i);
+                            std::thread::sleep(start.saturating_duration_since(Instant::now()));
+                            std::thread::spawn(move || {
+                                let began = Instant::now();
+                                let v = run_client(
+                                    &place(&cg),
+                                    addr,
+                                    &["rr", "1", "16"],
+                                    Duration::from_secs(30),
+                                );
+                                let ok = v.is_ok_and(|v| v["ok"] == true);
+                                (ok, began.elapsed())
+                            })
+                        })
+                        .collect();
+                    clients
+                        .into_iter()
+                        .map(|c| c.join().unwrap_or((false, Duration::from_secs(30))))
+                        .collect()
+                })
+            };
             let mut worst = Duration::ZERO;
             for h in &holders {
                 let deadline = t0 + Duration::from_secs(20);
@@ -418,6 +451,17 @@ pub fn failover(
                 &serde_json::json!({"ms": worst.as_secs_f64() * 1e3}),
             );
             res.add("failover_ms", kind, worst.as_secs_f64() * 1e3);
+            let waits = newcomers.join().unwrap_or_default();
+            let served = waits.iter().filter(|(ok, _)| *ok).count();
+            let longest = waits.iter().map(|(_, d)| *d).max().unwrap_or_default();
+            raw.log(
+                kind,
+                &["failover-newcomers"],
+                &serde_json::json!({"clients": waits.len(), "served": served,
+                    "worst_ms": longest.as_secs_f64() * 1e3}),
+            );
+            res.add("newcomer_wait_ms", kind, longest.as_secs_f64() * 1e3);
+            res.add("newcomers_unserved", kind, (waits.len() - served) as f64);
             drop(holders);
             drop(r);
             hosts.reset_a()?;
