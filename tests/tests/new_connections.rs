@@ -54,7 +54,7 @@ impl Setup {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
         let servers = lb_tests::toml_addrs(&hosts, 9000);
         let names = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
-        Setup::with(hosts, &servers, names, dial_timeout, all_failed)
+        Setup::with(hosts, &servers, names, dial_timeout, all_failed, "")
     }
 
     /// As [`Setup::new`] with `servers` (TOML list items) naming `hosts`, as `/status` shows
@@ -65,6 +65,7 @@ impl Setup {
         names: Vec<String>,
         dial_timeout: &str,
         all_failed: &str,
+        health_extra: &str,
     ) -> Result<Setup> {
         let port = free_port()?;
         let text = format!(
@@ -85,6 +86,7 @@ interval = "{INTERVAL_MS}ms"
 timeout = "{TIMEOUT_MS}ms"
 rise = 2
 fall = {FALL}
+{health_extra}
 "#
         );
         let config =
@@ -103,8 +105,11 @@ fall = {FALL}
             listen: format!("127.0.0.1:{port}").parse()?,
             config,
         };
-        for i in 0..2 {
-            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+        // With the loop off nothing is checked until a client comes.
+        if !health_extra.contains("loop = false") {
+            for i in 0..2 {
+                s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+            }
         }
         Ok(s)
     }
@@ -229,7 +234,7 @@ fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()
         .iter()
         .map(|h| format!("{name}:9000 ({})", h.ip))
         .collect();
-    let s = Setup::with(hosts, &format!("\"{name}:9000\""), names, "10s", "try")?;
+    let s = Setup::with(hosts, &format!("\"{name}:9000\""), names, "10s", "try", "")?;
     let st = s.lb.status()?;
     ensure!(
         st["balancers"][0]["servers"].as_array().map(Vec::len) == Some(2),
@@ -337,5 +342,51 @@ fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once()
             s.hosts[i].blackhole(false)?;
         }
     }
+    Ok(())
+}
+
+/// With `health.loop = false` checks run only before dials: when every server is FAILED, a
+/// client's dial still checks them first (once `max_age` has passed), so servers that came back
+/// leave FAILED instead of being raced as FAILED forever (review finding).
+#[test]
+fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<()> {
+    let name = "with_the_loop_off_failed_servers_are_checked_again_before_a_dial";
+    if skip_unless_root(name) {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let names = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    let mut s = Setup::with(
+        hosts,
+        &servers,
+        names,
+        "2s",
+        "try",
+        "loop = false\nmax_age = \"500ms\"",
+    )?;
+    for h in &mut s.hosts {
+        h.stop_servers();
+    }
+    for _ in 0..3 {
+        let (ok, _) = client(s.listen, Duration::from_secs(30))?;
+        ensure!(!ok, "nothing serves");
+        std::thread::sleep(Duration::from_millis(600));
+    }
+    for i in 0..2 {
+        s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+    }
+    for (i, h) in s.hosts.iter_mut().enumerate() {
+        h.serve(9000, &format!("s{i}"))?;
+    }
+    std::thread::sleep(Duration::from_millis(600));
+    let (ok, _) = client(s.listen, Duration::from_secs(30))?;
+    ensure!(ok, "a server is back: the client must be served");
+    let states = [s.state(0)?, s.state(1)?];
+    ensure!(
+        states.iter().any(|st| st != "FAILED"),
+        "the dial's checks must have moved a server out of FAILED: {states:?}\n{}",
+        s.lb.log_text()
+    );
     Ok(())
 }

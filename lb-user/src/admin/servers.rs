@@ -49,6 +49,18 @@ fn set_error(e: SetError) -> ApiError {
     }
 }
 
+/// Run a set change on the blocking pool: it resolves new host names with the system
+/// resolver, which must not stall the admin thread (and with it `/livez` and `/readyz`).
+async fn off_thread<T: Send + 'static>(
+    b: &Arc<Balancer>,
+    f: impl FnOnce(&Arc<Balancer>) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let b = b.clone();
+    tokio::task::spawn_blocking(move || f(&b))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
 fn path_error(e: PathRejection) -> ApiError {
     ApiError::bad_request(e.body_text())
 }
@@ -69,8 +81,8 @@ pub(super) async fn set(
         .map(addr::parse_one)
         .transpose()
         .map_err(set_error)?;
-    let changed = b
-        .set_servers(&servers, default.as_ref())
+    let changed = off_thread(&b, move |b| b.set_servers(&servers, default.as_ref()))
+        .await?
         .map_err(set_error)?;
     Ok(Json(ServersResponse {
         balancer: b.name.clone(),
@@ -89,10 +101,12 @@ pub(super) async fn add(
     let b = find(&s, &name)?;
     let req: AddServerRequest = parse_body(&body)?;
     let server = addr::parse_one(&req.server).map_err(set_error)?;
-    let changed = b.add_server(&server).map_err(|e| match e {
-        SetError::Duplicate(_) => ApiError::new(StatusCode::CONFLICT, e.to_string()),
-        other => set_error(other),
-    })?;
+    let changed = off_thread(&b, move |b| b.add_server(&server))
+        .await?
+        .map_err(|e| match e {
+            SetError::Duplicate(_) => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+            other => set_error(other),
+        })?;
     Ok(Json(ServersResponse {
         balancer: b.name.clone(),
         changed,

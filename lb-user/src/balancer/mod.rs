@@ -132,6 +132,8 @@ impl fmt::Debug for Balancer {
 
 struct Inner {
     servers: Vec<Server>,
+    /// The set as given (names, not their addresses), which `servers` stands for.
+    set: ServerSet,
     conns: Registry,
     rr: usize,
     rng: StdRng,
@@ -144,20 +146,7 @@ impl Inner {
 
     /// The set as configured: its entries (names, not their addresses), in order.
     fn set(&self) -> ServerSet {
-        let mut servers: Vec<ServerAddr> = Vec::new();
-        for s in self.servers.iter().filter(|s| s.in_set) {
-            if !servers.contains(&s.origin) {
-                servers.push(s.origin.clone());
-            }
-        }
-        ServerSet {
-            servers,
-            default: self
-                .servers
-                .iter()
-                .find(|s| s.is_default)
-                .map(|s| s.origin.clone()),
-        }
+        self.set.clone()
     }
 }
 
@@ -185,6 +174,7 @@ impl Balancer {
             cfg: ArcSwap::from_pointee(cfg),
             inner: Mutex::new(Inner {
                 servers: set::build_servers(&set),
+                set,
                 conns: Registry::default(),
                 rr: 0,
                 rng,
@@ -222,13 +212,15 @@ impl Balancer {
         validate_set(&new_set.servers, new_set.default.as_ref(), &cfg.listen)?;
         let list_changed = ServerSet::of_config(&self.config()) != new_set;
         self.cfg.store(Arc::new(cfg));
-        if list_changed {
-            self.set_servers(&new_set.servers, new_set.default.as_ref())
+        let changed = if list_changed {
+            self.set_servers(&new_set.servers, new_set.default.as_ref())?
         } else {
-            // The running set stays; the file now records the new config.
-            self.write_state_file();
-            Ok(false)
-        }
+            false
+        };
+        // Whether or not the running set moved, the file now records the config it runs under
+        // (a list edited to what the API had already set must still count as applied).
+        self.write_state_file();
+        Ok(changed)
     }
 
     fn bump(&self) {
@@ -319,6 +311,7 @@ impl Balancer {
             conns,
             rr,
             rng,
+            set: _,
         } = &mut *guard;
         select::dial_order(servers, |a| conns.count(a), policy, rr, rng)
     }

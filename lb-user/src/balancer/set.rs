@@ -13,22 +13,42 @@ use super::{
 use crate::addr::{ServerAddr, SetError, validate_set};
 
 /// Every entry of `set` (its default last when it is not in the list) with the addresses it
-/// stands for ([`ServerAddr::expand`]: a name's addresses, each pinned). Resolves names, so it
-/// runs without the lock.
-pub(super) fn expand(set: &ServerSet) -> Vec<(ServerAddr, Vec<ServerAddr>)> {
+/// stands for ([`ServerAddr::expand`]: a name's addresses, each pinned). An entry already in
+/// the balancer (`known`: origin and address of each current server) keeps the addresses it
+/// has: a name is resolved when it enters the set, so an unrelated change during a DNS outage
+/// never moves or kills its servers. Resolves new names, so it runs without the lock.
+pub(super) fn expand(
+    set: &ServerSet,
+    known: &[(ServerAddr, ServerAddr)],
+) -> Vec<(ServerAddr, Vec<ServerAddr>)> {
     set.servers
         .iter()
         .chain(set.default.iter().filter(|d| !set.servers.contains(d)))
-        .map(|origin| (origin.clone(), origin.expand()))
+        .map(|origin| {
+            let had: Vec<ServerAddr> = known
+                .iter()
+                .filter(|(o, _)| o == origin)
+                .map(|(_, a)| a.clone())
+                .collect();
+            let addrs = if had.is_empty() { origin.expand() } else { had };
+            (origin.clone(), addrs)
+        })
         .collect()
 }
 
 pub(super) fn build_servers(set: &ServerSet) -> Vec<Server> {
-    let mut out = Vec::new();
-    for (origin, addrs) in expand(set) {
+    let mut out: Vec<Server> = Vec::new();
+    for (origin, addrs) in expand(set, &[]) {
         let in_set = set.servers.contains(&origin);
         let is_default = set.default.as_ref() == Some(&origin);
         for addr in addrs {
+            // One server per address: an entry that names an address another entry already
+            // stands for (`api:80` and `api:80 (10.0.0.1)`) adds nothing but its flags.
+            if let Some(s) = out.iter_mut().find(|s| s.addr == addr) {
+                s.is_default |= is_default;
+                s.in_set |= in_set;
+                continue;
+            }
             out.push(Server::new(addr, origin.clone(), is_default, in_set));
         }
     }
@@ -58,7 +78,15 @@ impl Balancer {
         if self.lock().set() == want {
             return Ok(false);
         }
-        let expanded = expand(&want);
+        let known: Vec<(ServerAddr, ServerAddr)> = self
+            .lock()
+            .servers
+            .iter()
+            .map(|s| (s.origin.clone(), s.addr.clone()))
+            .collect();
+        let expanded = expand(&want, &known);
+        let servers = &want.servers;
+        let default = want.default.as_ref();
         let mut removed = Vec::new();
         {
             let mut inner = self.lock();
@@ -68,6 +96,11 @@ impl Balancer {
                 let in_set = servers.contains(&origin);
                 let is_default = default == Some(&origin);
                 for addr in addrs {
+                    if let Some(s) = next.iter_mut().find(|s: &&mut Server| s.addr == addr) {
+                        s.is_default |= is_default;
+                        s.in_set |= in_set;
+                        continue;
+                    }
                     let s = match old.iter().position(|s| s.addr == addr) {
                         Some(i) => {
                             let mut s = old.remove(i);
@@ -111,6 +144,7 @@ impl Balancer {
                 removed.push((s.addr, taken));
             }
             inner.servers = next;
+            inner.set = want;
         }
         for (server, c) in removed {
             self.kill_entries(&server, c, KillReason::Removed);

@@ -336,3 +336,58 @@ fn state_file_rule_at_start_and_on_reload() {
     assert_eq!(b.server_specs(), ["198.18.0.5:1"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A list edited to what the API had already set still counts as applied: editing it back
+/// later must win at the next start (review finding).
+#[test]
+fn a_list_edited_to_the_running_set_counts_as_applied() {
+    let dir = std::env::temp_dir().join(format!("lb-state-applied-{}", std::process::id()));
+    let path = dir.join("b.json");
+    let _ = std::fs::remove_dir_all(&dir);
+    let b = Balancer::new(0, with_state_file(&["198.18.0.2:1", "198.18.0.3:1"], &path));
+    assert!(
+        b.set_servers(&[a("198.18.0.2:1"), a("198.18.0.4:1")], None)
+            .unwrap()
+    );
+    // The operator writes the API's list into the file and reloads: nothing moves.
+    assert!(
+        !b.replace_config(with_state_file(&["198.18.0.2:1", "198.18.0.4:1"], &path))
+            .unwrap()
+    );
+    drop(b);
+    // Then edits it back and restarts: the edit wins.
+    let b = Balancer::new(0, with_state_file(&["198.18.0.2:1", "198.18.0.3:1"], &path));
+    assert_eq!(b.server_specs(), ["198.18.0.2:1", "198.18.0.3:1"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A name and one of its pinned addresses in one set are one server per address, and a set
+/// change keeps a name's servers (and their states) without resolving it again.
+#[test]
+fn a_name_is_one_server_per_address_and_keeps_them_across_set_changes() {
+    let name = a("localhost:7");
+    let pinned = name.expand();
+    assert!(pinned.iter().all(|p| p.pin().is_some()), "{pinned:?}");
+    let o = Overrides {
+        listen: vec!["127.0.0.1:6444".parse().unwrap()],
+        servers: vec![name.clone()],
+        default_server: Some(pinned[0].clone()),
+        ..Overrides::default()
+    };
+    let cfg = Config::load(None, &o).unwrap().balancers.remove(0);
+    let b = Balancer::new(0, cfg);
+    let st = b.status();
+    let addrs: std::collections::HashSet<&ServerAddr> = st.iter().map(|s| &s.address).collect();
+    assert_eq!(addrs.len(), st.len(), "no address twice: {st:?}");
+    assert_eq!(st.len(), pinned.len(), "{st:?}");
+    assert!(st[0].default, "{st:?}");
+    b.record_check(&pinned[0], Ok(()));
+    b.record_check(&pinned[0], Ok(()));
+    assert_eq!(states(&b)[0], ServerState::Preferred);
+    assert!(
+        b.set_servers(&[name.clone(), a("198.18.0.2:1")], Some(&pinned[0]))
+            .unwrap()
+    );
+    assert_eq!(states(&b)[0], ServerState::Preferred, "kept, not re-added");
+    assert_eq!(b.default_server(), Some(pinned[0].clone()));
+}

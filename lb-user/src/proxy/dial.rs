@@ -46,16 +46,16 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Serve
     let deadline = Instant::now() + cfg.connect_budget.0;
     let route = Route::from_env(cfg.proxy.clone());
     if balancer.all_failed() {
-        return match cfg.all_failed {
-            AllFailed::Refuse => {
-                refused(balancer, ctx, "all_failed");
-                Err(io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    "every server is FAILED (all_failed = \"refuse\")",
-                ))
-            }
-            AllFailed::Try => race_all(balancer, ctx, &route, deadline).await,
-        };
+        // Check-before-dial first, all at once: with `health.loop = false` it is the only way
+        // a FAILED server is ever checked again (with the loop on, results are fresh and this
+        // returns at once).
+        if let Some(pre) = &ctx.pre_dial {
+            let order = balancer.dial_order();
+            futures::future::join_all(order.into_iter().map(|s| pre(balancer.clone(), s))).await;
+        }
+        if balancer.all_failed() {
+            return every_server_failed(balancer, ctx, &route, deadline).await;
+        }
     }
     let mut errors = Vec::new();
     let mut deferred = Vec::new();
@@ -88,6 +88,10 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Serve
             Ok(stream) => return Ok((spec, stream)),
             Err(Failed::Abandoned) => {
                 errors.push(format!("{spec}: abandoned, the server became unusable"));
+                // The server that just failed may have been the last one up.
+                if balancer.all_failed() {
+                    return every_server_failed(balancer, ctx, &route, deadline).await;
+                }
             }
             Err(Failed::Local(e) | Failed::Server(e)) => errors.push(format!("{spec}: {e}")),
         }
@@ -100,6 +104,25 @@ pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(Serve
         io::ErrorKind::NotConnected,
         format!("all servers failed ({})", errors.join("; ")),
     ))
+}
+
+/// Every server is FAILED: as `all_failed` says, reset the client at once or race them all.
+async fn every_server_failed(
+    balancer: &Arc<Balancer>,
+    ctx: &ProxyCtx,
+    route: &Route,
+    deadline: Instant,
+) -> io::Result<(ServerAddr, TcpStream)> {
+    match balancer.config().all_failed {
+        AllFailed::Refuse => {
+            refused(balancer, ctx, "all_failed");
+            Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "every server is FAILED (all_failed = \"refuse\")",
+            ))
+        }
+        AllFailed::Try => race_all(balancer, ctx, route, deadline).await,
+    }
 }
 
 /// Every server is FAILED: dial them all at once within one `dial_timeout` (and what is left
