@@ -1,4 +1,4 @@
-//! Failover end to end: a server on a test host is blackholed (its link goes down, packets
+//! Failover end to end: a server on a test host is blackholed (a dead neighbour entry: packets
 //! vanish) while long-lived clients hold connections through lb. It must turn FAILED within
 //! `interval × fall + timeout`, and then, per `on_unhealthy`: `kill` resets every client within
 //! 1 s and they reconnect to the healthy server; `drain` resets them after `drain_timeout`;

@@ -138,7 +138,7 @@ pub fn run() -> Result<()> {
         .context("active server")?
         - 1;
     step(&format!(
-        "blackholing {active} (its link goes down: no RST, packets vanish)"
+        "blackholing {active} (a dead neighbour entry: no RST, no ICMP, packets vanish)"
     ));
     let t0 = Instant::now();
     hosts[idx].blackhole(true)?;
