@@ -115,6 +115,24 @@ impl Lb {
         Ok(serde_json::from_str(&body)?)
     }
 
+    /// The server addresses of balancer `name`, as `/status` lists them.
+    ///
+    /// # Errors
+    /// Request or JSON failure, or no such balancer.
+    pub fn servers(&self, name: &str) -> Result<Vec<String>> {
+        let st = self.status()?;
+        let b = st["balancers"]
+            .as_array()
+            .and_then(|v| v.iter().find(|b| b["name"] == name))
+            .with_context(|| format!("no balancer {name} in /status: {st}"))?;
+        Ok(b["servers"]
+            .as_array()
+            .with_context(|| format!("no servers in /status: {st}"))?
+            .iter()
+            .filter_map(|s| s["address"].as_str().map(String::from))
+            .collect())
+    }
+
     /// Wait until `/readyz` answers 200.
     ///
     /// # Errors
@@ -181,5 +199,22 @@ impl Drop for Lb {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// Poll `f` every 10 ms until it holds or `within` passes; returns how long it took.
+///
+/// # Errors
+/// `f`'s error, or the condition not met in time.
+pub fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<Duration> {
+    let start = std::time::Instant::now();
+    loop {
+        if f()? {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > within {
+            bail!("condition not met within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -18,7 +18,7 @@ pub use client::{Holder, Place, client_command, run_client};
 pub use cmd::{lb_bin, lbt_bin, set_bin_dir, sh, sibling_bin};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
-pub use lb::{Lb, free_port};
+pub use lb::{Lb, free_port, wait_until};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
     skip_unless_root,

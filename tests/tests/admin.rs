@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     Holder, Host, Lb, Place, TestCgroup, client_command, free_port, http_get, http_request,
-    http_request_with, lb_bin, run_client, sh, skip_unless_root, unix_request,
+    http_request_with, lb_bin, run_client, sh, skip_unless_root, unix_request, wait_until,
 };
 use serde_json::Value;
 
@@ -73,20 +73,6 @@ fn metric(lb: &Lb, name: &str, label: &str) -> Result<f64> {
 
 fn json(body: &str) -> Result<Value> {
     serde_json::from_str(body).with_context(|| format!("not JSON: {body}"))
-}
-
-/// Poll `f` every 10 ms until it holds or `within` passes; returns how long it took.
-fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        if f()? {
-            return Ok(start.elapsed());
-        }
-        if start.elapsed() > within {
-            bail!("condition not met within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn tcp(addr: SocketAddr) -> Result<TcpStream> {
@@ -702,20 +688,6 @@ servers = ["{sb}"]
     )
 }
 
-fn servers_of(lb: &Lb, balancer: &str) -> Result<Vec<String>> {
-    let st = lb.status()?;
-    let b = st["balancers"]
-        .as_array()
-        .and_then(|v| v.iter().find(|b| b["name"] == balancer))
-        .context("balancer missing")?;
-    Ok(b["servers"]
-        .as_array()
-        .context("servers")?
-        .iter()
-        .filter_map(|s| s["address"].as_str().map(String::from))
-        .collect())
-}
-
 #[test]
 fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
     if skip_unless_root("sighup_keeps_the_old_config_when_the_new_one_is_broken") {
@@ -752,7 +724,7 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
     );
     ensure!(lb.get("/livez")?.0 == 200);
     ensure!(
-        servers_of(&lb, "b")? == vec![s[1].clone()],
+        lb.servers("b")? == vec![s[1].clone()],
         "b changed on a broken config"
     );
     let v = run_client(
@@ -767,9 +739,9 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
     std::fs::write(&cfg, two_balancer_config(la, &s[0], lbb, &s[2], ""))?;
     signal(&lb, nix::sys::signal::Signal::SIGHUP)?;
     wait_until(Duration::from_secs(5), || {
-        Ok(servers_of(&lb, "b")? == vec![s[2].clone()])
+        Ok(lb.servers("b")? == vec![s[2].clone()])
     })?;
-    ensure!(servers_of(&lb, "a")? == vec![s[0].clone()]);
+    ensure!(lb.servers("a")? == vec![s[0].clone()]);
     let holder_b = Holder::start(&Place::default(), lbb, 0, 5_000)?;
     let ev = holder_b.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s2", "b must now lead to s2: {ev}");
@@ -992,7 +964,7 @@ fn cli_against_a_live_daemon() -> Result<()> {
 
     let o = run(&["servers", "set", &s0, &s1, "--default", &s0])?;
     ensure!(code(&o) == 0 && text(&o.stdout).contains(&s1), "{o:?}");
-    ensure!(servers_of(&lb, "default")? == vec![s0.clone(), s1.clone()]);
+    ensure!(lb.servers("default")? == vec![s0.clone(), s1.clone()]);
     let o = run(&["servers", "drain", &s1])?;
     ensure!(code(&o) == 0 && text(&o.stdout).contains("drain"), "{o:?}");
     let o = run(&["servers", "disable", &s1])?;
@@ -1004,14 +976,11 @@ fn cli_against_a_live_daemon() -> Result<()> {
     ensure!(code(&o) == 0, "{o:?}");
     let o = run(&["servers", "remove", &s1])?;
     ensure!(
-        code(&o) == 0 && servers_of(&lb, "default")? == vec![s0.clone()],
+        code(&o) == 0 && lb.servers("default")? == vec![s0.clone()],
         "{o:?}"
     );
     let o = run(&["servers", "add", &s1])?;
-    ensure!(
-        code(&o) == 0 && servers_of(&lb, "default")?.len() == 2,
-        "{o:?}"
-    );
+    ensure!(code(&o) == 0 && lb.servers("default")?.len() == 2, "{o:?}");
     let o = run(&["servers", "--balancer", "default", "kill", &s0])?;
     ensure!(code(&o) == 0, "{o:?}");
     let o = run(&["servers", "drain", "198.18.254.254:1"])?;

@@ -1,13 +1,10 @@
 //! SIGHUP and the server list: a set changed through the admin API survives a reload that
 //! touched other keys (its connections too), and an edit of the file's own list takes effect.
 
-use std::{
-    net::SocketAddr,
-    time::{Duration, Instant},
-};
+use std::{net::SocketAddr, time::Duration};
 
-use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Holder, Lb, Place, free_port, http_request, skip_unless_root};
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{Holder, Lb, Place, free_port, http_request, skip_unless_root, wait_until};
 
 fn config(listen: SocketAddr, server: &str, interval: &str) -> String {
     format!(
@@ -24,26 +21,6 @@ timeout = "300ms"
 rise = 1
 "#
     )
-}
-
-fn servers(lb: &Lb) -> Result<Vec<String>> {
-    Ok(lb.status()?["balancers"][0]["servers"]
-        .as_array()
-        .context("servers")?
-        .iter()
-        .filter_map(|s| s["address"].as_str().map(String::from))
-        .collect())
-}
-
-fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
-    let start = Instant::now();
-    while !f()? {
-        if start.elapsed() > within {
-            bail!("condition not met within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
 }
 
 fn hup(lb: &Lb) -> Result<()> {
@@ -91,9 +68,9 @@ fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
             Ok(lb.log_text().contains("config reloaded"))
         })?;
         ensure!(
-            servers(&lb)? == [s[1].clone()],
+            lb.servers("b")? == [s[1].clone()],
             "the API's set must survive the reload: {:?}\n{}",
-            servers(&lb)?,
+            lb.servers("b")?,
             lb.log_text()
         );
         ensure!(
@@ -105,7 +82,7 @@ fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
         std::fs::write(&cfg, config(listen, &s[2], "400ms"))?;
         hup(&lb)?;
         wait_until(Duration::from_secs(5), || {
-            Ok(servers(&lb)? == [s[2].clone()])
+            Ok(lb.servers("b")? == [s[2].clone()])
         })?;
         let ev = holder.next(Duration::from_secs(5))?;
         ensure!(
