@@ -129,6 +129,44 @@ impl ServerAddr {
         }
     }
 
+    /// `template` with this server's parts put in: `{server}` → `host:port` (IPv6 in
+    /// brackets), `{host}` → the host alone (IPv6 in brackets, as a URL wants it; a pinned
+    /// name gives its name), `{port}` → the port. So a check can target another port of the
+    /// same host, e.g. K3s's supervisor: `https://{host}:9345/ping`.
+    pub fn fill(&self, template: &str) -> String {
+        let host = match &self.host {
+            Host::Ip(IpAddr::V6(ip)) => format!("[{ip}]"),
+            Host::Ip(IpAddr::V4(ip)) => ip.to_string(),
+            Host::Name(n) => n.clone(),
+        };
+        template
+            .replace("{server}", &self.authority())
+            .replace("{host}", &host)
+            .replace("{port}", &self.port.to_string())
+    }
+
+    /// The same host (and pin) with another port.
+    pub fn with_port(&self, port: u16) -> ServerAddr {
+        let base = match &self.host {
+            Host::Ip(ip) => ServerAddr {
+                text: SocketAddr::new(*ip, port).to_string(),
+                host: self.host.clone(),
+                port,
+                pin: None,
+            },
+            Host::Name(n) => ServerAddr {
+                text: format!("{n}:{port}"),
+                host: self.host.clone(),
+                port,
+                pin: None,
+            },
+        };
+        match self.pin {
+            Some(ip) => base.pinned_to(ip),
+            None => base,
+        }
+    }
+
     /// The addresses to balance over for this server: itself when it is an IP address or
     /// already pinned; for a name, one pinned server per address it resolves to (in the
     /// resolver's order, each once), or the name itself when it resolves to nothing now (it
@@ -440,5 +478,45 @@ mod tests {
             ProxyUrl::parse("https://proxy:3128"),
             Err(AddrError::ProxyScheme)
         );
+    }
+
+    #[test]
+    fn pinned_names() {
+        let p = ServerAddr::parse("Etcd.Example:2379 (198.18.1.2)").unwrap();
+        assert_eq!(p, "etcd.example:2379 (198.18.1.2)");
+        assert_eq!(p.authority(), "etcd.example:2379");
+        assert_eq!(p.socket_addr(), Some("198.18.1.2:2379".parse().unwrap()));
+        assert_eq!(p.host_str(), "etcd.example");
+        assert_eq!(ServerAddr::parse(p.as_str()).unwrap(), p, "round trip");
+        assert!(ServerAddr::parse("198.18.0.1:1 (198.18.0.2)").is_err());
+        assert!(ServerAddr::parse("a:1 (nope)").is_err());
+        let local = ServerAddr::parse("localhost:7").unwrap().expand();
+        assert!(
+            local
+                .iter()
+                .all(|a| a.pin().is_some_and(|ip| ip.is_loopback())),
+            "{local:?}"
+        );
+        let lit = ServerAddr::parse("198.18.0.2:1").unwrap();
+        assert_eq!(lit.expand(), std::slice::from_ref(&lit));
+    }
+
+    #[test]
+    fn templates() {
+        let v4 = ServerAddr::parse("198.18.0.2:6443").unwrap();
+        let v6 = ServerAddr::parse("[::1]:6443").unwrap();
+        let pinned = ServerAddr::parse("api.test:6443 (198.18.0.3)").unwrap();
+        let t = "https://{host}:9345/ping?s={server}&p={port}";
+        assert_eq!(
+            v4.fill(t),
+            "https://198.18.0.2:9345/ping?s=198.18.0.2:6443&p=6443"
+        );
+        assert_eq!(v6.fill(t), "https://[::1]:9345/ping?s=[::1]:6443&p=6443");
+        assert_eq!(
+            pinned.fill(t),
+            "https://api.test:9345/ping?s=api.test:6443&p=6443"
+        );
+        assert_eq!(v6.with_port(9345), "[::1]:9345");
+        assert_eq!(pinned.with_port(9345), "api.test:9345 (198.18.0.3)");
     }
 }

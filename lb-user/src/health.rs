@@ -113,7 +113,9 @@ pub async fn check_once(
     let limit = cfg.timeout.0;
     let fut = async {
         match cfg.kind {
-            CheckKind::Tcp => connect_tcp(server.as_str(), route).await.map(drop),
+            CheckKind::Tcp => connect_tcp(check_target(cfg, server)?.as_str(), route)
+                .await
+                .map(drop),
             CheckKind::Tls => tls_check(cfg, server, route).await,
             CheckKind::Http => http::check(cfg, server, route).await,
             CheckKind::Tunnel => tunnel::check_once(cfg, server, route).await,
@@ -136,13 +138,35 @@ async fn connect_tcp(target: &str, route: &Route) -> Result<TcpStream, CheckErro
     Ok(s)
 }
 
+/// Where a tcp or tls check of `server` connects: `address` (default the server's host, or a
+/// name's pinned address) at `port` (default the server's port), as HAProxy's `check addr A
+/// port N` and Envoy's `health_check_config.port_value` allow.
+///
+/// # Errors
+/// [`CheckError::Url`] when `address` is not a host.
+fn check_target(cfg: &HealthConfig, server: &ServerAddr) -> Result<ServerAddr, CheckError> {
+    let port = cfg.port.unwrap_or(server.port());
+    let Some(address) = &cfg.address else {
+        return Ok(server.with_port(port));
+    };
+    let text = if address.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{address}]:{port}")
+    } else {
+        format!("{address}:{port}")
+    };
+    ServerAddr::parse(&text).map_err(|e| CheckError::Url {
+        url: text.clone(),
+        reason: e.to_string(),
+    })
+}
+
 /// Connect and finish a TLS handshake; with `alpn` set, the server must pick one of them.
 async fn tls_check(
     cfg: &HealthConfig,
     server: &ServerAddr,
     route: &Route,
 ) -> Result<(), CheckError> {
-    let tcp = connect_tcp(server.as_str(), route).await?;
+    let tcp = connect_tcp(check_target(cfg, server)?.as_str(), route).await?;
     let stream = tls::handshake(cfg, &server.host_str(), tcp, None).await?;
     if !cfg.alpn.is_empty() && stream.get_ref().1.alpn_protocol().is_none() {
         return Err(CheckError::NoAlpn(cfg.alpn.clone()));

@@ -264,6 +264,29 @@ async fn tcp_ok_and_refused() {
     );
 }
 
+/// The check target need not be the balanced address: `port` (tcp/tls) and `{host}` (http)
+/// reach another port of the same host, as K3s's supervisor on 9345 beside the apiserver.
+#[tokio::test]
+async fn checks_target_another_port_of_the_server() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other = listener.local_addr().unwrap().port();
+    let balanced = closed_port().await.to_string();
+    assert!(check_once(&cfg(CheckKind::Tcp), &balanced).await.is_err());
+    let tcp = HealthConfig {
+        port: Some(other),
+        ..cfg(CheckKind::Tcp)
+    };
+    check_once(&tcp, &balanced).await.unwrap();
+    let (http, heads) = http_server(None, Arc::new(|_: &str| response(200, "pong"))).await;
+    let url = format!("http://{{host}}:{}/ping", http.port());
+    check_once(&http_cfg(&url), &balanced).await.unwrap();
+    assert_eq!(
+        heads.lock().unwrap().len(),
+        1,
+        "the supervisor port got the check"
+    );
+}
+
 /// A listener whose accept queue is full drops SYNs: the connect hangs and the fixed timeout
 /// ends the check. Paused time: the 1 s timeout passes at once.
 #[tokio::test(start_paused = true)]

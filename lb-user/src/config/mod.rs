@@ -287,8 +287,15 @@ pub struct HealthConfig {
     /// Run the periodic loop (false: checks run before dials and on `/check` only).
     #[serde(rename = "loop")]
     pub loop_enabled: bool,
-    /// URL template for http (`http://{server}/ping`) and tunnel (`ws://{server}/tunnel`).
+    /// URL template for http (`http://{server}/ping`) and tunnel (`ws://{server}/tunnel`):
+    /// `{server}` is the server's `host:port`, `{host}` its host alone and `{port}` its port, so
+    /// `https://{host}:9345/ping` checks another port of the same host (K3s's supervisor).
     pub url: Option<String>,
+    /// tcp and tls: check this port instead of the server's (HAProxy's `check port N`).
+    pub port: Option<u16>,
+    /// tcp and tls: check this host or IP address instead of the server's (HAProxy's `addr`);
+    /// one place for every server, so several servers need `shared_target = true`.
+    pub address: Option<String>,
     /// Host header / SNI override.
     pub host: Option<String>,
     /// Accepted HTTP status codes or ranges: `[200, "200-299"]`.
@@ -345,6 +352,8 @@ impl Default for HealthConfig {
             kind: CheckKind::Tcp,
             loop_enabled: true,
             url: None,
+            port: None,
+            address: None,
             host: None,
             expect_status: vec![StatusMatch::Range(200, 299)],
             expect_body: None,

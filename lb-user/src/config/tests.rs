@@ -181,3 +181,57 @@ fn a_check_url_without_server_needs_shared_target_with_several_servers() {
     let err = Config::from_toml(&bad, "f.toml").unwrap_err().to_string();
     assert!(err.contains("all_failed") || err.contains("wait"), "{err}");
 }
+
+#[test]
+fn check_placeholders_and_targets() {
+    // K3s's supervisor on 9345 beside the apiserver: {host} without the port.
+    let k3s = FULL.replace("https://{server}/ping", "https://{host}:9345/ping");
+    Config::from_toml(&k3s, "f.toml").unwrap();
+    // {server} already carries a port: a second one is no URL.
+    let twice = FULL.replace("https://{server}/ping", "http://{server}:9345/ping");
+    let err = Config::from_toml(&twice, "f.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("health.url") && err.contains("{host}"),
+        "{err}"
+    );
+    // tcp/tls take port and address; http does not.
+    let tcp = FULL
+        .replace("kind = \"http\"", "kind = \"tcp\"\nport = 9345")
+        .replace("url = \"https://{server}/ping\"\n", "");
+    Config::from_toml(&tcp, "f.toml").unwrap();
+    let http_port = FULL.replace("kind = \"http\"", "kind = \"http\"\nport = 9345");
+    let err = Config::from_toml(&http_port, "f.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("health.port"), "{err}");
+    let shared = tcp.replace("port = 9345", "address = \"198.18.0.9\"");
+    let err = Config::from_toml(&shared, "f.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("health.address") && err.contains("shared_target"),
+        "{err}"
+    );
+    let intended = shared.replace("address =", "shared_target = true\naddress =");
+    Config::from_toml(&intended, "f.toml").unwrap();
+    let bad = tcp.replace("port = 9345", "address = \"a b\"");
+    let err = Config::from_toml(&bad, "f.toml").unwrap_err().to_string();
+    assert!(err.contains("health.address"), "{err}");
+}
+
+/// The K3s/RKE2 agent layout shipped in `deploy/k3s/` passes `lb config check`.
+#[test]
+fn the_k3s_deploy_config_is_valid() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k3s/lb.toml");
+    let cfg = Config::from_file(&path).unwrap();
+    let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["supervisor", "apiserver", "etcd"]);
+    assert!(
+        cfg.balancers.iter().all(|b| b
+            .health
+            .url
+            .as_deref()
+            .is_some_and(|u| u.contains("{host}:9345"))),
+        "every balancer is judged by the supervisor"
+    );
+}

@@ -141,19 +141,56 @@ fn validate_balancer(
     }
     validate_health(i, &b.health)?;
     let h = &b.health;
+    for server in b.servers.iter().chain(&b.default_server) {
+        if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
+            check_url(&format!("balancer[{i}].health.url"), url, server)?;
+        }
+    }
+    if let (CheckKind::Tcp | CheckKind::Tls, Some(a), false) = (h.kind, &h.address, h.shared_target)
+        && b.servers.len() > 1
+    {
+        return Err(ConfigError::invalid(
+            format!("balancer[{i}].health.address"),
+            a,
+            "is one place for every server, so every server's health would be that one \
+             address's; drop it, or set health.shared_target = true if that is intended",
+        ));
+    }
     if let (CheckKind::Http | CheckKind::Tunnel, Some(url), false) =
         (h.kind, &h.url, h.shared_target)
         && b.servers.len() > 1
         && !url.contains("{server}")
+        && !url.contains("{host}")
     {
         return Err(ConfigError::invalid(
             format!("balancer[{i}].health.url"),
             url,
-            "has no {server}, so every server's health would be this one URL's; put {server} \
-             in it, or set health.shared_target = true if that is intended",
+            "has neither {server} nor {host}, so every server's health would be this one \
+             URL's; put {server} or {host} in it, or set health.shared_target = true if that is \
+             intended",
         ));
     }
     Ok(())
+}
+
+/// `url` with `server`'s parts put in must be a URL with a host.
+fn check_url(key: &str, url: &str, server: &crate::addr::ServerAddr) -> Result<(), ConfigError> {
+    let filled = server.fill(url);
+    let ok = filled
+        .parse::<hyper::Uri>()
+        .is_ok_and(|u| u.host().is_some_and(|h| !h.is_empty()));
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            key,
+            url,
+            format!(
+                "not a valid URL for server {server} (it gives {filled:?}; {{server}} is host:port, \
+                 {{host}} the host alone, {{port}} the port)"
+            ),
+        ))
+    }
 }
 
 /// One `[balancer.health]`.
@@ -247,17 +284,48 @@ fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
         }
     }
     if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
-        let probe = url.replace("{server}", "198.18.0.1:1");
-        let ok = probe
-            .parse::<hyper::Uri>()
-            .is_ok_and(|u| u.host().is_some_and(|h| !h.is_empty()));
-        if !ok {
-            return Err(ConfigError::invalid(
-                hkey("url"),
-                url,
-                "not a valid URL (with {server} as host:port)",
-            ));
+        // A sample of each address form; the balancer checks its own servers' expansions.
+        for sample in [
+            "198.18.0.1:6443",
+            "[2001:db8::1]:6443",
+            "server.example:6443",
+        ] {
+            let server = crate::addr::ServerAddr::parse(sample).map_err(|e| {
+                ConfigError::invalid(hkey("url"), url, format!("sample server: {e}"))
+            })?;
+            check_url(&hkey("url"), url, &server)?;
         }
+    }
+    if let (CheckKind::Http | CheckKind::Tunnel, Some(_)) = (h.kind, h.port) {
+        return Err(ConfigError::invalid(
+            hkey("port"),
+            h.port.unwrap_or_default(),
+            "for http and tunnel checks put the port in url (`{host}:PORT`)",
+        ));
+    }
+    if let (CheckKind::Http | CheckKind::Tunnel, Some(a)) = (h.kind, &h.address) {
+        return Err(ConfigError::invalid(
+            hkey("address"),
+            a,
+            "for http and tunnel checks put the address in url",
+        ));
+    }
+    if h.port == Some(0) {
+        return Err(ConfigError::invalid(hkey("port"), 0, "must be 1-65535"));
+    }
+    if let Some(a) = &h.address {
+        let text = if a.parse::<std::net::Ipv6Addr>().is_ok() {
+            format!("[{a}]:1")
+        } else {
+            format!("{a}:1")
+        };
+        crate::addr::ServerAddr::parse(&text).map_err(|e| {
+            ConfigError::invalid(
+                hkey("address"),
+                a,
+                format!("not a host or IP address ({e})"),
+            )
+        })?;
     }
     for (name, path) in [
         ("ca_file", &h.ca_file),

@@ -34,7 +34,8 @@ pub(super) struct Target {
     pub(super) path: String,
 }
 
-/// Expand `{server}` in `template` and split the URL. `secure`/`plain` are the schemes allowed
+/// Expand `{server}`, `{host}` and `{port}` in `template` ([`ServerAddr::fill`]) and split
+/// the URL. `secure`/`plain` are the schemes allowed
 /// (`https`/`http` or `wss`/`ws`).
 ///
 /// # Errors
@@ -49,7 +50,7 @@ pub(super) fn target(
         url: String::new(),
         reason: "no url configured".into(),
     })?;
-    let url = template.replace("{server}", &server.authority());
+    let url = server.fill(template);
     let bad = |reason: &str| CheckError::Url {
         url: url.clone(),
         reason: reason.into(),
@@ -84,13 +85,20 @@ pub(super) fn target(
     })
 }
 
-/// Where to connect for `t`: the server's own pinned address when the URL names the server
-/// (`{server}` of a name pinned to one of its addresses), else the URL's `host:port`.
+/// Where to connect for `t`: for a name pinned to one of its addresses whose URL names that
+/// host (`{server}` or `{host}`), the pinned address at the URL's port; else the URL's
+/// `host:port`.
 pub(super) fn connect_to(t: &Target, server: &ServerAddr) -> String {
-    if server.pin().is_some() && t.connect == server.authority() {
-        server.as_str().to_string()
-    } else {
-        t.connect.clone()
+    match server.pin() {
+        Some(_) if t.host == server.host_str() => {
+            let port = t
+                .connect
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse().ok())
+                .unwrap_or(server.port());
+            server.with_port(port).as_str().to_string()
+        }
+        _ => t.connect.clone(),
     }
 }
 
