@@ -357,6 +357,10 @@ pub enum SetError {
     /// Not in the set.
     #[error("server {0} is not in the set")]
     UnknownServer(String),
+    /// A name given with its address pinned: lb pins a name's addresses itself, from the
+    /// resolver; `name:port (address)` only names one of them for drain, disable or kill.
+    #[error("server {0}: give the host name alone; lb finds and pins its addresses itself")]
+    Pinned(ServerAddr),
 }
 
 /// Parse every text of a list (as the admin API receives them).
@@ -396,6 +400,9 @@ pub fn validate_set(
         return Err(SetError::TooMany(servers.len()));
     }
     for s in servers.iter().chain(default) {
+        if s.pin().is_some() {
+            return Err(SetError::Pinned(s.clone()));
+        }
         if let Some(sa) = s.socket_addr()
             && listen.iter().any(|l| {
                 *l == sa

@@ -45,7 +45,8 @@ fn set_error(e: SetError) -> ApiError {
         | SetError::TooMany(_)
         | SetError::Duplicate(_)
         | SetError::Unparsable { .. }
-        | SetError::OwnListener(_) => ApiError::bad_request(e.to_string()),
+        | SetError::OwnListener(_)
+        | SetError::Pinned(_) => ApiError::bad_request(e.to_string()),
     }
 }
 

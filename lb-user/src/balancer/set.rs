@@ -85,6 +85,21 @@ impl Balancer {
             .map(|s| (s.origin.clone(), s.addr.clone()))
             .collect();
         let expanded = expand(&want, &known);
+        // Two entries of the list that resolve to one address are one server twice
+        // (`localhost:80` and `127.0.0.1:80`).
+        let mut seen: Vec<(&ServerAddr, &ServerAddr)> = Vec::new();
+        for (origin, addrs) in expanded.iter().filter(|(o, _)| want.servers.contains(o)) {
+            for addr in addrs {
+                let ip = addr.socket_addr();
+                if seen
+                    .iter()
+                    .any(|(o, a)| *o != origin && ip.is_some() && a.socket_addr() == ip)
+                {
+                    return Err(SetError::Duplicate(origin.clone()));
+                }
+                seen.push((origin, addr));
+            }
+        }
         let servers = &want.servers;
         let default = want.default.as_ref();
         let mut removed = Vec::new();

@@ -361,8 +361,9 @@ fn a_list_edited_to_the_running_set_counts_as_applied() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A name and one of its pinned addresses in one set are one server per address, and a set
-/// change keeps a name's servers (and their states) without resolving it again.
+/// A name is one server per address it resolves to, and a set change keeps a name's servers
+/// (and their states) without resolving it again; another entry resolving to one of its
+/// addresses is a duplicate, and a pinned name is not accepted as input.
 #[test]
 fn a_name_is_one_server_per_address_and_keeps_them_across_set_changes() {
     let name = a("localhost:7");
@@ -371,7 +372,7 @@ fn a_name_is_one_server_per_address_and_keeps_them_across_set_changes() {
     let o = Overrides {
         listen: vec!["127.0.0.1:6444".parse().unwrap()],
         servers: vec![name.clone()],
-        default_server: Some(pinned[0].clone()),
+        default_server: Some(name.clone()),
         ..Overrides::default()
     };
     let cfg = Config::load(None, &o).unwrap().balancers.remove(0);
@@ -380,14 +381,27 @@ fn a_name_is_one_server_per_address_and_keeps_them_across_set_changes() {
     let addrs: std::collections::HashSet<&ServerAddr> = st.iter().map(|s| &s.address).collect();
     assert_eq!(addrs.len(), st.len(), "no address twice: {st:?}");
     assert_eq!(st.len(), pinned.len(), "{st:?}");
-    assert!(st[0].default, "{st:?}");
+    assert!(st.iter().all(|s| s.default), "{st:?}");
     b.record_check(&pinned[0], Ok(()));
     b.record_check(&pinned[0], Ok(()));
     assert_eq!(states(&b)[0], ServerState::Preferred);
     assert!(
-        b.set_servers(&[name.clone(), a("198.18.0.2:1")], Some(&pinned[0]))
+        b.set_servers(&[name.clone(), a("198.18.0.2:1")], Some(&name))
             .unwrap()
     );
     assert_eq!(states(&b)[0], ServerState::Preferred, "kept, not re-added");
-    assert_eq!(b.default_server(), Some(pinned[0].clone()));
+    assert_eq!(b.default_server(), Some(name.clone()));
+    assert_eq!(
+        b.set_servers(&[name.clone(), a("127.0.0.1:7")], None),
+        Err(SetError::Duplicate(a("127.0.0.1:7")))
+    );
+    assert_eq!(
+        b.set_servers(&[pinned[0].clone()], None),
+        Err(SetError::Pinned(pinned[0].clone()))
+    );
+    assert_eq!(
+        states(&b)[0],
+        ServerState::Preferred,
+        "a refused set changes nothing"
+    );
 }

@@ -235,3 +235,23 @@ fn the_k3s_deploy_config_is_valid() {
         "every balancer is judged by the supervisor"
     );
 }
+
+#[test]
+fn a_tcp_check_takes_no_url_and_url_errors_name_a_real_server() {
+    let tcp_url = FULL.replace("kind = \"http\"", "kind = \"tcp\"");
+    let err = Config::from_toml(&tcp_url, "f.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("health.url") && err.contains("tcp"), "{err}");
+    let twice = FULL.replace("https://{server}/ping", "http://{server}:9345/ping");
+    let err = Config::from_toml(&twice, "f.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("198.18.0.2:6443"),
+        "names a configured server: {err}"
+    );
+    let pinned = FULL.replace("\"198.18.0.3:6443\"]", "\"api.test:6443 (198.18.0.9)\"]");
+    let err = Config::from_toml(&pinned, "f.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("host name alone"), "{err}");
+}

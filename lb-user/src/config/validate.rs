@@ -283,18 +283,12 @@ fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
             ));
         }
     }
-    if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
-        // A sample of each address form; the balancer checks its own servers' expansions.
-        for sample in [
-            "198.18.0.1:6443",
-            "[2001:db8::1]:6443",
-            "server.example:6443",
-        ] {
-            let server = crate::addr::ServerAddr::parse(sample).map_err(|e| {
-                ConfigError::invalid(hkey("url"), url, format!("sample server: {e}"))
-            })?;
-            check_url(&hkey("url"), url, &server)?;
-        }
+    if let (CheckKind::Tcp | CheckKind::Tls, Some(url)) = (h.kind, &h.url) {
+        return Err(ConfigError::invalid(
+            hkey("url"),
+            url,
+            "tcp and tls checks use no url (they connect to the server, or to port/address)",
+        ));
     }
     if let (CheckKind::Http | CheckKind::Tunnel, Some(_)) = (h.kind, h.port) {
         return Err(ConfigError::invalid(
