@@ -263,6 +263,20 @@ pub struct BalancerStats {
 }
 const _: () = assert!(size_of::<BalancerStats>() == 72);
 
+impl BalancerStats {
+    /// Add `other`'s counters to these (lb sums the per-CPU copies).
+    pub fn add(&mut self, other: &BalancerStats) {
+        self.redirected_bytes += other.redirected_bytes;
+        self.passed_bytes += other.passed_bytes;
+        for (o, p) in self.pass.iter_mut().zip(other.pass) {
+            *o += p;
+        }
+        self.registered += other.registered;
+        self.refresh_requests += other.refresh_requests;
+        self.blocking_redirects += other.blocking_redirects;
+    }
+}
+
 /// A request from the sk_msg program for more redirect credit on one connection.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -87,16 +87,6 @@ where
         }
         (m, false, run)
     }
-
-    /// Runs in flight now (finished or abandoned ones may linger until the next `join`).
-    pub fn len(&self) -> usize {
-        self.runs.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    /// Whether no run is in flight.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use std::{collections::BTreeMap, path::Path};
 const LAYERS: &[(&str, u32)] = &[
     ("addr", 0),
     ("singleflight", 0),
+    ("errors", 0),
     ("kill", 0),
     ("config", 1),
     ("net", 1),

@@ -115,6 +115,16 @@ impl Lb {
         Ok(serde_json::from_str(&body)?)
     }
 
+    /// Send `sig` to the lb process.
+    ///
+    /// # Errors
+    /// The process is gone.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> Result<()> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.pid())?);
+        nix::sys::signal::kill(pid, sig)?;
+        Ok(())
+    }
+
     /// The server addresses of balancer `name`, as `/status` lists them.
     ///
     /// # Errors

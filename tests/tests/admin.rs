@@ -108,12 +108,6 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn signal(lb: &Lb, sig: nix::sys::signal::Signal) -> Result<()> {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(lb.pid())?);
-    nix::sys::signal::kill(pid, sig)?;
-    Ok(())
-}
-
 /// One host serving on 9000 and lb (userspace) in front of it, health loop as asked.
 fn simple(extra: &[&str]) -> Result<(Host, Lb, SocketAddr)> {
     let mut h = Host::new()?;
@@ -714,7 +708,7 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
         &cfg,
         two_balancer_config(la, &s[0], lbb, &s[2], "surprise = true"),
     )?;
-    signal(&lb, nix::sys::signal::Signal::SIGHUP)?;
+    lb.signal(nix::sys::signal::Signal::SIGHUP)?;
     wait_until(Duration::from_secs(5), || {
         Ok(lb.log_text().contains("reload refused"))
     })?;
@@ -737,7 +731,7 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
 
     // Valid: only b changes; a's connection is not touched.
     std::fs::write(&cfg, two_balancer_config(la, &s[0], lbb, &s[2], ""))?;
-    signal(&lb, nix::sys::signal::Signal::SIGHUP)?;
+    lb.signal(nix::sys::signal::Signal::SIGHUP)?;
     wait_until(Duration::from_secs(5), || {
         Ok(lb.servers("b")? == vec![s[2].clone()])
     })?;
@@ -793,7 +787,7 @@ fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()>
     ensure!(holder.wait_for("connected", Duration::from_secs(10))?["server"] == "s0");
 
     let t0 = Instant::now();
-    signal(&lb, nix::sys::signal::Signal::SIGTERM)?;
+    lb.signal(nix::sys::signal::Signal::SIGTERM)?;
     // Draining: not ready, still live, no new connections.
     wait_until(Duration::from_secs(1), || {
         let (c, b) = lb.get("/readyz")?;

@@ -23,12 +23,6 @@ rise = 1
     )
 }
 
-fn hup(lb: &Lb) -> Result<()> {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(lb.pid())?);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP)?;
-    Ok(())
-}
-
 /// Defect: SIGHUP re-applied the file's `servers` to any balancer whose config changed in any
 /// key, discarding a set changed through the API and killing its connections.
 #[test]
@@ -63,7 +57,7 @@ fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
 
         // A reload that changes another key: the API's set and the connection stay.
         std::fs::write(&cfg, config(listen, &s[0], "400ms"))?;
-        hup(&lb)?;
+        lb.signal(nix::sys::signal::Signal::SIGHUP)?;
         wait_until(Duration::from_secs(5), || {
             Ok(lb.log_text().contains("config reloaded"))
         })?;
@@ -80,7 +74,7 @@ fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
 
         // A reload whose own list changed: the file wins, s1's connection is closed.
         std::fs::write(&cfg, config(listen, &s[2], "400ms"))?;
-        hup(&lb)?;
+        lb.signal(nix::sys::signal::Signal::SIGHUP)?;
         wait_until(Duration::from_secs(5), || {
             Ok(lb.servers("b")? == [s[2].clone()])
         })?;

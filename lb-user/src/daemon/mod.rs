@@ -71,18 +71,6 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// An error and its sources, joined with ": ".
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(src) = cur {
-        out.push_str(": ");
-        out.push_str(&src.to_string());
-        cur = src.source();
-    }
-    out
-}
-
 /// Attach the data path as `mode` asks.
 ///
 /// # Errors
@@ -100,7 +88,7 @@ pub fn attach_datapath(
         DatapathMode::Auto => match Datapath::load(d) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
-                let reason = error_chain(&e);
+                let reason = crate::errors::chain(&e);
                 warn!(reason = %reason, "kernel data path unavailable; falling back to the userspace copy path");
                 Ok((None, DatapathMode::Userspace, Some(reason)))
             }

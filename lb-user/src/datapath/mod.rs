@@ -28,8 +28,8 @@ use aya::{
 };
 use lb_common::{
     BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
-    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS, PASS_REASONS, PROG_SK_MSG,
-    PROG_SOCKOPS, SockKey,
+    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS, PROG_SK_MSG, PROG_SOCKOPS,
+    SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -107,37 +107,6 @@ pub enum DatapathError {
     },
 }
 
-/// Kernel splice counters of one balancer, summed over CPUs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SpliceStats {
-    /// Client-to-server bytes redirected by sk_msg.
-    pub redirected_bytes: u64,
-    /// Client-to-server bytes that took the copy path.
-    pub passed_bytes: u64,
-    /// Sends that took the copy path, by [`lb_common::PassReason`] index.
-    pub pass: [u64; PASS_REASONS],
-    /// Client sockets registered by sockops.
-    pub registered: u64,
-    /// Credit refresh requests.
-    pub refresh_requests: u64,
-    /// Sends of blocking clients redirected past the credit (each waits in the kernel if the
-    /// server socket has no room).
-    pub blocking_redirects: u64,
-}
-
-impl SpliceStats {
-    fn add(&mut self, v: &BalancerStats) {
-        self.redirected_bytes += v.redirected_bytes;
-        self.passed_bytes += v.passed_bytes;
-        for (o, p) in self.pass.iter_mut().zip(v.pass) {
-            *o += p;
-        }
-        self.registered += v.registered;
-        self.refresh_requests += v.refresh_requests;
-        self.blocking_redirects += v.blocking_redirects;
-    }
-}
-
 /// The loaded kernel data path.
 pub struct Datapath {
     /// The programs and the sockops link; dropping it detaches them.
@@ -176,7 +145,7 @@ impl Datapath {
         let offsets = if cfg.blocking_splice {
             probe::probe_blocking_splice()
                 .inspect_err(|why| {
-                    warn!(reason = %error_chain(why), "blocking clients will take the copy path when a server socket is full (datapath.blocking_splice off)");
+                    warn!(reason = %crate::errors::chain(why), "blocking clients will take the copy path when a server socket is full (datapath.blocking_splice off)");
                 })
                 .ok()
         } else {
@@ -318,25 +287,13 @@ impl Datapath {
     }
 
     /// Splice counters of balancer `id`, summed over CPUs.
-    pub fn stats(&self, id: u32) -> SpliceStats {
-        let mut out = SpliceStats::default();
+    pub fn stats(&self, id: u32) -> BalancerStats {
+        let mut out = BalancerStats::default();
         for v in self.maps.stats.per_cpu(id) {
             out.add(&v);
         }
         out
     }
-}
-
-/// `e` and its sources, joined with ": " (for a log line).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        next = s.source();
-    }
-    out
 }
 
 #[cfg(test)]
@@ -378,7 +335,7 @@ mod tests {
             source: std::io::Error::from_raw_os_error(libc::ENOENT),
         });
         assert_eq!(
-            error_chain(&e),
+            crate::errors::chain(&e),
             "cannot read /sys/kernel/btf/vmlinux: No such file or directory (os error 2)"
         );
     }
