@@ -8,6 +8,8 @@ mod http;
 mod tls;
 mod tunnel;
 
+pub use tls::client_config_from_files;
+
 use std::{
     collections::{HashMap, HashSet},
     sync::Arc,

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
+pub mod discovery;
 pub mod errors;
 pub mod health;
 pub mod kill;

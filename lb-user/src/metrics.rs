@@ -4,7 +4,7 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::AtomicU64},
 };
 
 use prometheus_client::{
@@ -87,6 +87,26 @@ pub struct ModeLabel {
     pub mode: String,
 }
 
+/// `{balancer,kind}` of the discovery gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscoveryLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `dns`, `etcd` or `file`.
+    pub kind: String,
+}
+
+/// `{balancer,kind,result}` of `lb_discovery_runs_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscoveryRunLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `dns`, `etcd` or `file`.
+    pub kind: String,
+    /// `ok` (a usable list) or `error` (failed or empty; the last good set stayed).
+    pub result: String,
+}
+
 /// Labels of `lb_clients_refused_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusedLabels {
@@ -139,6 +159,13 @@ pub struct Metrics {
     /// `lb_clients_refused_total{reason}`: clients reset without a server (`all_failed`: every
     /// server FAILED with `all_failed = "refuse"`; `all_servers_failed`: no dial succeeded).
     pub clients_refused: Family<RefusedLabels, Counter>,
+    /// `lb_discovery_runs_total{balancer,kind,result}`.
+    pub discovery_runs: Family<DiscoveryRunLabels, Counter>,
+    /// `lb_discovery_last_success_timestamp_seconds{balancer,kind}`: seconds since the Unix
+    /// epoch of the last run that gave a usable list.
+    pub discovery_last_success: Family<DiscoveryLabels, Gauge<f64, AtomicU64>>,
+    /// `lb_discovery_servers{balancer,kind}`: servers in the last usable list.
+    pub discovery_servers: Family<DiscoveryLabels, Gauge>,
     last_kernel: Mutex<HashMap<(String, String), u64>>,
 }
 
@@ -265,6 +292,24 @@ impl Metrics {
             "Dials made at once to every server because all were FAILED",
             dials_raced.clone(),
         );
+        let discovery_runs = Family::<DiscoveryRunLabels, Counter>::default();
+        registry.register(
+            "discovery_runs",
+            "Discovery runs, by result: ok gave a usable list, error failed or found no server (the last good set stayed)",
+            discovery_runs.clone(),
+        );
+        let discovery_last_success = Family::<DiscoveryLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "discovery_last_success_timestamp_seconds",
+            "When discovery last gave a usable list, in seconds since the Unix epoch",
+            discovery_last_success.clone(),
+        );
+        let discovery_servers = Family::<DiscoveryLabels, Gauge>::default();
+        registry.register(
+            "discovery_servers",
+            "Servers in the last usable list discovery gave",
+            discovery_servers.clone(),
+        );
         let clients_refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "clients_refused",
@@ -291,6 +336,9 @@ impl Metrics {
             dials_abandoned,
             dials_raced,
             clients_refused,
+            discovery_runs,
+            discovery_last_success,
+            discovery_servers,
             last_kernel: Mutex::new(HashMap::new()),
         }
     }

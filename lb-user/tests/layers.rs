@@ -1,5 +1,5 @@
 //! The module layering of `lb-user/src`: each module imports only from modules below it, so
-//! the dependency arrows point one way (cli → admin → daemon → proxy/health → metrics →
+//! the dependency arrows point one way (cli → admin → daemon → discovery → proxy/health → metrics →
 //! balancer → datapath → config/addr/net leaves → lb-common). Read from the sources, so a new
 //! import that points up fails here with the file and the module it named.
 
@@ -18,9 +18,10 @@ const LAYERS: &[(&str, u32)] = &[
     ("metrics", 4),
     ("proxy", 5),
     ("health", 5),
-    ("daemon", 6),
-    ("admin", 7),
-    ("cli", 8),
+    ("discovery", 6),
+    ("daemon", 7),
+    ("admin", 8),
+    ("cli", 9),
 ];
 
 fn layer(module: &str) -> Option<u32> {

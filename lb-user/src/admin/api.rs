@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::balancer::{ServerState, ServerStatus};
+use crate::balancer::{DiscoveryStatus, ServerState, ServerStatus};
 
 /// `/status` body.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -30,6 +30,9 @@ pub struct BalancerStatus {
     pub policy: String,
     /// Servers, in preference order; the default last when it is only STANDBY.
     pub servers: Vec<ServerStatus>,
+    /// The discovery source and what it last did; absent without discovery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovery: Option<DiscoveryStatus>,
 }
 
 /// Body of every error answer (4xx and 5xx but the probes'): `{"error": "..."}`.

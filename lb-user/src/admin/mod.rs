@@ -107,6 +107,7 @@ pub fn status(daemon: &Handle) -> StatusBody {
                     listen: cfg.listen.clone(),
                     policy: cfg.policy.to_string(),
                     servers: b.status(),
+                    discovery: b.discovery_status(),
                 }
             })
             .collect(),

@@ -38,6 +38,23 @@ fn find(s: &AdminState, name: &str) -> Result<Arc<Balancer>, ApiError> {
         .ok_or_else(|| ApiError::not_found(format!("no balancer named {name:?}")))
 }
 
+/// A balancer fed by discovery: its source owns the list, so a set change through the API
+/// would last only until the next run. 409 naming the source (holds and kills still work).
+fn owned_by_discovery(b: &Balancer) -> Result<(), ApiError> {
+    match &b.config().discovery {
+        Some(d) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "balancer {:?} takes its servers from {} discovery ({}); change them there",
+                b.name,
+                d.kind(),
+                d.source()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 fn set_error(e: SetError) -> ApiError {
     match e {
         SetError::UnknownServer(_) => ApiError::not_found(e.to_string()),
@@ -74,6 +91,7 @@ pub(super) async fn set(
 ) -> Result<Json<ServersResponse>, ApiError> {
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
+    owned_by_discovery(&b)?;
     let req: SetServersRequest = parse_body(&body)?;
     let servers = addr::parse_all(&req.servers).map_err(set_error)?;
     let default = req
@@ -100,6 +118,7 @@ pub(super) async fn add(
 ) -> Result<Json<ServersResponse>, ApiError> {
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
+    owned_by_discovery(&b)?;
     let req: AddServerRequest = parse_body(&body)?;
     let server = addr::parse_one(&req.server).map_err(set_error)?;
     let changed = off_thread(&b, move |b| b.add_server(&server))
@@ -122,6 +141,7 @@ pub(super) async fn remove(
 ) -> Result<Json<ServersResponse>, ApiError> {
     let Path((name, addr)) = path.map_err(path_error)?;
     let b = find(&s, &name)?;
+    owned_by_discovery(&b)?;
     let changed = b.remove_server(&addr).map_err(set_error)?;
     Ok(Json(ServersResponse {
         balancer: b.name.clone(),

@@ -97,6 +97,29 @@ pub struct ServerStatus {
     pub last_error: Option<String>,
 }
 
+/// What a balancer's discovery source last did, for `/status`, `lb status` and metrics.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DiscoveryStatus {
+    /// `dns`, `etcd` or `file`.
+    pub kind: String,
+    /// What is asked: `name:port`, the endpoints, or the path.
+    pub source: String,
+    /// Time between two runs, in seconds.
+    pub interval_seconds: f64,
+    /// Last run that gave a usable list, seconds since the Unix epoch.
+    pub last_success: Option<f64>,
+    /// Servers in the last usable list.
+    pub servers: usize,
+    /// Error of the last run, when it failed (cleared by a success).
+    pub last_error: Option<String>,
+    /// When the last failed run ended, seconds since the Unix epoch.
+    pub last_error_at: Option<f64>,
+    /// Runs that gave a usable list.
+    pub runs_ok: u64,
+    /// Runs that failed or gave an empty list (the last good set stayed).
+    pub runs_failed: u64,
+}
+
 /// What a check result did, for the caller (kills are already done).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CheckOutcome {
@@ -118,7 +141,9 @@ pub struct Balancer {
     inner: Mutex<Inner>,
     next_conn: AtomicU64,
     observer: Arc<dyn Observer>,
-    /// Bumped on every state change; the health scheduler and admin watch it.
+    discovery: Mutex<Option<DiscoveryStatus>>,
+    /// Bumped on every state change and config replacement; the health scheduler, discovery
+    /// and admin watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
 }
 
@@ -181,6 +206,7 @@ impl Balancer {
             }),
             next_conn: AtomicU64::new(1),
             observer: opts.observer,
+            discovery: Mutex::new(None),
             changed: tokio::sync::watch::channel(0).0,
         });
         if on_disk.as_ref() != Some(&b.state()) {
@@ -206,15 +232,21 @@ impl Balancer {
     /// As [`Balancer::set_servers`]; a refused config leaves the old one whole.
     pub fn replace_config(self: &Arc<Self>, cfg: BalancerConfig) -> Result<bool, SetError> {
         let new_set = ServerSet::of_config(&cfg);
-        if new_set.servers.is_empty() {
+        // With discovery an empty list is no list: the source keeps the set.
+        let has_list = !new_set.servers.is_empty();
+        if !has_list && cfg.discovery.is_none() {
             return Err(SetError::Empty);
         }
-        validate_set(&new_set.servers, new_set.default.as_ref(), &cfg.listen)?;
+        if has_list {
+            validate_set(&new_set.servers, new_set.default.as_ref(), &cfg.listen)?;
+        }
         let list_changed = ServerSet::of_config(&self.config()) != new_set;
         self.cfg.store(Arc::new(cfg));
-        let changed = if list_changed {
+        let changed = if list_changed && has_list {
             self.set_servers(&new_set.servers, new_set.default.as_ref())?
         } else {
+            // The discovery task follows the new config when woken.
+            self.bump();
             false
         };
         // Whether or not the running set moved, the file now records the config it runs under
@@ -544,6 +576,24 @@ impl Balancer {
         }
         self.bump();
         Ok(killed)
+    }
+
+    /// The set as given (entries and default, names not expanded): what `PUT` replaces.
+    pub fn server_set(&self) -> ServerSet {
+        self.lock().set()
+    }
+
+    /// What the discovery source last did; `None` without discovery.
+    pub fn discovery_status(&self) -> Option<DiscoveryStatus> {
+        self.discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Update the discovery status (the discovery task, after each run).
+    pub fn record_discovery(&self, f: impl FnOnce(&mut Option<DiscoveryStatus>)) {
+        f(&mut self.discovery.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
     /// The default server, if any.

@@ -34,6 +34,23 @@ pub fn render(s: &StatusBody) -> String {
             listen.join(","),
             b.policy
         ));
+        if let Some(d) = &b.discovery {
+            out.push_str(&format!(
+                "  discovery {} {}  every {}s  last success {}  servers {}",
+                d.kind,
+                d.source,
+                d.interval_seconds,
+                table::age(d.last_success),
+                d.servers,
+            ));
+            if let Some(e) = &d.last_error {
+                out.push_str(&format!(
+                    "  last error ({}): {e}",
+                    table::age(d.last_error_at)
+                ));
+            }
+            out.push('\n');
+        }
         out.push_str(&table::servers("  ", &b.servers));
     }
     out

@@ -1,7 +1,13 @@
 //! Configuration: the TOML file, `LB_*` environment variables and flags merged into one validated
 //! [`Config`]. Unknown keys are refused; every error names the key, the value and the reason.
 
+mod discovery;
 mod validate;
+
+pub use discovery::{
+    DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
+    DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
+};
 
 use std::{
     fmt,
@@ -436,9 +442,13 @@ pub struct BalancerConfig {
     pub name: String,
     /// Listen addresses (IPv4 and IPv6).
     pub listen: Vec<SocketAddr>,
-    /// Servers as `host:port` (host names resolve to every A/AAAA record).
+    /// Servers as `host:port` (host names resolve to every A/AAAA record). May be empty when
+    /// `discovery` is set: the set then comes from the state file or the first discovery run.
     #[serde(default)]
     pub servers: Vec<ServerAddr>,
+    /// Keep the server list current from a source (DNS, etcd member list, file).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
     /// Server of last resort; kept as STANDBY when not in `servers`.
     #[serde(default)]
     pub default_server: Option<ServerAddr>,
@@ -588,6 +598,7 @@ impl Config {
                     name: "default".into(),
                     listen: Vec::new(),
                     servers: Vec::new(),
+                    discovery: None,
                     default_server: None,
                     policy: Policy::Failover,
                     failback: true,

@@ -114,17 +114,23 @@ fn validate_balancer(
     all_listens: &[SocketAddr],
 ) -> Result<(), ConfigError> {
     let key = |k: &str| format!("balancer[{i}].{k}");
-    if b.servers.is_empty() {
+    if let Some(d) = &b.discovery {
+        d.validate(&key("discovery"))?;
+    } else if b.servers.is_empty() {
         return Err(ConfigError::invalid(
             key("servers"),
             "[]",
-            "at least one server is required",
+            "at least one server is required (or a discovery source)",
         ));
     }
     // A server equal to any balancer's listener would make lb dial itself.
-    validate_set(&b.servers, b.default_server.as_ref(), all_listens).map_err(|e| {
-        ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
-    })?;
+    if !b.servers.is_empty() || b.default_server.is_some() {
+        validate_set(&b.servers, b.default_server.as_ref(), all_listens).map_err(|e| {
+            ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
+        })?;
+    }
+    // With discovery the number of servers is not known here: count it as several.
+    let several = b.servers.len() > 1 || b.discovery.is_some();
     if b.dial_timeout.0.is_zero() {
         return Err(ConfigError::invalid(
             key("dial_timeout"),
@@ -141,13 +147,23 @@ fn validate_balancer(
     }
     validate_health(i, &b.health)?;
     let h = &b.health;
-    for server in b.servers.iter().chain(&b.default_server) {
+    // Discovered servers are addresses (IPv4 or IPv6, any port): the template must make a URL
+    // of either. These documentation addresses (RFC 5737, RFC 3849) are never dialed.
+    let samples: Vec<crate::addr::ServerAddr> = if b.discovery.is_some() {
+        ["192.0.2.1:2379", "[2001:db8::1]:2379"]
+            .iter()
+            .filter_map(|s| crate::addr::ServerAddr::parse(s).ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for server in b.servers.iter().chain(&b.default_server).chain(&samples) {
         if let (CheckKind::Http | CheckKind::Tunnel, Some(url)) = (h.kind, &h.url) {
             check_url(&format!("balancer[{i}].health.url"), url, server)?;
         }
     }
     if let (CheckKind::Tcp | CheckKind::Tls, Some(a), false) = (h.kind, &h.address, h.shared_target)
-        && b.servers.len() > 1
+        && several
     {
         return Err(ConfigError::invalid(
             format!("balancer[{i}].health.address"),
@@ -158,7 +174,7 @@ fn validate_balancer(
     }
     if let (CheckKind::Http | CheckKind::Tunnel, Some(url), false) =
         (h.kind, &h.url, h.shared_target)
-        && b.servers.len() > 1
+        && several
         && !url.contains("{server}")
         && !url.contains("{host}")
     {

@@ -237,6 +237,14 @@ impl Daemon {
                 }
             });
         }
+        for b in &balancers {
+            crate::discovery::spawn(
+                b.clone(),
+                daemon.metrics.clone(),
+                &tasks,
+                daemon.shutdown.clone(),
+            );
+        }
         // Heartbeat of the control loop.
         {
             let daemon = daemon.clone();

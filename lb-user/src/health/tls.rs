@@ -61,6 +61,10 @@ pub(super) fn client_config(
         key_file: stamped(cfg.key_file.as_ref()),
         insecure: cfg.insecure_skip_verify,
     };
+    cached(key)
+}
+
+fn cached(key: Key) -> Result<Arc<ClientConfig>, CheckError> {
     if let Some(c) = CACHE.lock().expect("poisoned").get(&key) {
         return Ok(c.clone());
     }
@@ -72,6 +76,28 @@ pub(super) fn client_config(
     }
     cache.insert(key, built.clone());
     Ok(built)
+}
+
+/// A client config from TLS files alone, for lb's other TLS clients (etcd discovery): CA
+/// bundle or the system roots, optional client certificate and key, or no verification at all.
+/// Cached like the checks' configs, so a rotated file is read again.
+///
+/// # Errors
+/// [`CheckError::TlsConfig`] when a file cannot be read or used.
+pub fn client_config_from_files(
+    ca_file: Option<&PathBuf>,
+    cert_file: Option<&PathBuf>,
+    key_file: Option<&PathBuf>,
+    insecure: bool,
+    alpn: &[&str],
+) -> Result<Arc<ClientConfig>, CheckError> {
+    cached(Key {
+        alpn: alpn.iter().map(|s| (*s).to_string()).collect(),
+        ca_file: stamped(ca_file),
+        cert_file: stamped(cert_file),
+        key_file: stamped(key_file),
+        insecure,
+    })
 }
 
 fn provider() -> Arc<CryptoProvider> {
