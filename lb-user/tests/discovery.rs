@@ -128,7 +128,7 @@ discovery = {{ kind = "file", path = "{}", interval = "100ms" }}
     }
     let st = b.discovery_status().unwrap();
     assert!(st.runs_failed >= 6 && st.runs_ok >= 2, "{st:?}");
-    let text = metrics.render(&[b.clone()], None);
+    let text = metrics.render(std::slice::from_ref(&b), None);
     for series in [
         "lb_discovery_runs_total{balancer=\"etcd\",kind=\"file\",result=\"ok\"}",
         "lb_discovery_runs_total{balancer=\"etcd\",kind=\"file\",result=\"error\"}",
