@@ -1,7 +1,11 @@
 //! `cargo xtask setup`: install only what is missing, say what is done, and name the missing
 //! piece when it cannot be installed.
 
-use std::process::Command;
+use std::{
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context as _, Result, bail};
 
@@ -22,7 +26,22 @@ pub const APT_PACKAGES: &[&str] = &[
     "nginx",
     "libnginx-mod-stream",
     "iperf3",
+    // Servers the discovery tests start on test hosts themselves (never as system services, see
+    // `NO_SERVICES`): etcd 3.4 (`etcd`, `etcdctl`) and a DNS server.
+    "etcd-server",
+    "etcd-client",
+    "dnsmasq",
 ];
+
+/// System services of `APT_PACKAGES` that must never run on the machine: the tests start their
+/// own `etcd` and `dnsmasq` on test hosts, and a system one would listen on the machine's real
+/// ports (2379, 2380, 53). The install runs under a `policy-rc.d` that refuses every start (see
+/// `install`), and where systemd is the init they are also disabled and stopped.
+pub const NO_SERVICES: &[&str] = &["etcd", "dnsmasq"];
+
+/// Where Debian's `invoke-rc.d` and `deb-systemd-invoke` ask whether a maintainer script may
+/// start a service; exit status 101 means "action forbidden".
+const POLICY_RC_D: &str = "/usr/sbin/policy-rc.d";
 
 /// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -132,6 +151,98 @@ fn exec(cmd: &mut Command, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Whether `policy` (a `policy-rc.d`) already forbids starting services: it answers 101 for a
+/// start of the first of `NO_SERVICES`.
+fn policy_forbids_starts(policy: &Path) -> bool {
+    Command::new(policy)
+        .args([NO_SERVICES[0], "start"])
+        .status()
+        .is_ok_and(|s| s.code() == Some(101))
+}
+
+/// While alive, `/usr/sbin/policy-rc.d` forbids every service start (exit 101), so installing a
+/// package with a service (etcd, dnsmasq, nginx, haproxy) starts nothing; on drop the machine's
+/// own file comes back, or ours is removed when there was none. A file that already forbids
+/// starts (as Debian container images ship) is left as it is.
+struct NoServiceStarts {
+    /// The machine's own policy, moved aside while ours is in place.
+    saved: Option<PathBuf>,
+    /// Ours is in place and must go on drop.
+    ours: bool,
+}
+
+impl NoServiceStarts {
+    fn new() -> Result<NoServiceStarts> {
+        let policy = Path::new(POLICY_RC_D);
+        if policy.exists() && policy_forbids_starts(policy) {
+            return Ok(NoServiceStarts {
+                saved: None,
+                ours: false,
+            });
+        }
+        let saved = if policy.exists() {
+            let aside = PathBuf::from(format!("{POLICY_RC_D}.xtask-saved"));
+            std::fs::rename(policy, &aside).with_context(|| {
+                format!("setup: cannot move {POLICY_RC_D} aside to forbid service starts")
+            })?;
+            Some(aside)
+        } else {
+            None
+        };
+        let guard = NoServiceStarts { saved, ours: true };
+        std::fs::write(
+            policy,
+            "#!/bin/sh\n# cargo xtask setup: no service starts while it installs packages.\nexit 101\n",
+        )
+        .with_context(|| format!("setup: cannot write {POLICY_RC_D}"))?;
+        std::fs::set_permissions(policy, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("setup: cannot make {POLICY_RC_D} executable"))?;
+        eprintln!("setup: {POLICY_RC_D} forbids service starts during the install");
+        Ok(guard)
+    }
+}
+
+impl Drop for NoServiceStarts {
+    fn drop(&mut self) {
+        if self.ours {
+            let _ = std::fs::remove_file(POLICY_RC_D);
+        }
+        if let Some(aside) = &self.saved
+            && let Err(e) = std::fs::rename(aside, POLICY_RC_D)
+        {
+            eprintln!(
+                "setup: cannot put {} back as {POLICY_RC_D}: {e}",
+                aside.display()
+            );
+        }
+    }
+}
+
+/// Where systemd is the init, make sure none of `NO_SERVICES` is enabled or running
+/// (`systemctl disable --now`), whoever installed the package. Without systemd (containers,
+/// this project's machines) nothing started them: the install ran under `NoServiceStarts`.
+fn keep_services_off() -> Result<()> {
+    if !Path::new("/run/systemd/system").is_dir() {
+        return Ok(());
+    }
+    for svc in NO_SERVICES {
+        let unit = format!("{svc}.service");
+        let query = |what: &str| {
+            Command::new("systemctl")
+                .args([what, "--quiet", &unit])
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if query("is-enabled") || query("is-active") {
+            exec(
+                Command::new("systemctl").args(["disable", "--now", &unit]),
+                &format!("systemctl disable --now {unit} (the tests start their own {svc})"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Install what is missing.
 ///
 /// # Errors
@@ -147,6 +258,7 @@ pub fn run() -> Result<()> {
             Command::new("apt-get").args(["update", "-qq"]),
             "apt-get update",
         )?;
+        let no_starts = NoServiceStarts::new()?;
         exec(
             Command::new("apt-get")
                 .args(["install", "-y", "-qq", "--no-install-recommends"])
@@ -154,7 +266,9 @@ pub fn run() -> Result<()> {
                 .env("DEBIAN_FRONTEND", "noninteractive"),
             &format!("apt-get install {}", missing.join(" ")),
         )?;
+        drop(no_starts);
     }
+    keep_services_off()?;
     let toolchain = bpf_toolchain()?;
     let nightly_ok = Command::new("rustup")
         .args([
