@@ -154,17 +154,33 @@ fn exec(cmd: &mut Command, what: &str) -> Result<()> {
 /// Whether `policy` (a `policy-rc.d`) already forbids starting services: it answers 101 for a
 /// start of the first of `NO_SERVICES`.
 fn policy_forbids_starts(policy: &Path) -> bool {
-    Command::new(policy)
-        .args([NO_SERVICES[0], "start"])
-        .status()
-        .is_ok_and(|s| s.code() == Some(101))
+    // A file just written may still be open in a child another thread forked (ETXTBSY) for an
+    // instant: ask again.
+    for _ in 0..50 {
+        match Command::new(policy)
+            .args([NO_SERVICES[0], "start"])
+            .status()
+        {
+            Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ETXTBSY as i32) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r.is_ok_and(|s| s.code() == Some(101)),
+        }
+    }
+    false
 }
+
+/// The first line after the shebang of the `policy-rc.d` setup writes, to recognise it.
+const OUR_POLICY_MARK: &str = "# cargo xtask setup: no service starts while it installs packages.";
 
 /// While alive, `/usr/sbin/policy-rc.d` forbids every service start (exit 101), so installing a
 /// package with a service (etcd, dnsmasq, nginx, haproxy) starts nothing; on drop the machine's
 /// own file comes back, or ours is removed when there was none. A file that already forbids
 /// starts (as Debian container images ship) is left as it is.
+#[derive(Debug)]
 struct NoServiceStarts {
+    /// Where the policy is (`POLICY_RC_D`; another path in the unit tests).
+    policy: PathBuf,
     /// The machine's own policy, moved aside while ours is in place.
     saved: Option<PathBuf>,
     /// Ours is in place and must go on drop.
@@ -172,32 +188,43 @@ struct NoServiceStarts {
 }
 
 impl NoServiceStarts {
-    fn new() -> Result<NoServiceStarts> {
-        let policy = Path::new(POLICY_RC_D);
+    fn new(policy: &Path) -> Result<NoServiceStarts> {
+        let shown = policy.display();
+        let aside = PathBuf::from(format!("{shown}.xtask-saved"));
+        // A setup killed while ours was in place left it there and the machine's aside: put the
+        // machine's back first.
+        let ours_in_place =
+            std::fs::read_to_string(policy).is_ok_and(|t| t.contains(OUR_POLICY_MARK));
+        if ours_in_place && aside.exists() {
+            std::fs::rename(&aside, policy).with_context(|| {
+                format!("setup: cannot put {} back as {shown}", aside.display())
+            })?;
+        }
         if policy.exists() && policy_forbids_starts(policy) {
             return Ok(NoServiceStarts {
+                policy: policy.to_path_buf(),
                 saved: None,
                 ours: false,
             });
         }
         let saved = if policy.exists() {
-            let aside = PathBuf::from(format!("{POLICY_RC_D}.xtask-saved"));
             std::fs::rename(policy, &aside).with_context(|| {
-                format!("setup: cannot move {POLICY_RC_D} aside to forbid service starts")
+                format!("setup: cannot move {shown} aside to forbid service starts")
             })?;
             Some(aside)
         } else {
             None
         };
-        let guard = NoServiceStarts { saved, ours: true };
-        std::fs::write(
-            policy,
-            "#!/bin/sh\n# cargo xtask setup: no service starts while it installs packages.\nexit 101\n",
-        )
-        .with_context(|| format!("setup: cannot write {POLICY_RC_D}"))?;
+        let guard = NoServiceStarts {
+            policy: policy.to_path_buf(),
+            saved,
+            ours: true,
+        };
+        std::fs::write(policy, format!("#!/bin/sh\n{OUR_POLICY_MARK}\nexit 101\n"))
+            .with_context(|| format!("setup: cannot write {shown}"))?;
         std::fs::set_permissions(policy, std::fs::Permissions::from_mode(0o755))
-            .with_context(|| format!("setup: cannot make {POLICY_RC_D} executable"))?;
-        eprintln!("setup: {POLICY_RC_D} forbids service starts during the install");
+            .with_context(|| format!("setup: cannot make {shown} executable"))?;
+        eprintln!("setup: {shown} forbids service starts during the install");
         Ok(guard)
     }
 }
@@ -205,14 +232,15 @@ impl NoServiceStarts {
 impl Drop for NoServiceStarts {
     fn drop(&mut self) {
         if self.ours {
-            let _ = std::fs::remove_file(POLICY_RC_D);
+            let _ = std::fs::remove_file(&self.policy);
         }
         if let Some(aside) = &self.saved
-            && let Err(e) = std::fs::rename(aside, POLICY_RC_D)
+            && let Err(e) = std::fs::rename(aside, &self.policy)
         {
             eprintln!(
-                "setup: cannot put {} back as {POLICY_RC_D}: {e}",
-                aside.display()
+                "setup: cannot put {} back as {}: {e}",
+                aside.display(),
+                self.policy.display()
             );
         }
     }
@@ -258,7 +286,7 @@ pub fn run() -> Result<()> {
             Command::new("apt-get").args(["update", "-qq"]),
             "apt-get update",
         )?;
-        let no_starts = NoServiceStarts::new()?;
+        let no_starts = NoServiceStarts::new(Path::new(POLICY_RC_D))?;
         exec(
             Command::new("apt-get")
                 .args(["install", "-y", "-qq", "--no-install-recommends"])
@@ -346,4 +374,67 @@ pub fn run() -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh directory for a fake `policy-rc.d`.
+    fn scratch(name: &str) -> Result<PathBuf> {
+        let dir = std::env::temp_dir().join(format!("xtask-setup-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(dir)
+    }
+
+    fn write_policy(path: &Path, code: u8) -> Result<()> {
+        std::fs::write(path, format!("#!/bin/sh\nexit {code}\n"))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(())
+    }
+
+    #[test]
+    fn no_policy_gets_ours_for_the_install_only() -> Result<()> {
+        let dir = scratch("none")?;
+        let policy = dir.join("policy-rc.d");
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert!(!policy.exists());
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_permissive_policy_is_moved_aside_and_restored() -> Result<()> {
+        let dir = scratch("allows")?;
+        let policy = dir.join("policy-rc.d");
+        write_policy(&policy, 0)?;
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 0\n");
+        assert!(!dir.join("policy-rc.d.xtask-saved").exists());
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_forbidding_policy_is_left_alone_and_a_leftover_is_repaired() -> Result<()> {
+        let dir = scratch("forbids")?;
+        let policy = dir.join("policy-rc.d");
+        write_policy(&policy, 101)?;
+        drop(NoServiceStarts::new(&policy)?);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 101\n");
+        // An interrupted run: ours in place, the machine's (permissive) aside.
+        write_policy(&dir.join("policy-rc.d.xtask-saved"), 0)?;
+        std::fs::write(&policy, format!("#!/bin/sh\n{OUR_POLICY_MARK}\nexit 101\n"))?;
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 0\n");
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
 }
