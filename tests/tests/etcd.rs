@@ -3,7 +3,8 @@
 //! port. When the supervisor of the server lb is using goes away (that server's etcd keeps
 //! serving), lb marks it FAILED, resets its connections, and an `etcdctl watch` through lb
 //! resumes on another member without missing or repeating a key while `etcdctl put`s go on.
-//! Also a check of the etcd test support itself: removing and adding a member.
+//! Also a check of the etcd test support itself: stopping and starting a supervisor and a
+//! member, removing and adding a member.
 
 use std::{
     collections::BTreeMap,
@@ -595,11 +596,13 @@ fn supervisor_down_fails_over_the_etcd_balancer() -> Result<()> {
 }
 
 #[test]
-fn etcd_member_remove_and_add() -> Result<()> {
-    if skip_unless_root("etcd_member_remove_and_add") {
+fn etcd_support_member_stop_remove_and_add() -> Result<()> {
+    if skip_unless_root("etcd_support_member_stop_remove_and_add") {
         return Ok(());
     }
+    let t = Instant::now();
     let mut cluster = EtcdCluster::start(3)?;
+    eprintln!("3 members healthy after {}", secs(t.elapsed()));
     let list = cluster.member_list()?;
     let names: Vec<&str> = list.iter().map(|m| m.name.as_str()).collect();
     ensure!(names.len() == 3, "member list {list:?}");
@@ -616,7 +619,36 @@ fn etcd_member_remove_and_add() -> Result<()> {
         let (code, body) = lb_tests::http_get(m.supervisor_addr(), "/ping")?;
         ensure!(code == 200 && body == "pong", "{}: {code} {body:?}", m.name);
     }
+    // A supervisor stops and starts on its own; a member's etcd too, the others keep quorum.
+    cluster.stop_supervisor("m1")?;
+    ensure!(
+        lb_tests::http_get(cluster.member("m1")?.supervisor_addr(), "/ping").is_err(),
+        "m1's supervisor should refuse connections"
+    );
+    cluster.start_supervisor("m1")?;
+    let (code, _) = lb_tests::http_get(cluster.member("m1")?.supervisor_addr(), "/ping")?;
+    ensure!(code == 200, "m1's supervisor after a restart: {code}");
+    cluster.stop_member("m3")?;
+    etcdctl(
+        &Place::default(),
+        &cluster.endpoints(),
+        &["put", "b", "2"],
+        Duration::from_secs(10),
+    )?;
+    cluster.start_member("m3")?;
+    let back = cluster.wait_healthy(Duration::from_secs(30))?;
+    let b = etcdctl(
+        &Place::default(),
+        &cluster.member("m3")?.client_url(),
+        &["get", "b", "--print-value-only"],
+        Duration::from_secs(10),
+    )?;
+    ensure!(b.trim() == "2", "m3 after its restart answers {b:?}");
+    eprintln!("m3 stopped and started again: healthy after {}", secs(back));
+
+    let t = Instant::now();
     cluster.member_remove("m2")?;
+    eprintln!("m2 removed (the rest healthy) after {}", secs(t.elapsed()));
     let list = cluster.member_list()?;
     ensure!(
         list.len() == 2 && list.iter().all(|m| m.name != "m2" && m.id != id),
@@ -627,7 +659,9 @@ fn etcd_member_remove_and_add() -> Result<()> {
         "client_addrs {:?}",
         cluster.client_addrs()
     );
+    let t = Instant::now();
     let name = cluster.member_add()?;
+    eprintln!("{name} added and healthy after {}", secs(t.elapsed()));
     let list = cluster.member_list()?;
     let added = cluster.member(&name)?;
     ensure!(
