@@ -55,6 +55,36 @@ pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> C
     cmd
 }
 
+/// Build the command for any `program args` placed as asked (joined to `place.cgroup` first,
+/// then inside `place.netns`), with standard input closed. Arguments are passed through `sh`,
+/// each quoted, so they may contain anything.
+pub fn placed_command(place: &Place<'_>, program: &Path, args: &[&str]) -> Command {
+    let netns = place
+        .netns
+        .map(|ns| format!("ip netns exec {} ", sh_quote(ns)))
+        .unwrap_or_default();
+    let mut inner = format!("exec {netns}{}", sh_quote(&program.to_string_lossy()));
+    for a in args {
+        inner.push(' ');
+        inner.push_str(&sh_quote(a));
+    }
+    if let Some(cg) = place.cgroup {
+        inner = format!(
+            "echo $$ > {} && {inner}",
+            sh_quote(&cg.join("cgroup.procs").to_string_lossy())
+        );
+    }
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &inner]);
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// `s` quoted for `sh`: in single quotes, each `'` written as `'\''`.
+fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
 /// Run `lbt client` to completion (bounded by `timeout`) and parse its last JSON line.
 ///
 /// # Errors

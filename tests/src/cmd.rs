@@ -1,8 +1,10 @@
-//! Running programs: a command that must succeed, and where the `lb` and `lbt` binaries are.
+//! Running programs: a command that must succeed, one bounded in time, and where the `lb` and `lbt` binaries are.
 
 use std::{
+    io::Read,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -58,4 +60,64 @@ pub fn lb_bin() -> PathBuf {
 /// The `lbt` binary (`$LBT_BIN` or next to the tests).
 pub fn lbt_bin() -> PathBuf {
     sibling_bin("lbt", "LBT_BIN")
+}
+
+/// Run `cmd` to completion with stdout and stderr captured, killing it when it is still running
+/// after `timeout`.
+///
+/// # Errors
+/// Spawn failure, or the timeout (the error carries what it printed so far).
+pub fn output_within(mut cmd: Command, timeout: Duration) -> Result<Output> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {cmd:?}"))?;
+    let read_all = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = read_all(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err = read_all(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let stdout = out.join().unwrap_or_default();
+    let stderr = err.join().unwrap_or_default();
+    match status {
+        Some(status) => Ok(Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        None => bail!(
+            "{cmd:?} did not finish within {timeout:?}; stdout {:?}, stderr {:?}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        ),
+    }
 }

@@ -27,6 +27,8 @@ pub struct Host {
     pub ip: Ipv4Addr,
     /// The root side's address.
     pub gateway: Ipv4Addr,
+    /// Addresses added with [`Host::add_address`], in order (`.3`, `.4`, ...).
+    pub extra: Vec<Ipv4Addr>,
     servers: Vec<Child>,
 }
 
@@ -56,6 +58,7 @@ impl Host {
                 veth: veth.clone(),
                 ip: Ipv4Addr::new(198, b2 as u8, b3 as u8, 2),
                 gateway: Ipv4Addr::new(198, b2 as u8, b3 as u8, 1),
+                extra: Vec::new(),
                 servers: Vec::new(),
             };
             let setup = || -> Result<()> {
@@ -102,6 +105,44 @@ impl Host {
         let mut all = vec!["netns", "exec", &self.ns, cmd];
         all.extend_from_slice(args);
         sh("ip", &all)
+    }
+
+    /// Give the host one more address of its /24 (`.3`, then `.4`, ...) on its side of the
+    /// veth pair, and return it. The root namespace reaches it like the first one (its route
+    /// for the /24 points at the veth, and the host answers ARP for every address it owns), and
+    /// processes inside the host reach each other on these addresses without leaving the
+    /// namespace, so nothing is forwarded and no global setting changes. The root side's
+    /// neighbour entries are per address, so [`Host::blackhole_addr`] cuts one of them alone.
+    ///
+    /// # Errors
+    /// `ip` failure, or the /24 is full.
+    pub fn add_address(&mut self) -> Result<Ipv4Addr> {
+        let last = self.extra.last().copied().unwrap_or(self.ip).octets()[3];
+        if last >= 254 {
+            bail!("no address left in the /24 of {}", self.ip);
+        }
+        let o = self.ip.octets();
+        let ip = Ipv4Addr::new(o[0], o[1], o[2], last + 1);
+        self.exec_ok(
+            "ip",
+            &[
+                "addr",
+                "add",
+                &format!("{ip}/24"),
+                "dev",
+                &format!("{}p", self.veth),
+            ],
+        )?;
+        self.extra.push(ip);
+        Ok(ip)
+    }
+
+    /// A command that runs `program args` inside the namespace (`ip netns exec`, which execs
+    /// it: the child's pid is the program's).
+    pub fn command(&self, program: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns, program]).args(args);
+        cmd
     }
 
     /// `ip:port` of this host.
@@ -161,7 +202,16 @@ impl Host {
     /// # Errors
     /// `ip` failure.
     pub fn blackhole(&self, on: bool) -> Result<()> {
-        let ip = self.ip.to_string();
+        self.blackhole_addr(self.ip, on)
+    }
+
+    /// As [`Host::blackhole`], for one of the host's addresses only (its first one or one from
+    /// [`Host::add_address`]); the others stay reachable.
+    ///
+    /// # Errors
+    /// `ip` failure.
+    pub fn blackhole_addr(&self, ip: Ipv4Addr, on: bool) -> Result<()> {
+        let ip = ip.to_string();
         if on {
             sh(
                 "ip",

@@ -1,21 +1,31 @@
 //! Test support for lb's privileged integration tests and the benchmark: test hosts in network
-//! namespaces (198.18.0.0/15 only), a child cgroup for clients, an `lb` process, and the `lbt`
-//! client/server. Everything made here is removed on drop, also when a test fails.
+//! namespaces (198.18.0.0/15 only), a child cgroup for clients, an `lb` process, the `lbt`
+//! client/server, and the servers server discovery is tested against: an etcd cluster with a
+//! supervisor beside each member, and a DNS server whose answers a test changes. Everything
+//! made here is removed on drop, also when a test fails.
 //!
 //! One module per concern; everything the tests, `lbt` and xtask use is re-exported here.
 
 mod cgroup;
 mod client;
 mod cmd;
+mod dns;
+mod etcd;
 mod host;
 mod http;
 mod lb;
 mod skip;
 mod stream;
+mod tmp;
 
 pub use cgroup::{TestCgroup, cgroup2_root};
-pub use client::{Holder, Place, client_command, run_client};
-pub use cmd::{lb_bin, lbt_bin, set_bin_dir, sh, sibling_bin};
+pub use client::{Holder, Place, client_command, placed_command, run_client};
+pub use cmd::{lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
+pub use dns::{DNS_PORT, DnsAnswer, DnsServer, RecordType, dns_query};
+pub use etcd::{
+    ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
+    SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
+};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_until};
@@ -24,3 +34,4 @@ pub use skip::{
     skip_unless_root,
 };
 pub use stream::{Digest, PatternStream};
+pub use tmp::TempDir;

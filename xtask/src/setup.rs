@@ -1,7 +1,11 @@
 //! `cargo xtask setup`: install only what is missing, say what is done, and name the missing
 //! piece when it cannot be installed.
 
-use std::process::Command;
+use std::{
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context as _, Result, bail};
 
@@ -22,7 +26,22 @@ pub const APT_PACKAGES: &[&str] = &[
     "nginx",
     "libnginx-mod-stream",
     "iperf3",
+    // Servers the discovery tests start on test hosts themselves (never as system services, see
+    // `NO_SERVICES`): etcd 3.4 (`etcd`, `etcdctl`) and a DNS server.
+    "etcd-server",
+    "etcd-client",
+    "dnsmasq",
 ];
+
+/// System services of `APT_PACKAGES` that must never run on the machine: the tests start their
+/// own `etcd` and `dnsmasq` on test hosts, and a system one would listen on the machine's real
+/// ports (2379, 2380, 53). The install runs under a `policy-rc.d` that refuses every start (see
+/// `install`), and where systemd is the init they are also disabled and stopped.
+pub const NO_SERVICES: &[&str] = &["etcd", "dnsmasq"];
+
+/// Where Debian's `invoke-rc.d` and `deb-systemd-invoke` ask whether a maintainer script may
+/// start a service; exit status 101 means "action forbidden".
+const POLICY_RC_D: &str = "/usr/sbin/policy-rc.d";
 
 /// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -132,6 +151,126 @@ fn exec(cmd: &mut Command, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Whether `policy` (a `policy-rc.d`) already forbids starting services: it answers 101 for a
+/// start of the first of `NO_SERVICES`.
+fn policy_forbids_starts(policy: &Path) -> bool {
+    // A file just written may still be open in a child another thread forked (ETXTBSY) for an
+    // instant: ask again.
+    for _ in 0..50 {
+        match Command::new(policy)
+            .args([NO_SERVICES[0], "start"])
+            .status()
+        {
+            Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ETXTBSY as i32) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r.is_ok_and(|s| s.code() == Some(101)),
+        }
+    }
+    false
+}
+
+/// The first line after the shebang of the `policy-rc.d` setup writes, to recognise it.
+const OUR_POLICY_MARK: &str = "# cargo xtask setup: no service starts while it installs packages.";
+
+/// While alive, `/usr/sbin/policy-rc.d` forbids every service start (exit 101), so installing a
+/// package with a service (etcd, dnsmasq, nginx, haproxy) starts nothing; on drop the machine's
+/// own file comes back, or ours is removed when there was none. A file that already forbids
+/// starts (as Debian container images ship) is left as it is.
+#[derive(Debug)]
+struct NoServiceStarts {
+    /// Where the policy is (`POLICY_RC_D`; another path in the unit tests).
+    policy: PathBuf,
+    /// The machine's own policy, moved aside while ours is in place.
+    saved: Option<PathBuf>,
+    /// Ours is in place and must go on drop.
+    ours: bool,
+}
+
+impl NoServiceStarts {
+    fn new(policy: &Path) -> Result<NoServiceStarts> {
+        let shown = policy.display();
+        let aside = PathBuf::from(format!("{shown}.xtask-saved"));
+        // A setup killed while ours was in place left it there and the machine's aside: put the
+        // machine's back first.
+        let ours_in_place =
+            std::fs::read_to_string(policy).is_ok_and(|t| t.contains(OUR_POLICY_MARK));
+        if ours_in_place && aside.exists() {
+            std::fs::rename(&aside, policy).with_context(|| {
+                format!("setup: cannot put {} back as {shown}", aside.display())
+            })?;
+        }
+        if policy.exists() && policy_forbids_starts(policy) {
+            return Ok(NoServiceStarts {
+                policy: policy.to_path_buf(),
+                saved: None,
+                ours: false,
+            });
+        }
+        let saved = if policy.exists() {
+            std::fs::rename(policy, &aside).with_context(|| {
+                format!("setup: cannot move {shown} aside to forbid service starts")
+            })?;
+            Some(aside)
+        } else {
+            None
+        };
+        let guard = NoServiceStarts {
+            policy: policy.to_path_buf(),
+            saved,
+            ours: true,
+        };
+        std::fs::write(policy, format!("#!/bin/sh\n{OUR_POLICY_MARK}\nexit 101\n"))
+            .with_context(|| format!("setup: cannot write {shown}"))?;
+        std::fs::set_permissions(policy, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("setup: cannot make {shown} executable"))?;
+        eprintln!("setup: {shown} forbids service starts during the install");
+        Ok(guard)
+    }
+}
+
+impl Drop for NoServiceStarts {
+    fn drop(&mut self) {
+        if self.ours {
+            let _ = std::fs::remove_file(&self.policy);
+        }
+        if let Some(aside) = &self.saved
+            && let Err(e) = std::fs::rename(aside, &self.policy)
+        {
+            eprintln!(
+                "setup: cannot put {} back as {}: {e}",
+                aside.display(),
+                self.policy.display()
+            );
+        }
+    }
+}
+
+/// Where systemd is the init, make sure none of `NO_SERVICES` is enabled or running
+/// (`systemctl disable --now`), whoever installed the package. Without systemd (containers,
+/// this project's machines) nothing started them: the install ran under `NoServiceStarts`.
+fn keep_services_off() -> Result<()> {
+    if !Path::new("/run/systemd/system").is_dir() {
+        return Ok(());
+    }
+    for svc in NO_SERVICES {
+        let unit = format!("{svc}.service");
+        let query = |what: &str| {
+            Command::new("systemctl")
+                .args([what, "--quiet", &unit])
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if query("is-enabled") || query("is-active") {
+            exec(
+                Command::new("systemctl").args(["disable", "--now", &unit]),
+                &format!("systemctl disable --now {unit} (the tests start their own {svc})"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Install what is missing.
 ///
 /// # Errors
@@ -147,6 +286,7 @@ pub fn run() -> Result<()> {
             Command::new("apt-get").args(["update", "-qq"]),
             "apt-get update",
         )?;
+        let no_starts = NoServiceStarts::new(Path::new(POLICY_RC_D))?;
         exec(
             Command::new("apt-get")
                 .args(["install", "-y", "-qq", "--no-install-recommends"])
@@ -154,7 +294,9 @@ pub fn run() -> Result<()> {
                 .env("DEBIAN_FRONTEND", "noninteractive"),
             &format!("apt-get install {}", missing.join(" ")),
         )?;
+        drop(no_starts);
     }
+    keep_services_off()?;
     let toolchain = bpf_toolchain()?;
     let nightly_ok = Command::new("rustup")
         .args([
@@ -232,4 +374,67 @@ pub fn run() -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh directory for a fake `policy-rc.d`.
+    fn scratch(name: &str) -> Result<PathBuf> {
+        let dir = std::env::temp_dir().join(format!("xtask-setup-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(dir)
+    }
+
+    fn write_policy(path: &Path, code: u8) -> Result<()> {
+        std::fs::write(path, format!("#!/bin/sh\nexit {code}\n"))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(())
+    }
+
+    #[test]
+    fn no_policy_gets_ours_for_the_install_only() -> Result<()> {
+        let dir = scratch("none")?;
+        let policy = dir.join("policy-rc.d");
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert!(!policy.exists());
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_permissive_policy_is_moved_aside_and_restored() -> Result<()> {
+        let dir = scratch("allows")?;
+        let policy = dir.join("policy-rc.d");
+        write_policy(&policy, 0)?;
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 0\n");
+        assert!(!dir.join("policy-rc.d.xtask-saved").exists());
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_forbidding_policy_is_left_alone_and_a_leftover_is_repaired() -> Result<()> {
+        let dir = scratch("forbids")?;
+        let policy = dir.join("policy-rc.d");
+        write_policy(&policy, 101)?;
+        drop(NoServiceStarts::new(&policy)?);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 101\n");
+        // An interrupted run: ours in place, the machine's (permissive) aside.
+        write_policy(&dir.join("policy-rc.d.xtask-saved"), 0)?;
+        std::fs::write(&policy, format!("#!/bin/sh\n{OUR_POLICY_MARK}\nexit 101\n"))?;
+        let guard = NoServiceStarts::new(&policy)?;
+        assert!(policy_forbids_starts(&policy));
+        drop(guard);
+        assert_eq!(std::fs::read_to_string(&policy)?, "#!/bin/sh\nexit 0\n");
+        std::fs::remove_dir_all(dir)?;
+        Ok(())
+    }
 }

@@ -11,6 +11,9 @@
 //! - `STALL <ms> <after>\n` → as `UP`, but stop reading for ms once `after` bytes have arrived.
 //! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
 //!
+//! `lbt supervisor` stands in for a K3s/RKE2 server's supervisor (port 9345): plain HTTP/1.1,
+//! `GET /ping` answers 200 `pong`, anything else 404.
+//!
 //! Client commands print one JSON object per line on stdout. Blocking reads retry on
 //! `WouldBlock`: a socket in a sockhash (every client socket sockops adds to lb's `LB_CLIENTS`)
 //! can report it spuriously, even a blocking one.
@@ -39,6 +42,13 @@ enum Cmd {
         listen: Vec<SocketAddr>,
         #[arg(long, default_value = "server")]
         name: String,
+    },
+    /// A stand-in for the K3s/RKE2 supervisor (port 9345): plain HTTP/1.1 on `listen`,
+    /// `GET /ping` answers 200 `pong`, any other request 404; one request per connection.
+    /// Prints `ready` once it listens.
+    Supervisor {
+        #[arg(long)]
+        listen: SocketAddr,
     },
     /// Run one client action against `connect`.
     Client {
@@ -133,6 +143,7 @@ fn main() {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve { listen, name } => serve(&listen, &name),
+        Cmd::Supervisor { listen } => supervisor(listen),
         Cmd::Client { connect, action } => {
             let out = match client(connect, action) {
                 Ok(v) => v,
@@ -170,6 +181,50 @@ fn serve(listen: &[SocketAddr], name: &str) {
     for h in handles {
         let _ = h.join();
     }
+}
+
+fn supervisor(listen: SocketAddr) {
+    let l = match listen_on(listen) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("lbt supervisor: cannot listen on {listen}: {e}");
+            std::process::exit(1);
+        }
+    };
+    println!("ready");
+    let _ = io::stdout().flush();
+    for conn in l.incoming().flatten() {
+        std::thread::spawn(move || {
+            let _ = supervise_conn(conn);
+        });
+    }
+}
+
+/// Answer one request: read its head (bounded in time and size), `GET /ping` → 200 `pong`,
+/// anything else → 404, then close.
+fn supervise_conn(conn: TcpStream) -> io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut reader = BufReader::new(conn.try_clone()?.take(16 * 1024));
+    let mut w = conn;
+    let mut request = String::new();
+    reader.read_line(&mut request)?;
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+    }
+    let words: Vec<&str> = request.split_whitespace().collect();
+    let (status, body) = match words.as_slice() {
+        ["GET", "/ping", ..] => ("200 OK", "pong"),
+        _ => ("404 Not Found", "404 page not found\n"),
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Length: {}\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    write_retry(&mut w, resp.as_bytes())?;
+    w.shutdown(Shutdown::Write)
 }
 
 /// A listener with a deep accept queue: std's `bind` asks for 128, which a burst of 1000
