@@ -49,16 +49,45 @@ pub const MAX_SCHEDULE_TIMEOUT: i64 = i64::MAX;
 /// `O_NONBLOCK` in `struct file::f_flags` (x86, arm64 and most architectures; `<fcntl.h>`).
 pub const O_NONBLOCK: u32 = 0o4000;
 
+/// `u8`, aya-log's level gate (defined by `aya-log-ebpf`, the same name as `aya_log::LEVEL`): a
+/// kernel log statement runs only when its level (1 error … 5 trace) is at most this. lb sets it
+/// at load time from its log filter for [`KERNEL_LOG_TARGET`], 0 (every statement off) by
+/// default; the map holding it is frozen, so the verifier drops the statements it turns off.
+pub const GLOBAL_KERNEL_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
+/// Ring buffer of aya-log records (defined by `aya-log-ebpf`, 128 KiB), read by lb's
+/// `lb-kernel-log` thread when kernel logging is on.
+pub const MAP_KERNEL_LOG: &str = "AYA_LOGS";
+/// The `log`/`tracing` target of the kernel programs' log records, so
+/// `RUST_LOG=lb::kernel=debug` (or `--log-level`) turns them on.
+pub const KERNEL_LOG_TARGET: &str = "lb::kernel";
+/// A kernel event that recurs is logged on its 1st, 2nd, 4th, 8th, … occurrence (per CPU,
+/// balancer and kind) and every `KERNEL_LOG_EVERY`th after that, so a flood of them costs a few
+/// records a second, not one per send. A power of two.
+pub const KERNEL_LOG_EVERY: u64 = 65_536;
+const _: () = assert!(KERNEL_LOG_EVERY.is_power_of_two());
+
+/// Whether the `n`th occurrence (from 1) of a recurring kernel event is logged: `n` is a power of
+/// two or a multiple of [`KERNEL_LOG_EVERY`]. Three ALU instructions and a branch.
+#[inline(always)]
+pub const fn kernel_log_due(n: u64) -> bool {
+    n & n.wrapping_sub(1) == 0 || n & (KERNEL_LOG_EVERY - 1) == 0
+}
+const _: () = assert!(kernel_log_due(1) && kernel_log_due(2) && !kernel_log_due(3));
+const _: () = assert!(kernel_log_due(32_768) && !kernel_log_due(32_769) && !kernel_log_due(98_304));
+const _: () =
+    assert!(kernel_log_due(3 * KERNEL_LOG_EVERY) && !kernel_log_due(3 * KERNEL_LOG_EVERY + 2));
+
 /// Every program name, for the ELF check.
 pub const PROG_NAMES: [&str; 2] = [PROG_SOCKOPS, PROG_SK_MSG];
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 5] = [
+pub const GLOBAL_NAMES: [&str; 6] = [
     GLOBAL_OFF_SK_SOCKET,
     GLOBAL_OFF_SOCKET_FILE,
     GLOBAL_OFF_F_FLAGS,
     GLOBAL_OFF_SNDTIMEO,
     GLOBAL_BLOCKING_SPLICE,
+    GLOBAL_KERNEL_LOG_LEVEL,
 ];
 
 /// Whether two names are equal, usable in `const` context: `lb-ebpf` checks at compile time that
@@ -83,8 +112,10 @@ pub const fn same_name(a: &str, b: &str) -> bool {
 const _: () = assert!(same_name(MAP_STATS, "LB_STATS") && !same_name(MAP_STATS, "LB_STATZ"));
 const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_STATS));
 
-/// Every map name, for the ELF check.
-pub const MAP_NAMES: [&str; 8] = [
+/// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
+/// by that name, so a build that loses or renames it fails the check instead of turning kernel
+/// logging off at run time.
+pub const MAP_NAMES: [&str; 9] = [
     MAP_LISTENERS,
     MAP_CLIENTS,
     MAP_SERVERS,
@@ -93,6 +124,7 @@ pub const MAP_NAMES: [&str; 8] = [
     MAP_PAIRS,
     MAP_STATS,
     MAP_REFRESH,
+    MAP_KERNEL_LOG,
 ];
 
 /// Capacity of the connection maps (client sockets, server sockets, flows, pairs).

@@ -17,6 +17,13 @@
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
 //!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
 //!
+//! Kernel events for operators go through aya-log (target `lb::kernel`, debug level): a send
+//! that took the copy path after pairing (catch-up, no credit, redirect error), rate-limited by
+//! [`lb_common::kernel_log_due`]. lb sets aya-log's level global at load time (0 unless its log
+//! filter enables that target); it is frozen, so with logging off the verifier removes the
+//! logging code and a send pays for nothing but the few instructions of the rate check on the
+//! copy path.
+//!
 //! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The
 //! past-credit redirect also calls `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
 //! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
@@ -31,13 +38,14 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
     programs::{SkMsgContext, SockOpsContext},
 };
+use aya_log_ebpf::debug;
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, ListenerKey, MAP_CLIENTS,
-    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
-    MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
-    NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
-    REFRESH_RING_BYTES, RefreshRequest, SockKey,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, KERNEL_LOG_TARGET,
+    ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH,
+    MAP_SERVERS, MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT,
+    MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
+    REFRESH_RING_BYTES, RefreshRequest, SockKey, kernel_log_due,
 };
 
 /// The ELF names of maps (`#[map]` without `name`), programs and globals are their identifiers;
@@ -280,15 +288,79 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         }
         _ => PassReason::Unpaired,
     };
+    let passed_before = flow.passed;
     flow.passed += size;
     if let Some(stats) = stats {
         // SAFETY: per-CPU slot.
-        unsafe {
+        let n = unsafe {
             (*stats).passed_bytes += size;
             (*stats).pass[reason as usize] += 1;
+            (*stats).pass[reason as usize]
+        };
+        if reason != PassReason::Unpaired && kernel_log_due(n) {
+            let ctl = ctl.unwrap_or_default();
+            log_fallback(ctx, reason, &key, flow, size, passed_before, &ctl, n);
         }
     }
     Ok(SK_PASS)
+}
+
+/// Log (debug, target `lb::kernel`) a send of a paired connection that took the copy path: the
+/// reason as `lb_splice_fallbacks_total` labels it, the connection (balancer id, client and
+/// listener ports), the send's size and the counts behind the decision (bytes), and `count`, how
+/// many times this CPU saw that reason for that balancer. Runs only when [`kernel_log_due`] says
+/// so; every statement is dropped by the verifier unless lb turned kernel logging on.
+#[inline(always)]
+#[expect(clippy::too_many_arguments, reason = "each is a value of the log line")]
+fn log_fallback(
+    ctx: &SkMsgContext,
+    reason: PassReason,
+    key: &SockKey,
+    flow: &FlowState,
+    size: u64,
+    passed_before: u64,
+    ctl: &PairCtl,
+    count: u64,
+) {
+    let (balancer, client_port, listener_port) = (flow.balancer, key.client_port, key.lb_port);
+    match reason {
+        PassReason::Catchup => debug!(
+            ctx,
+            target: KERNEL_LOG_TARGET,
+            "splice fallback reason=catchup balancer={} client_port={} listener_port={} bytes={} passed={} copied={} count={}",
+            balancer,
+            client_port,
+            listener_port,
+            size,
+            passed_before,
+            ctl.copied,
+            count
+        ),
+        PassReason::Credit => debug!(
+            ctx,
+            target: KERNEL_LOG_TARGET,
+            "splice fallback reason=credit balancer={} client_port={} listener_port={} bytes={} redirected={} credit_end={} count={}",
+            balancer,
+            client_port,
+            listener_port,
+            size,
+            flow.redirected,
+            ctl.credit_end,
+            count
+        ),
+        PassReason::RedirectError => debug!(
+            ctx,
+            target: KERNEL_LOG_TARGET,
+            "splice fallback reason=redirect_error balancer={} client_port={} listener_port={} bytes={} redirected={} count={}",
+            balancer,
+            client_port,
+            listener_port,
+            size,
+            flow.redirected,
+            count
+        ),
+        PassReason::Unpaired => {}
+    }
 }
 
 /// Ask lb (once per credit mark) to look at the server socket's queue and grant more credit.

@@ -33,7 +33,7 @@ pub const EXIT_USAGE: u8 = 2;
 #[command(name = "lb", version, about, propagate_version = true)]
 pub struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info`, `lb=debug`; `RUST_LOG` when absent,
-    /// else `info`.
+    /// else `info`. `info,lb::kernel=debug` adds the kernel programs' events (read at start).
     #[arg(
         long = "log-level",
         visible_alias = "log",

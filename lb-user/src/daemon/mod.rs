@@ -221,6 +221,7 @@ impl Daemon {
         }
         if let Some(dp) = &daemon.datapath {
             dp.start_refresher(daemon.shutdown.clone())?;
+            dp.start_kernel_log(daemon.shutdown.clone());
         }
 
         // First round of checks, then the loops. Balancers with `health.loop = false` get no

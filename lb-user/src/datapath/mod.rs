@@ -2,7 +2,8 @@
 //! to the client sockhash, registers listeners, pairs and unpairs connections, and sums the
 //! splice counters. The rooms beside it: [`probe`] (what the kernel and process allow),
 //! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
-//! server) and [`btf`] (kernel struct offsets).
+//! server), [`btf`] (kernel struct offsets) and [`kernel_log`] (the programs' aya-log events
+//! in lb's log, target `lb::kernel`).
 //!
 //! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
 //! held by this process only (nothing is pinned), so they are detached when lb exits, however it
@@ -10,6 +11,7 @@
 
 mod btf;
 mod credit;
+mod kernel_log;
 mod maps;
 mod probe;
 
@@ -27,9 +29,9 @@ use aya::{
     programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps},
 };
 use lb_common::{
-    BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
-    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS, PROG_SK_MSG, PROG_SOCKOPS,
-    SockKey,
+    BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS,
+    PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -116,6 +118,9 @@ pub struct Datapath {
     maps: maps::Maps,
     /// The credit request ring, until [`Datapath::start_refresher`] takes it.
     refresh: Mutex<Option<maps::RefreshRing>>,
+    /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
+    /// `None` when kernel logging is off or could not start.
+    kernel_log: Mutex<Option<kernel_log::KernelLogger>>,
     /// Paired connections by key, for the credit refresher.
     pairs: Mutex<HashMap<SockKey, Arc<Pair>>>,
     /// `datapath.max_buffered_bytes` (bytes).
@@ -133,7 +138,9 @@ impl std::fmt::Debug for Datapath {
 impl Datapath {
     /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
     /// sk_msg to the client sockhash. `cfg.blocking_splice` is honoured when the kernel allows it;
-    /// otherwise it is turned off alone, with a warning naming why.
+    /// otherwise it is turned off alone, with a warning naming why. The programs' log level is
+    /// taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start is a
+    /// warning, never an error.
     ///
     /// # Errors
     /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
@@ -156,8 +163,10 @@ impl Datapath {
         };
         let blocking = u32::from(offsets.is_some());
         let offsets = offsets.unwrap_or_default();
+        let log_level = kernel_log::level();
         let mut ebpf = aya::EbpfLoader::new()
             .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
+            .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
             .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
             .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
             .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
@@ -188,6 +197,7 @@ impl Datapath {
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(prog_err(PROG_SOCKOPS))?;
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
+        let kernel_log = kernel_log::open(&mut ebpf, log_level);
         // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
         // so a node daemon's resident size reflects what it holds.
         // (glibc only; musl returns memory by itself.)
@@ -202,6 +212,7 @@ impl Datapath {
             cgroup,
             maps,
             refresh: Mutex::new(Some(ring)),
+            kernel_log: Mutex::new(kernel_log),
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,
         })
