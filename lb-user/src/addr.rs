@@ -403,10 +403,19 @@ pub fn validate_set(
         if s.pin().is_some() {
             return Err(SetError::Pinned(s.clone()));
         }
+        // `0.0.0.0:P` and `[::]:P` reach this host, and `[::ffff:127.0.0.1]:P` is
+        // `127.0.0.1:P`: each is a listener's address under another spelling.
+        let ip_of = |ip: IpAddr| match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
         if let Some(sa) = s.socket_addr()
             && listen.iter().any(|l| {
-                *l == sa
-                    || (l.port() == sa.port() && l.ip().is_unspecified() && sa.ip().is_loopback())
+                let (lip, ip) = (ip_of(l.ip()), ip_of(sa.ip()));
+                l.port() == sa.port()
+                    && (lip == ip
+                        || ip.is_unspecified()
+                        || (lip.is_unspecified() && ip.is_loopback()))
             })
         {
             return Err(SetError::OwnListener(s.clone()));
@@ -468,6 +477,16 @@ mod tests {
             validate_set(&[a("127.0.0.1:6444")], None, &listen),
             Err(SetError::OwnListener(a("127.0.0.1:6444")))
         );
+        // The same listener under other spellings.
+        let one: Vec<SocketAddr> = vec!["127.0.0.1:6445".parse().unwrap()];
+        for spelling in ["0.0.0.0:6445", "[::]:6445", "[::ffff:127.0.0.1]:6445"] {
+            assert_eq!(
+                validate_set(&[a(spelling)], None, &one),
+                Err(SetError::OwnListener(a(spelling))),
+                "{spelling}"
+            );
+        }
+        assert!(validate_set(&[a("127.0.0.2:6445")], None, &one).is_ok());
         let many: Vec<ServerAddr> = (1..=257).map(|p| a(&format!("h:{p}"))).collect();
         assert_eq!(
             validate_set(&many, None, &listen),

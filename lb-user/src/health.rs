@@ -137,6 +137,17 @@ async fn connect_tcp(target: &str, route: &Route) -> Result<TcpStream, CheckErro
     })?;
     let s = crate::net::connect(&addr, route).await?;
     let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+    // A check that reaches lb's own listener would pass for a server that only loops back to
+    // lb (which the dial refuses): it fails, so the server stays FAILED instead of recovering,
+    // winning fail-back and resetting clients on every round.
+    if route.proxy_for(&addr).is_none()
+        && let Ok(peer) = s.peer_addr()
+        && crate::net::is_own_listener(peer)
+    {
+        return Err(CheckError::Io(std::io::Error::other(format!(
+            "{target} reaches one of lb's own listeners (a loop)"
+        ))));
+    }
     Ok(s)
 }
 

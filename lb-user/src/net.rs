@@ -3,7 +3,7 @@
 //! `NO_PROXY`). The proxy's dials and every health check kind use it, so checks go where client
 //! connections go.
 
-use std::io;
+use std::{io, net::SocketAddr, sync::RwLock};
 
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
@@ -11,6 +11,39 @@ use tokio::{
 };
 
 use crate::addr::{ProxyUrl, ServerAddr};
+
+/// lb's own listening addresses, set once at start ([`set_own_listeners`]).
+static OWN_LISTENERS: RwLock<Vec<SocketAddr>> = RwLock::new(Vec::new());
+
+/// Record lb's own listening addresses, so a dial or a check that reaches one of them is known
+/// as a loop ([`is_own_listener`]), however the server was spelled (`0.0.0.0:P`, a name that
+/// resolves to this host, an IPv4-mapped address).
+pub fn set_own_listeners(listeners: &[SocketAddr]) {
+    *OWN_LISTENERS.write().unwrap_or_else(|p| p.into_inner()) = listeners.to_vec();
+}
+
+/// Whether a connection whose peer is `peer` reached one of lb's own listeners: the same
+/// address, or a wildcard listener's port on an address of this host.
+pub fn is_own_listener(peer: SocketAddr) -> bool {
+    let peer_ip = match peer.ip() {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), std::net::IpAddr::V4),
+        ip => ip,
+    };
+    OWN_LISTENERS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|l| {
+            l.port() == peer.port()
+                && (l.ip() == peer_ip
+                    || (l.ip().is_unspecified() && (peer_ip.is_loopback() || is_local_ip(peer_ip))))
+        })
+}
+
+/// Whether `ip` is an address of this host (can be bound).
+fn is_local_ip(ip: std::net::IpAddr) -> bool {
+    std::net::TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
+}
 
 /// Largest CONNECT response head read from a proxy (bytes).
 const MAX_PROXY_HEAD: usize = 8192;

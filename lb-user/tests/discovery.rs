@@ -106,6 +106,14 @@ discovery = {{ kind = "file", path = "{}", interval = "100ms" }}
         Some("127.0.0.1:1009")
     );
 
+    // A file that names no default has none, as a PUT body without one.
+    write(
+        &list,
+        "servers = [\"127.0.0.1:1001\", \"127.0.0.1:1003\"]\n",
+    );
+    until("default cleared", || b.default_server().is_none()).await;
+    assert_eq!(texts(&b), ["127.0.0.1:1001", "127.0.0.1:1003"]);
+
     // Empty, broken, missing: the last good set stays and the error says why.
     for (text, error) in [
         (Some("[]"), "no server"),
@@ -137,6 +145,24 @@ discovery = {{ kind = "file", path = "{}", interval = "100ms" }}
     ] {
         assert!(text.contains(series), "{series} missing from:\n{text}");
     }
+
+    // A reload that edits the seed list while discovery stays keeps the discovered set.
+    let mut edited = (*b.config()).clone();
+    edited.servers = vec![ServerAddr::parse("127.0.0.1:1007").unwrap()];
+    b.replace_config(edited).unwrap();
+    assert_eq!(texts(&b), ["127.0.0.1:1001", "127.0.0.1:1003"]);
+
+    // Discovery removed by a reload: the set stays, the status and the series go.
+    let mut cfg2 = (*b.config()).clone();
+    cfg2.discovery = None;
+    cfg2.servers = vec![ServerAddr::parse("127.0.0.1:1001").unwrap()];
+    b.replace_config(cfg2).unwrap();
+    until("discovery status cleared", || {
+        b.discovery_status().is_none()
+    })
+    .await;
+    let text = metrics.render(std::slice::from_ref(&b), None);
+    assert!(!text.contains("kind=\"file\""), "stale series:\n{text}");
 
     cancel.cancel();
     tasks.close();

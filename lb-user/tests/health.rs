@@ -264,6 +264,27 @@ async fn tcp_ok_and_refused() {
     );
 }
 
+/// A server that is lb's own listener under another spelling (`0.0.0.0:P`, a mapped address)
+/// must fail its check: passing, it would recover, win fail-back and reset clients each round
+/// while every dial to it is refused as a loop.
+#[tokio::test]
+async fn a_check_that_reaches_lbs_own_listener_fails() {
+    let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Nothing else in this test binary listens on a wildcard address.
+    lb::net::set_own_listeners(&[listener.local_addr().unwrap()]);
+    for spelling in [
+        format!("0.0.0.0:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::ffff:127.0.0.1]:{port}"),
+    ] {
+        let e = check_once(&cfg(CheckKind::Tcp), &spelling)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("a loop"), "{spelling}: {e}");
+    }
+}
+
 /// The check target need not be the balanced address: `port` (tcp/tls) and `{host}` (http)
 /// reach another port of the same host, as K3s's supervisor on 9345 beside the apiserver.
 #[tokio::test]

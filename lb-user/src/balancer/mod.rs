@@ -142,6 +142,7 @@ pub struct Balancer {
     next_conn: AtomicU64,
     observer: Arc<dyn Observer>,
     discovery: Mutex<Option<DiscoveryStatus>>,
+    state_file_turn: Mutex<()>,
     /// Bumped on every state change and config replacement; the health scheduler, discovery
     /// and admin watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
@@ -207,6 +208,7 @@ impl Balancer {
             next_conn: AtomicU64::new(1),
             observer: opts.observer,
             discovery: Mutex::new(None),
+            state_file_turn: Mutex::new(()),
             changed: tokio::sync::watch::channel(0).0,
         });
         if on_disk.as_ref() != Some(&b.state()) {
@@ -232,8 +234,10 @@ impl Balancer {
     /// As [`Balancer::set_servers`]; a refused config leaves the old one whole.
     pub fn replace_config(self: &Arc<Self>, cfg: BalancerConfig) -> Result<bool, SetError> {
         let new_set = ServerSet::of_config(&cfg);
-        // With discovery an empty list is no list: the source keeps the set.
-        let has_list = !new_set.servers.is_empty();
+        // With discovery the config's list only seeds the set at start: the source owns it,
+        // so a reload never swaps a discovered set for the seed (the source runs again when
+        // woken, if its keys changed).
+        let has_list = !new_set.servers.is_empty() && cfg.discovery.is_none();
         if !has_list && cfg.discovery.is_none() {
             return Err(SetError::Empty);
         }
@@ -641,6 +645,13 @@ impl Balancer {
         let Some(path) = self.cfg.load().state_file.clone() else {
             return;
         };
+        // One writer at a time, each writing what holds when it gets the turn: two changes at
+        // once (a reload and a discovery run) must neither share a temporary file nor let the
+        // older set land last.
+        let _turn = self
+            .state_file_turn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if let Err(e) = state_file::write(&path, &self.state()) {
             warn!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file");
         }

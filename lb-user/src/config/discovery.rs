@@ -203,16 +203,7 @@ impl DiscoveryConfig {
                         readable_file(&k(name), path, false)?;
                     }
                 }
-                if e.cert_file.is_some() != e.key_file.is_some() {
-                    return Err(ConfigError::invalid(
-                        k("cert_file"),
-                        e.cert_file
-                            .as_ref()
-                            .or(e.key_file.as_ref())
-                            .map_or_else(String::new, |p| p.display().to_string()),
-                        "cert_file and key_file go together",
-                    ));
-                }
+                super::paired_files(key, e.cert_file.as_ref(), e.key_file.as_ref())?;
             }
             DiscoveryConfig::File(f) => {
                 if f.path.as_os_str().is_empty() {

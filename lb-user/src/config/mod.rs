@@ -96,6 +96,27 @@ fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigEr
     }
 }
 
+/// A client certificate and its key go together: the one given without the other is named.
+fn paired_files(
+    prefix: &str,
+    cert: Option<&PathBuf>,
+    key: Option<&PathBuf>,
+) -> Result<(), ConfigError> {
+    match (cert, key) {
+        (Some(p), None) => Err(ConfigError::invalid(
+            format!("{prefix}.cert_file"),
+            p.display(),
+            "needs key_file beside it",
+        )),
+        (None, Some(p)) => Err(ConfigError::invalid(
+            format!("{prefix}.key_file"),
+            p.display(),
+            "needs cert_file beside it",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A duration written as `250ms`, `10s`, `1m` (humantime syntax).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Dur(pub Duration);

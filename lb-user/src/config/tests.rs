@@ -286,7 +286,7 @@ fn discovery_sources_parse_and_servers_may_be_empty() {
     assert_eq!(d.interval(), Duration::from_secs(10));
     assert!(cfg.balancers[0].servers.is_empty());
     let cfg = Config::from_toml(
-        &with_discovery(r#"{ kind = "etcd", endpoints = ["http://127.0.0.1:2379"] }"#),
+        &with_discovery(r#"{ kind = "etcd", endpoints = ["http://198.18.0.2:2379"] }"#),
         "t",
     )
     .unwrap();
@@ -348,6 +348,15 @@ fn bad_discovery_names_its_key() {
         (
             r#"{ kind = "file", path = "servers.json" }"#,
             "discovery.path",
+        ),
+        (
+            r#"{ kind = "etcd", endpoints = ["https://e:2379"], key_file = "/etc/hostname" }"#,
+            "discovery.key_file",
+        ),
+        // Asked through lb's own listener with nothing to start from: it could never answer.
+        (
+            r#"{ kind = "etcd", endpoints = ["http://127.0.0.1:2379"] }"#,
+            "discovery.endpoints",
         ),
     ];
     for (discovery, key) in cases {

@@ -116,6 +116,22 @@ fn validate_balancer(
     let key = |k: &str| format!("balancer[{i}].{k}");
     if let Some(d) = &b.discovery {
         d.validate(&key("discovery"))?;
+        // Asking etcd through this balancer's own listener needs a server to start from.
+        if let crate::config::DiscoveryConfig::Etcd(e) = d
+            && b.servers.is_empty()
+            && let Some(own) = e.endpoints.iter().find(|url| {
+                b.listen
+                    .iter()
+                    .any(|l| url.trim_end_matches('/').ends_with(&format!("//{l}")))
+            })
+        {
+            return Err(ConfigError::invalid(
+                key("discovery.endpoints"),
+                own,
+                "is this balancer's own listener, which has no server to ask until discovery \
+                 finds one: give servers = [...] a first member to start from",
+            ));
+        }
     } else if b.servers.is_empty() {
         return Err(ConfigError::invalid(
             key("servers"),
@@ -346,18 +362,10 @@ fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
             readable_file(&hkey(name), path, false)?;
         }
     }
-    if h.cert_file.is_some() != h.key_file.is_some() {
-        let given = h
-            .cert_file
-            .as_ref()
-            .or(h.key_file.as_ref())
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
-        return Err(ConfigError::invalid(
-            hkey("cert_file"),
-            given,
-            "cert_file and key_file go together",
-        ));
-    }
+    super::paired_files(
+        &format!("balancer[{i}].health"),
+        h.cert_file.as_ref(),
+        h.key_file.as_ref(),
+    )?;
     Ok(())
 }

@@ -156,12 +156,14 @@ impl Daemon {
             metrics: metrics.clone(),
             pre_dial: Some(pre_dial),
             tasks: TaskTracker::new(),
-            listeners: cfg
-                .balancers
+        });
+        // A dial or a check that lands on one of these is a loop.
+        crate::net::set_own_listeners(
+            &cfg.balancers
                 .iter()
                 .flat_map(|b| b.listen.iter().copied())
-                .collect(),
-        });
+                .collect::<Vec<_>>(),
+        );
         let observer: Arc<dyn Observer> = Arc::new(KillCounter {
             metrics: metrics.clone(),
         });

@@ -35,7 +35,8 @@ pub const MIN_REFRESH: Duration = Duration::from_secs(1);
 pub struct Found {
     /// The servers, in the source's order.
     pub servers: Vec<ServerAddr>,
-    /// The default server the source names (`file` only); `None`: keep the balancer's.
+    /// The default server the source names (`file` only: `None` there means no default;
+    /// DNS and etcd name none and the balancer's stays).
     pub default: Option<ServerAddr>,
     /// How long the answer is valid (DNS TTL); the next run comes no later.
     pub ttl: Option<Duration>,
@@ -64,7 +65,7 @@ pub enum DiscoveryError {
         reason: String,
     },
     /// The source answered with no server.
-    #[error("the answer has no server; the last good set stays")]
+    #[error("the answer has no server")]
     Empty,
     /// The run did not finish within its bound.
     #[error("no answer within {0:?}")]
@@ -119,14 +120,15 @@ async fn apply(
     found: Found,
 ) -> Result<bool, DiscoveryError> {
     let current = balancer.server_set();
-    let servers = match cfg {
-        // The operator's file says the order it wants.
-        DiscoveryConfig::File(_) => found.servers,
+    let (servers, default) = match cfg {
+        // The operator's file says the order it wants and the default (none when it names
+        // none, as a `PUT` body without one).
+        DiscoveryConfig::File(_) => (found.servers, found.default),
+        // DNS and etcd name no default: the balancer's stays.
         DiscoveryConfig::Dns(_) | DiscoveryConfig::Etcd(_) => {
-            merge(&current.servers, &found.servers)
+            (merge(&current.servers, &found.servers), current.default)
         }
     };
-    let default = found.default.or(current.default);
     let b = balancer.clone();
     tokio::task::spawn_blocking(move || b.set_servers(&servers, default.as_ref()))
         .await
@@ -230,6 +232,24 @@ async fn run_once(balancer: &Arc<Balancer>, cfg: &DiscoveryConfig, metrics: &Met
     }
 }
 
+/// Drop the series of a source the balancer no longer uses (removed, or another kind), so no
+/// stale last-success time stays behind to trip an alert.
+fn forget_series(metrics: &Metrics, balancer: &str, kind: &str) {
+    let labels = DiscoveryLabels {
+        balancer: balancer.into(),
+        kind: kind.into(),
+    };
+    metrics.discovery_last_success.remove(&labels);
+    metrics.discovery_servers.remove(&labels);
+    for result in ["ok", "error"] {
+        metrics.discovery_runs.remove(&DiscoveryRunLabels {
+            balancer: balancer.into(),
+            kind: kind.into(),
+            result: result.into(),
+        });
+    }
+}
+
 fn status_of(cfg: &DiscoveryConfig) -> DiscoveryStatus {
     DiscoveryStatus {
         kind: cfg.kind().into(),
@@ -254,6 +274,11 @@ pub fn spawn(
             let mut changed = balancer.changed.subscribe();
             loop {
                 let cfg = balancer.config().discovery.clone();
+                if let Some(old) = balancer.discovery_status()
+                    && cfg.as_ref().is_none_or(|d| d.kind() != old.kind)
+                {
+                    forget_series(&metrics, &balancer.name, &old.kind);
+                }
                 let next = match &cfg {
                     Some(d) => {
                         balancer.record_discovery(|st| match st {

@@ -7,7 +7,6 @@
 
 use std::{
     io,
-    net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -193,11 +192,7 @@ async fn dial_one(
         })
         .observe(start.elapsed().as_secs_f64());
     match result {
-        Ok(stream)
-            if stream
-                .peer_addr()
-                .is_ok_and(|p| is_own_listener(&ctx.listeners, p)) =>
-        {
+        Ok(stream) if stream.peer_addr().is_ok_and(crate::net::is_own_listener) => {
             // A host name that resolves to lb itself: refuse instead of dialing in a loop.
             let e = format!("{spec} is one of lb's own listeners (a loop)");
             warn!(balancer = %balancer.name, server = %spec, "dial reached lb's own listener; refusing the loop");
@@ -255,23 +250,4 @@ fn refused(balancer: &Balancer, ctx: &ProxyCtx, reason: &str) {
             reason: reason.into(),
         })
         .inc();
-}
-
-/// Whether `peer` is one of `listeners` (a wildcard listener matches any local address on its
-/// port).
-fn is_own_listener(listeners: &[SocketAddr], peer: SocketAddr) -> bool {
-    let peer_ip = match peer.ip() {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), std::net::IpAddr::V4),
-        ip => ip,
-    };
-    listeners.iter().any(|l| {
-        l.port() == peer.port()
-            && (l.ip() == peer_ip
-                || (l.ip().is_unspecified() && (peer_ip.is_loopback() || is_local_ip(peer_ip))))
-    })
-}
-
-/// Whether `ip` is an address of this host (can be bound).
-fn is_local_ip(ip: std::net::IpAddr) -> bool {
-    std::net::TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }

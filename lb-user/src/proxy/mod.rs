@@ -50,8 +50,6 @@ pub struct ProxyCtx {
     pub pre_dial: Option<PreDial>,
     /// Every connection task.
     pub tasks: TaskTracker,
-    /// lb's own listen addresses (every balancer): a dial that lands on one is a loop.
-    pub listeners: Vec<SocketAddr>,
 }
 
 impl std::fmt::Debug for ProxyCtx {
