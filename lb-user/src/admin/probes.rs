@@ -76,7 +76,17 @@ fn readiness(d: &Handle) -> Readiness {
     }
     for b in d.balancers().iter() {
         if !b.has_usable_server() {
-            return not(format!("balancer {} has no usable server", b.name));
+            // A balancer fed by discovery may have no server yet: say what the source did.
+            let why = match b.discovery_status() {
+                Some(d) if d.last_success.is_none() => format!(
+                    " ({} discovery has found none yet{})",
+                    d.kind,
+                    d.last_error
+                        .map_or_else(String::new, |e| format!("; last error: {e}"))
+                ),
+                _ => String::new(),
+            };
+            return not(format!("balancer {} has no usable server{why}", b.name));
         }
     }
     Readiness {
