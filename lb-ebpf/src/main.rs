@@ -29,9 +29,12 @@
 //! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
 #![no_std]
 #![no_main]
+// The atomic add of the connect-time counts (see connect::count_add).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, sk_action},
+    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, sk_action},
     cty::c_void,
     helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
     macros::{map, sk_msg, sock_ops},
@@ -138,6 +141,8 @@ macro_rules! ctx_ip6 {
     };
 }
 
+mod connect;
+
 /// Port as the kernel exposes `remote_port` (network order in the upper 16 bits) → host order.
 #[inline(always)]
 fn remote_port_host(raw: u32) -> u32 {
@@ -152,7 +157,16 @@ pub fn lb_sockops(ctx: SockOpsContext) -> u32 {
 }
 
 fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
-    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+    match ctx.op() {
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
+        BPF_SOCK_OPS_STATE_CB => {
+            connect::on_state(ctx);
+            return Ok(1);
+        }
+        _ => return Ok(1),
+    }
+    // A socket a connect program sent straight to a server: counted, never spliced.
+    if connect::on_established(ctx) {
         return Ok(1);
     }
     let family = ctx.family();
