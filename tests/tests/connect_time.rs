@@ -1,0 +1,332 @@
+//! Connect-time balancing (`forwarding = "connect"`) end to end: servers on test hosts, clients
+//! in the test's cgroup (where lb attaches its connect4/6 and getpeername4/6 programs), lb as a
+//! real process. A client's `connect()` to the listener goes straight to a server: no byte
+//! crosses lb, the server sees the client's own socket, `getpeername` still names the listener,
+//! the kernel's count shows in `/status`, a FAILED server's clients are reset by lb (netlink
+//! `SOCK_DESTROY` of the sockets the programs sent there) and reconnect to the other server,
+//! and a client outside the cgroup is still proxied.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{
+    Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
+    skip_unless_root,
+};
+use serde_json::Value;
+
+const MIB: u64 = 1024 * 1024;
+const T: Duration = Duration::from_secs(60);
+/// Check settings: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
+const INTERVAL_MS: u64 = 500;
+const FALL: u64 = 2;
+const TIMEOUT_MS: u64 = 300;
+/// Scheduling and polling slack on a shared, loaded machine.
+const SLACK_MS: u64 = 700;
+
+const CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "{policy}"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "http"
+url = "http://{server}/healthz"
+interval = "{interval}ms"
+timeout = "{timeout}ms"
+rise = 1
+fall = {fall}
+on_unhealthy = "kill"
+"#;
+
+struct Setup {
+    hosts: Vec<Host>,
+    cg: TestCgroup,
+    lb: Lb,
+    listen: SocketAddr,
+    config: PathBuf,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl Setup {
+    /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
+    /// forwarding; returns once no server is UNCHECKED and the table was written.
+    fn new(policy: &str) -> Result<Setup> {
+        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+        let cg = TestCgroup::new()?;
+        let port = free_port()?;
+        let text = CONFIG
+            .replace("{port}", &port.to_string())
+            .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+            .replace("{policy}", policy)
+            .replace("{interval}", &INTERVAL_MS.to_string())
+            .replace("{timeout}", &TIMEOUT_MS.to_string())
+            .replace("{fall}", &FALL.to_string());
+        let config =
+            std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, &text)?;
+        let lb = Lb::start(&[
+            "--config",
+            &config.display().to_string(),
+            "--cgroup",
+            &cg.path.display().to_string(),
+        ])?;
+        let s = Setup {
+            hosts,
+            cg,
+            lb,
+            listen: format!("127.0.0.1:{port}").parse()?,
+            config,
+        };
+        s.lb.wait_settled(Duration::from_secs(10))?;
+        lb_tests::wait_until(Duration::from_secs(5), || {
+            Ok(s.lb.log_text().contains("connect-time table updated"))
+        })?;
+        let st = s.lb.status()?;
+        ensure!(
+            st["balancers"][0]["forwarding"] == "connect",
+            "forwarding should be connect: {st}\n{}",
+            s.lb.log_text()
+        );
+        Ok(s)
+    }
+
+    fn place(&self) -> Place<'_> {
+        Place::cgroup(&self.cg.path)
+    }
+
+    fn server(&self, i: usize) -> String {
+        self.hosts[i].addr(9000).to_string()
+    }
+
+    /// State and connection count of server `i` from `/status`.
+    fn server_status(&self, i: usize) -> Result<(String, u64)> {
+        let st = self.lb.status()?;
+        let addr = self.server(i);
+        let s = st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .find(|s| s["address"] == addr.as_str())
+            .with_context(|| format!("{addr} not in /status: {st}"))?;
+        Ok((
+            s["state"].as_str().unwrap_or("").to_string(),
+            s["connections"].as_u64().unwrap_or(0),
+        ))
+    }
+
+    fn peer(&self, place: &Place<'_>) -> Result<Value> {
+        let v = run_client(place, self.listen, &["peer"], T)?;
+        ensure!(v["ok"] == true, "peer client failed: {v}");
+        Ok(v)
+    }
+}
+
+/// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
+fn skip(name: &str) -> bool {
+    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+}
+
+#[test]
+fn connect_time_goes_straight_to_the_server() -> Result<()> {
+    if skip("connect_time_goes_straight_to_the_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+
+    // In the cgroup: the server sees the client's own socket, getpeername the listener.
+    let v = s.peer(&s.place())?;
+    eprintln!("in the cgroup: {v}");
+    ensure!(v["peer"] == s.listen.to_string(), "getpeername: {v}");
+    ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
+    ensure!(
+        v["server_sees"] == v["local"],
+        "the server should see the client's own socket, not lb's: {v}"
+    );
+
+    // 64 MiB each way, byte-exact, none of it through lb.
+    let n = (64 * MIB).to_string();
+    for dir in ["up", "down"] {
+        let t = Instant::now();
+        let r = run_client(&s.place(), s.listen, &[dir, &n], T)?;
+        ensure!(r["ok"] == true, "{dir} failed: {r}");
+        eprintln!("{dir} 64 MiB direct: {:.3} s", t.elapsed().as_secs_f64());
+    }
+    let through_lb = s.lb.metric("lb_spliced_bytes_total", "")
+        + s.lb.metric("lb_copied_bytes_total", "")
+        + s.lb.metric("lb_connections_total", "");
+    ensure!(
+        through_lb == 0.0,
+        "lb carried {through_lb} bytes/connections"
+    );
+    ensure!(
+        s.lb.metric("lb_balancer_forwarding_info", "forwarding=\"connect\"") == 1.0,
+        "lb_balancer_forwarding_info should say connect"
+    );
+
+    // A held connection is counted by the kernel, in /status and the metric, and uncounted
+    // when it closes.
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let m = s.lb.metric("lb_server_connections", &s.server(0));
+    ensure!(m == 1.0, "lb_server_connections for s0 = {m}");
+    drop(h);
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))?;
+
+    // Outside the cgroup nothing is rewritten: lb proxies, the server sees lb's socket.
+    let v = s.peer(&Place::default())?;
+    eprintln!("outside the cgroup: {v}");
+    ensure!(v["peer"] == s.listen.to_string(), "{v}");
+    ensure!(
+        v["server_sees"] != v["local"],
+        "a client outside the cgroup should reach the server through lb: {v}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 1.0,
+        "lb should have accepted exactly the outside client"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
+    if skip("connect_time_failover_resets_clients_of_a_failed_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let holders: Vec<Holder> = (0..3)
+        .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
+        .collect::<Result<_>>()?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "client should start on s0: {ev}");
+    }
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 3))?;
+    // lb's own health checks reach s1 at its own address while clients' connects to the
+    // listener are rewritten to s0.
+    let s1 = s.server_status(1)?.0;
+    ensure!(s1 == "HEALTHY" || s1 == "PREFERRED", "s1 is {s1}");
+
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    let failed = loop {
+        if s.server_status(0)?.0 == "FAILED" {
+            break Instant::now();
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!(
+        "s0 FAILED {:.3} s after the blackhole",
+        (failed - t0).as_secs_f64()
+    );
+    ensure!(failed - t0 <= bound, "FAILED after {:?}", failed - t0);
+    for (i, h) in holders.iter().enumerate() {
+        let closed = h.wait_for("closed", Duration::from_secs(5))?;
+        let since_blackhole = t0.elapsed();
+        eprintln!(
+            "client {i}: {} {:.3} s after the blackhole",
+            closed["how"],
+            since_blackhole.as_secs_f64()
+        );
+        ensure!(
+            since_blackhole <= bound + Duration::from_secs(1),
+            "client {i} ended {since_blackhole:?} after the blackhole: {closed}"
+        );
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "the client should be reset: {closed}"
+        );
+        let ev = h.wait_for("connected", Duration::from_secs(5))?;
+        ensure!(
+            ev["server"] == "s1",
+            "client {i} should reconnect to s1: {ev}"
+        );
+    }
+    let killed =
+        s.lb.metric("lb_connections_killed_total", "reason=\"health\"");
+    ensure!(killed == 3.0, "lb_connections_killed_total = {killed}");
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
+    if skip("connect_time_round_robin_spreads_new_connects") {
+        return Ok(());
+    }
+    let s = Setup::new("round-robin")?;
+    let mut per = [0u32; 2];
+    for _ in 0..20 {
+        let v = s.peer(&s.place())?;
+        ensure!(v["server_sees"] == v["local"], "{v}");
+        match v["server"].as_str() {
+            Some("s0") => per[0] += 1,
+            Some("s1") => per[1] += 1,
+            _ => bail!("unexpected server: {v}"),
+        }
+    }
+    eprintln!("20 connects: s0 {}, s1 {}", per[0], per[1]);
+    ensure!(per[0] >= 5 && per[1] >= 5, "uneven spread: {per:?}");
+    Ok(())
+}
+
+#[test]
+fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
+    if skip("connect_time_servers_kill_resets_direct_clients") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args([
+            "servers",
+            "--balancer",
+            "api",
+            "kill",
+            &s.server(0),
+            "--admin",
+            &s.lb.admin.to_string(),
+        ])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    let closed = h.wait_for("closed", Duration::from_secs(5))?;
+    eprintln!(
+        "lb servers kill: client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    // A kill is not a failure: the client reconnects to s0 again.
+    let ev = h.wait_for("connected", Duration::from_secs(5))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    Ok(())
+}
