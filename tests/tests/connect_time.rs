@@ -330,3 +330,71 @@ fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
     ensure!(ev["server"] == "s0", "{ev}");
     Ok(())
 }
+
+#[test]
+fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
+    if skip("connect_time_ipv4_mapped_from_an_ipv6_socket") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    // An IPv6 socket dialing the listener's IPv4-mapped address (connect6, getpeername6): it
+    // goes to the server's mapped address and still names the listener as its peer.
+    let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", s.listen.port()).parse()?;
+    let v = run_client(&s.place(), mapped, &["peer"], T)?;
+    eprintln!("IPv4-mapped: {v}");
+    ensure!(v["ok"] == true, "{v}");
+    ensure!(v["peer"] == mapped.to_string(), "getpeername: {v}");
+    ensure!(v["server"] == "s0", "{v}");
+    let local: SocketAddr = v["local"].as_str().context("local")?.parse()?;
+    let seen: SocketAddr = v["server_sees"].as_str().context("server_sees")?.parse()?;
+    let local_v4 = match local.ip() {
+        std::net::IpAddr::V6(ip) => ip.to_ipv4_mapped().map(std::net::IpAddr::V4),
+        std::net::IpAddr::V4(ip) => Some(std::net::IpAddr::V4(ip)),
+    };
+    ensure!(
+        local_v4 == Some(seen.ip()) && local.port() == seen.port(),
+        "the server should see the client's own socket: {v}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "nothing should go through lb"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<()> {
+    if skip_unless_root("connect_time_with_the_userspace_datapath_falls_back_to_the_proxy") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &hosts[0].addr(9000).to_string(),
+        "--datapath",
+        "userspace",
+        "--forwarding",
+        "connect",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_ready(Duration::from_secs(10))?;
+    let st = lb.status()?;
+    let b = &st["balancers"][0];
+    ensure!(b["forwarding"] == "splice", "{st}");
+    let why = b["forwarding_fallback"].as_str().unwrap_or("");
+    ensure!(why.contains("kernel data path is off"), "{st}");
+    ensure!(
+        lb.log_text().contains("forwarding = connect unavailable"),
+        "one warning expected: {}",
+        lb.log_text()
+    );
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    ensure!(v["ok"] == true && v["server_sees"] != v["local"], "{v}");
+    ensure!(lb.metric("lb_connections_total", "") == 1.0, "proxied");
+    Ok(())
+}

@@ -219,7 +219,19 @@ impl Datapath {
                 info!(cgroup = %cgroup.display(), "connect-time programs attached (connect4/6, getpeername4/6)");
                 None
             }
-            Err(e) => Some(crate::errors::chain(&e)),
+            Err(e) => {
+                // The reason on one line; a verifier log, when there is one, at debug level.
+                let full = crate::errors::chain(&e);
+                debug!(reason = %full, "connect-time programs not attached");
+                let first = full.lines().next().unwrap_or_default();
+                Some(
+                    first
+                        .split(" Verifier output:")
+                        .next()
+                        .unwrap_or(first)
+                        .to_string(),
+                )
+            }
         };
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
         // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
