@@ -398,3 +398,65 @@ fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<
     ensure!(lb.metric("lb_connections_total", "") == 1.0, "proxied");
     Ok(())
 }
+
+/// What connect-time forwarding buys, printed (not asserted: timings on a shared machine):
+/// 64 B round trips and new connections per second, direct to the server, connect-time through
+/// the listener, and proxied by lb (a client outside the cgroup, kernel splice upstream).
+#[test]
+fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
+    if skip("connect_time_round_trip_and_new_connection_figures") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let direct: SocketAddr = s.server(0).parse()?;
+    let cg = s.place();
+    let outside = Place::default();
+    let runs: [(&str, &Place<'_>, SocketAddr); 3] = [
+        ("direct", &cg, direct),
+        ("connect-time", &cg, s.listen),
+        ("proxied", &outside, s.listen),
+    ];
+    for (name, place, addr) in runs {
+        let rr = run_client(place, addr, &["rr", "2000", "64"], T)?;
+        ensure!(rr["ok"] == true, "{name} rr: {rr}");
+        let cps = run_client(place, addr, &["cps", "1000"], T)?;
+        ensure!(cps["ok"] == true, "{name} cps: {cps}");
+        eprintln!(
+            "{name:>12}: 64 B round trip p50 {:.1} µs p99 {:.1} µs; new connections {:.0}/s",
+            rr["p50_us"].as_f64().unwrap_or(0.0),
+            rr["p99_us"].as_f64().unwrap_or(0.0),
+            cps["per_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    // Only the proxied runs reached lb's listener.
+    ensure!(
+        s.lb.metric("lb_connections_total", "") >= 2.0,
+        "the proxied runs should go through lb"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> Result<()> {
+    if skip("connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down") {
+        return Ok(());
+    }
+    let mut s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    let code = s.lb.terminate(Duration::from_secs(10))?;
+    ensure!(code == 0, "lb exited with {code}");
+    // lb is gone (programs detached with it): the direct connection stays up.
+    if let Ok(ev) = h.next(Duration::from_secs(2)) {
+        bail!("the direct connection should outlive lb: {ev}");
+    }
+    // A new connect to the listener address is no longer rewritten and nobody listens.
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    eprintln!("connect while lb is down: {v}");
+    ensure!(
+        v["ok"] == false && v["kind"] == "ConnectionRefused",
+        "expected refused: {v}"
+    );
+    Ok(())
+}
