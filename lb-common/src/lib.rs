@@ -129,6 +129,9 @@ pub const CONNECT_FIRST: u32 = 0;
 pub const CONNECT_ROUND_ROBIN: u32 = 1;
 /// [`ConnectTable::policy`]: a uniformly random server (`bpf_get_prandom_u32`).
 pub const CONNECT_RANDOM: u32 = 2;
+/// [`ConnectTable::policy`]: of two different random servers, the one with fewer established
+/// connect-time sockets in [`MAP_CONNECT_COUNTS`] (power of two choices).
+pub const CONNECT_LEAST: u32 = 3;
 
 /// One server of a [`ConnectTable`]: the address a rewritten `connect()` goes to.
 #[repr(C)]
@@ -149,7 +152,7 @@ const _: () = assert!(size_of::<ConnectServer>() == 24);
 pub struct ConnectTable {
     /// Servers in use: `servers[..count]`; 0 means no rewrite (the listener takes the connect).
     pub count: u32,
-    /// [`CONNECT_FIRST`], [`CONNECT_ROUND_ROBIN`] or [`CONNECT_RANDOM`].
+    /// [`CONNECT_FIRST`], [`CONNECT_ROUND_ROBIN`], [`CONNECT_RANDOM`] or [`CONNECT_LEAST`].
     pub policy: u32,
     /// The servers, best first.
     pub servers: [ConnectServer; MAX_CONNECT_SERVERS],

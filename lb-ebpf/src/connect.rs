@@ -16,11 +16,11 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockOpsContext},
 };
 use lb_common::{
-    AF_INET, AF_INET6, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectOrig,
-    ConnectTable, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS, MAP_CONNECT_LISTENERS,
-    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
-    MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT4, PROG_CONNECT6,
-    PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    AF_INET, AF_INET6, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectCountKey,
+    ConnectOrig, ConnectServer, ConnectTable, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS,
+    MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS,
+    MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT4,
+    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
 };
 
 named_as!(
@@ -200,6 +200,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         },
         // SAFETY: no preconditions.
         CONNECT_RANDOM => (unsafe { bpf_get_prandom_u32() }) as usize % count,
+        CONNECT_LEAST => least_of_two(table, balancer, count),
         _ => 0,
     };
     // pick < count <= MAX_CONNECT_SERVERS (a power of two): the mask changes nothing but
@@ -251,6 +252,46 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_port), port_raw);
     }
     Ok(())
+}
+
+/// Established connect-time sockets of `server` in `balancer` (0 when none were counted).
+#[inline(always)]
+fn established(server: &ConnectServer, balancer: u32) -> u64 {
+    let key = ConnectCountKey {
+        server: *server,
+        balancer,
+        _pad: 0,
+    };
+    // SAFETY: copied out at once; a transient negative (wrapped) count reads as 0.
+    let n = unsafe { LB_CONNECT_COUNTS.get(&key) }.copied().unwrap_or(0);
+    if n > u64::MAX / 2 { 0 } else { n }
+}
+
+/// `least-connections`: two different servers at random (power of two choices), the one with
+/// fewer established connect-time sockets (the first on a tie). Index < `count`.
+#[inline(always)]
+fn least_of_two(table: &ConnectTable, balancer: u32, count: usize) -> usize {
+    // SAFETY: no preconditions.
+    let r = unsafe { bpf_get_prandom_u32() } as usize;
+    // checked_rem: no division-by-zero panic path for the verifier to refuse.
+    let a = (r & 0xffff).checked_rem(count).unwrap_or(0);
+    if count < 2 {
+        return a;
+    }
+    let step = 1 + (r >> 16).checked_rem(count - 1).unwrap_or(0);
+    let b = (a + step).checked_rem(count).unwrap_or(0);
+    let (a, b) = (
+        core::hint::black_box(a) & (MAX_CONNECT_SERVERS - 1),
+        core::hint::black_box(b) & (MAX_CONNECT_SERVERS - 1),
+    );
+    let (Some(sa), Some(sb)) = (table.servers.get(a), table.servers.get(b)) else {
+        return a;
+    };
+    if established(sb, balancer) < established(sa, balancer) {
+        b
+    } else {
+        a
+    }
 }
 
 /// Give a rewritten socket's peer back as the listener address it dialed (inlined, as

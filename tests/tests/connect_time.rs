@@ -460,3 +460,32 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
     );
     Ok(())
 }
+
+#[test]
+fn connect_time_least_connections_balances_held_connections() -> Result<()> {
+    if skip("connect_time_least_connections_balances_held_connections") {
+        return Ok(());
+    }
+    let s = Setup::new("least-connections")?;
+    // With two servers the kernel compares both on every connect: each new held connection goes
+    // to the one with fewer, so after every connect the counts differ by at most one.
+    let mut holders = Vec::new();
+    for i in 0..6u64 {
+        let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+        h.wait_for("connected", Duration::from_secs(10))?;
+        holders.push(h);
+        lb_tests::wait_until(Duration::from_secs(5), || {
+            Ok(s.server_status(0)?.1 + s.server_status(1)?.1 == i + 1)
+        })?;
+        let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+        ensure!(
+            n0.abs_diff(n1) <= 1,
+            "after {} connects: s0 {n0}, s1 {n1}",
+            i + 1
+        );
+    }
+    let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+    eprintln!("6 held connections: s0 {n0}, s1 {n1}");
+    ensure!(n0 == 3 && n1 == 3, "s0 {n0}, s1 {n1}");
+    Ok(())
+}

@@ -151,8 +151,8 @@ async fn sync_connect_table(
         let policy = match b.config().policy {
             Policy::Failover => ConnectPolicy::First,
             Policy::RoundRobin => ConnectPolicy::RoundRobin,
-            // least-connections is not done in the kernel yet: random spreads the load too.
-            Policy::Random | Policy::LeastConnections => ConnectPolicy::Random,
+            Policy::Random => ConnectPolicy::Random,
+            Policy::LeastConnections => ConnectPolicy::LeastConnections,
         };
         let servers: Vec<SocketAddr> = b
             .connect_table()

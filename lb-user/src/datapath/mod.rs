@@ -29,11 +29,11 @@ use aya::{
     programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps},
 };
 use lb_common::{
-    BalancerStats, CONNECT_FIRST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable, FlowState,
-    GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET,
-    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OWN_TGID, MAX_CONNECT_SERVERS,
-    NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
-    PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
+    FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OWN_TGID,
+    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -140,6 +140,9 @@ pub enum ConnectPolicy {
     RoundRobin,
     /// A uniformly random server.
     Random,
+    /// Of two different random servers, the one with fewer established connect-time
+    /// connections (power of two choices; lb's proxied connections are not counted).
+    LeastConnections,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -290,6 +293,7 @@ impl Datapath {
                 ConnectPolicy::First => CONNECT_FIRST,
                 ConnectPolicy::RoundRobin => CONNECT_ROUND_ROBIN,
                 ConnectPolicy::Random => CONNECT_RANDOM,
+                ConnectPolicy::LeastConnections => CONNECT_LEAST,
             },
             ..ConnectTable::default()
         };
