@@ -264,9 +264,12 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
             "client {i} should reconnect to s1: {ev}"
         );
     }
-    let killed =
-        s.lb.metric("lb_connections_killed_total", "reason=\"health\"");
-    ensure!(killed == 3.0, "lb_connections_killed_total = {killed}");
+    // Counted after the destroy returns, so possibly just after the clients saw it.
+    let killed = || {
+        s.lb.metric("lb_connections_killed_total", "reason=\"health\"")
+    };
+    lb_tests::wait_until(Duration::from_secs(2), || Ok(killed() == 3.0))
+        .with_context(|| format!("lb_connections_killed_total = {}", killed()))?;
     s.hosts[0].blackhole(false)?;
     Ok(())
 }
