@@ -448,8 +448,31 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
     let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
+    let programs = |cg: &TestCgroup| -> Result<usize> {
+        let shown = lb_tests::sh(
+            "bpftool",
+            &["cgroup", "show", &cg.path.display().to_string()],
+        )?;
+        Ok([
+            "lb_connect4",
+            "lb_connect6",
+            "lb_getpeername4",
+            "lb_getpeername6",
+        ]
+        .iter()
+        .filter(|p| shown.contains(*p))
+        .count())
+    };
+    ensure!(
+        programs(&s.cg)? == 4,
+        "the four connect-time programs should be attached"
+    );
     let code = s.lb.terminate(Duration::from_secs(10))?;
     ensure!(code == 0, "lb exited with {code}");
+    ensure!(
+        programs(&s.cg)? == 0,
+        "connect-time programs left after exit"
+    );
     // lb is gone (programs detached with it): the direct connection stays up.
     if let Ok(ev) = h.next(Duration::from_secs(2)) {
         bail!("the direct connection should outlive lb: {ev}");
@@ -490,5 +513,37 @@ fn connect_time_least_connections_balances_held_connections() -> Result<()> {
     let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
     eprintln!("6 held connections: s0 {n0}, s1 {n1}");
     ensure!(n0 == 3 && n1 == 3, "s0 {n0}, s1 {n1}");
+    Ok(())
+}
+
+#[test]
+fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> {
+    if skip_unless_root("connect_time_programs_are_attached_only_when_a_balancer_asks") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &hosts[0].addr(9000).to_string(),
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_ready(Duration::from_secs(10))?;
+    let shown = lb_tests::sh(
+        "bpftool",
+        &["cgroup", "show", &cg.path.display().to_string()],
+    )?;
+    ensure!(shown.contains("lb_sockops"), "{shown}");
+    ensure!(
+        !shown.contains("lb_connect4") && !shown.contains("lb_getpeername4"),
+        "splice-only lb should attach no connect-time program: {shown}"
+    );
+    ensure!(lb.status()?["balancers"][0]["forwarding"] == "splice");
     Ok(())
 }

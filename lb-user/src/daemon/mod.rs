@@ -82,13 +82,18 @@ pub fn attach_datapath(
     cfg: &Config,
 ) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
     let d = &cfg.datapath;
+    let want_connect = cfg
+        .balancers
+        .iter()
+        .any(|b| cfg.forwarding_of(b) == Forwarding::Connect);
     match d.mode {
         DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
         DatapathMode::Bpf => {
-            let dp = Datapath::load(d).context("--datapath bpf: kernel data path unavailable")?;
+            let dp = Datapath::load(d, want_connect)
+                .context("--datapath bpf: kernel data path unavailable")?;
             Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None))
         }
-        DatapathMode::Auto => match Datapath::load(d) {
+        DatapathMode::Auto => match Datapath::load(d, want_connect) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
                 let reason = crate::errors::chain(&e);

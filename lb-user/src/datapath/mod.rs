@@ -100,6 +100,9 @@ pub enum DatapathError {
     /// The kernel's BTF gave no struct offsets (the blocking-client splice alone is off).
     #[error(transparent)]
     Btf(#[from] BtfError),
+    /// The connect-time programs were not attached because no balancer uses them.
+    #[error("no balancer has forwarding = \"connect\"")]
+    NotRequested,
     /// A map operation failed.
     #[error("map {map}")]
     Map {
@@ -155,7 +158,9 @@ impl std::fmt::Debug for Datapath {
 
 impl Datapath {
     /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
-    /// sk_msg to the client sockhash. `cfg.blocking_splice` is honoured when the kernel allows it;
+    /// sk_msg to the client sockhash, and with `want_connect` the connect-time programs (a
+    /// failure there only turns connect-time forwarding off, see
+    /// [`Datapath::connect_unavailable`]). `cfg.blocking_splice` is honoured when the kernel allows it;
     /// otherwise it is turned off alone, with a warning naming why. The programs' log level is
     /// taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start is a
     /// warning, never an error.
@@ -163,7 +168,10 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
     /// load/attach step that failed.
-    pub fn load(cfg: &crate::config::DatapathConfig) -> Result<Datapath, DatapathError> {
+    pub fn load(
+        cfg: &crate::config::DatapathConfig,
+        want_connect: bool,
+    ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
@@ -217,11 +225,18 @@ impl Datapath {
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(prog_err(PROG_SOCKOPS))?;
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
-        let connect_missing = match attach_connect(&mut ebpf, &cgroup_file) {
+        // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
+        let attached = if want_connect {
+            attach_connect(&mut ebpf, &cgroup_file)
+        } else {
+            Err(DatapathError::NotRequested)
+        };
+        let connect_missing = match attached {
             Ok(()) => {
                 info!(cgroup = %cgroup.display(), "connect-time programs attached (connect4/6, getpeername4/6)");
                 None
             }
+            Err(DatapathError::NotRequested) => Some(DatapathError::NotRequested.to_string()),
             Err(e) => {
                 // The reason on one line; a verifier log, when there is one, at debug level.
                 let full = crate::errors::chain(&e);
