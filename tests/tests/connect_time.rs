@@ -547,3 +547,58 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
     ensure!(lb.status()?["balancers"][0]["forwarding"] == "splice");
     Ok(())
 }
+
+/// An `lbt serve` in lb's own namespace, killed on drop.
+struct LocalServer(std::process::Child);
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
+    if skip("connect_time_ipv6_listener_to_an_ipv6_server") {
+        return Ok(());
+    }
+    // A native IPv6 listener and an IPv6 server (on [::1] in lb's namespace): connect6 and
+    // getpeername6 with full IPv6 addresses.
+    let server: SocketAddr = format!("[::1]:{}", free_port()?).parse()?;
+    let _server = LocalServer(
+        std::process::Command::new(lb_tests::lbt_bin())
+            .args(["serve", "--listen", &server.to_string(), "--name", "v6"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(std::net::TcpStream::connect(server).is_ok())
+    })?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("[::1]:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &server.to_string(),
+        "--datapath",
+        "bpf",
+        "--forwarding",
+        "connect",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(lb.log_text().contains("connect-time table updated"))
+    })?;
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    eprintln!("IPv6: {v}");
+    ensure!(v["ok"] == true && v["server"] == "v6", "{v}");
+    ensure!(v["peer"] == listen.to_string(), "getpeername: {v}");
+    ensure!(v["server_sees"] == v["local"], "{v}");
+    ensure!(lb.metric("lb_connections_total", "") == 0.0, "through lb");
+    Ok(())
+}
