@@ -513,6 +513,17 @@ fn connect_time_least_connections_balances_held_connections() -> Result<()> {
     let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
     eprintln!("6 held connections: s0 {n0}, s1 {n1}");
     ensure!(n0 == 3 && n1 == 3, "s0 {n0}, s1 {n1}");
+    let m = s.lb.metric("lb_server_connections", "");
+    ensure!(m == 6.0, "lb_server_connections sum {m}");
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["status", "--admin", &s.lb.admin.to_string()])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
+    ensure!(
+        out.status.success() && text.contains("forwarding connect"),
+        "lb status: {text}"
+    );
     Ok(())
 }
 
