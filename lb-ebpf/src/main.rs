@@ -3,6 +3,8 @@
 //! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
 //!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
+//!   A socket the connect programs sent straight to a server is counted instead (and, through
+//!   `STATE_CB`, uncounted when it closes); see [`connect`].
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
@@ -16,6 +18,10 @@
 //!   non-blocking send into a full server socket returns `EAGAIN` while the client's own socket
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
 //!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
+//!
+//! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr,
+//!   attached only when a balancer has `forwarding = "connect"`): connect-time balancing, in
+//!   [`connect`].
 //!
 //! Kernel events for operators go through aya-log (target `lb::kernel`, debug level): a send
 //! that took the copy path after pairing (catch-up, no credit, redirect error), rate-limited by
