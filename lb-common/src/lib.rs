@@ -78,10 +78,119 @@ const _: () =
     assert!(kernel_log_due(3 * KERNEL_LOG_EVERY) && !kernel_log_due(3 * KERNEL_LOG_EVERY + 2));
 
 /// Every program name, for the ELF check.
-pub const PROG_NAMES: [&str; 2] = [PROG_SOCKOPS, PROG_SK_MSG];
+pub const PROG_NAMES: [&str; 6] = [
+    PROG_SOCKOPS,
+    PROG_SK_MSG,
+    PROG_CONNECT4,
+    PROG_CONNECT6,
+    PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
+];
+
+/// cgroup `connect4` program (4.17+): rewrites a TCP `connect()` to a connect-mode listener into
+/// the address of the server its balancer's [`ConnectTable`] picks.
+pub const PROG_CONNECT4: &str = "lb_connect4";
+/// cgroup `connect6` program (4.17+): as [`PROG_CONNECT4`] for IPv6 sockets (native IPv6
+/// listeners, and IPv4 listeners dialed as IPv4-mapped addresses).
+pub const PROG_CONNECT6: &str = "lb_connect6";
+/// cgroup `getpeername4` program (5.8+): a rewritten socket's peer reads back as the listener
+/// address the client dialed.
+pub const PROG_GETPEERNAME4: &str = "lb_getpeername4";
+/// cgroup `getpeername6` program (5.8+): as [`PROG_GETPEERNAME4`] for IPv6 sockets.
+pub const PROG_GETPEERNAME6: &str = "lb_getpeername6";
+
+/// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
+/// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
+pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";
+/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb (an update swaps the
+/// element, so the programs never see half a table).
+pub const MAP_CONNECT_TABLES: &str = "LB_CONNECT_TABLES";
+/// Per-CPU array indexed by balancer id → round-robin counter (`u32`, one per CPU).
+pub const MAP_CONNECT_RR: &str = "LB_CONNECT_RR";
+/// LRU hash: socket cookie (`u64`) → [`ConnectOrig`] of every socket a connect program
+/// rewrote; the sockops program removes it when the socket closes.
+pub const MAP_CONNECT_SOCKS: &str = "LB_CONNECT_SOCKS";
+/// Hash: [`ConnectCountKey`] → established connect-time sockets (`u64`, changed with atomic
+/// adds by the sockops program; a decrement is an add of `u64::MAX`).
+pub const MAP_CONNECT_COUNTS: &str = "LB_CONNECT_COUNTS";
+/// `u32` global: lb's own process id (tgid); the connect programs never rewrite its sockets
+/// (health checks, proxy dials).
+pub const GLOBAL_OWN_TGID: &str = "LB_OWN_TGID";
+
+/// Most servers in one [`ConnectTable`]; lb writes the first ones in preference order. A
+/// power of two (the programs mask their pick with it).
+pub const MAX_CONNECT_SERVERS: usize = 16;
+const _: () = assert!(MAX_CONNECT_SERVERS.is_power_of_two());
+/// Capacity of [`MAP_CONNECT_COUNTS`]: balancers × servers they ever had.
+pub const MAX_CONNECT_COUNTS: u32 = 4096;
+/// [`ConnectTable::policy`]: always the first server (lb writes them in failover order).
+pub const CONNECT_FIRST: u32 = 0;
+/// [`ConnectTable::policy`]: the next server in turn (a counter per CPU and balancer).
+pub const CONNECT_ROUND_ROBIN: u32 = 1;
+/// [`ConnectTable::policy`]: a uniformly random server (`bpf_get_prandom_u32`).
+pub const CONNECT_RANDOM: u32 = 2;
+/// [`ConnectTable::policy`]: of two different random servers, the one with fewer established
+/// connect-time sockets in [`MAP_CONNECT_COUNTS`] (power of two choices).
+pub const CONNECT_LEAST: u32 = 3;
+
+/// One server of a [`ConnectTable`]: the address a rewritten `connect()` goes to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConnectServer {
+    /// Address, network byte order per 32-bit word (IPv4 in word 0, words 1-3 zero).
+    pub ip_be: [u32; 4],
+    /// Port, host order.
+    pub port: u32,
+    /// [`AF_INET`] or [`AF_INET6`].
+    pub family: u32,
+}
+const _: () = assert!(size_of::<ConnectServer>() == 24);
+
+/// The servers a balancer's connect programs choose from, best first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectTable {
+    /// Servers in use: `servers[..count]`; 0 means no rewrite (the listener takes the connect).
+    pub count: u32,
+    /// [`CONNECT_FIRST`], [`CONNECT_ROUND_ROBIN`], [`CONNECT_RANDOM`] or [`CONNECT_LEAST`].
+    pub policy: u32,
+    /// The servers, best first.
+    pub servers: [ConnectServer; MAX_CONNECT_SERVERS],
+}
+const _: () = assert!(size_of::<ConnectTable>() == 8 + 24 * MAX_CONNECT_SERVERS);
+
+/// Key of [`MAP_CONNECT_COUNTS`]: a balancer and one of its servers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConnectCountKey {
+    /// The server.
+    pub server: ConnectServer,
+    /// Balancer id.
+    pub balancer: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<ConnectCountKey>() == 32);
+
+/// What a connect program recorded about a socket it rewrote.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectOrig {
+    /// The address the client dialed (a listener), network byte order per word; for an IPv6
+    /// socket the whole IPv6 address (IPv4-mapped when it dialed one).
+    pub dialed_ip_be: [u32; 4],
+    /// The port it dialed, host order.
+    pub dialed_port: u32,
+    /// 1 once the sockops program counted the socket as established, else 0.
+    pub established: u32,
+    /// Where the program sent it, and its balancer.
+    pub count: ConnectCountKey,
+}
+const _: () = assert!(size_of::<ConnectOrig>() == 56);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 6] = [
+pub const GLOBAL_NAMES: [&str; 7] = [
+    GLOBAL_OWN_TGID,
     GLOBAL_OFF_SK_SOCKET,
     GLOBAL_OFF_SOCKET_FILE,
     GLOBAL_OFF_F_FLAGS,
@@ -115,7 +224,12 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 9] = [
+pub const MAP_NAMES: [&str; 14] = [
+    MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_TABLES,
+    MAP_CONNECT_RR,
+    MAP_CONNECT_SOCKS,
+    MAP_CONNECT_COUNTS,
     MAP_LISTENERS,
     MAP_CLIENTS,
     MAP_SERVERS,
@@ -335,4 +449,12 @@ mod pod {
     unsafe impl aya::Pod for super::BalancerStats {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::RefreshRequest {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ConnectServer {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ConnectTable {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ConnectCountKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ConnectOrig {}
 }

@@ -3,6 +3,8 @@
 //! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
 //!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
+//!   A socket the connect programs sent straight to a server is counted instead (and, through
+//!   `STATE_CB`, uncounted when it closes); see [`connect`].
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
@@ -17,6 +19,10 @@
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
 //!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
 //!
+//! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr,
+//!   attached only when a balancer has `forwarding = "connect"`): connect-time balancing, in
+//!   [`connect`].
+//!
 //! Kernel events for operators go through aya-log (target `lb::kernel`, debug level): a send
 //! that took the copy path after pairing (catch-up, no credit, redirect error), rate-limited by
 //! [`lb_common::kernel_log_due`]. lb sets aya-log's level global at load time (0 unless its log
@@ -29,9 +35,12 @@
 //! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
 #![no_std]
 #![no_main]
+// The atomic add of the connect-time counts (see connect::count_add).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, sk_action},
+    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, sk_action},
     cty::c_void,
     helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
     macros::{map, sk_msg, sock_ops},
@@ -138,6 +147,8 @@ macro_rules! ctx_ip6 {
     };
 }
 
+mod connect;
+
 /// Port as the kernel exposes `remote_port` (network order in the upper 16 bits) → host order.
 #[inline(always)]
 fn remote_port_host(raw: u32) -> u32 {
@@ -152,7 +163,16 @@ pub fn lb_sockops(ctx: SockOpsContext) -> u32 {
 }
 
 fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
-    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+    match ctx.op() {
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
+        BPF_SOCK_OPS_STATE_CB => {
+            connect::on_state(ctx);
+            return Ok(1);
+        }
+        _ => return Ok(1),
+    }
+    // A socket a connect program sent straight to a server: counted, never spliced.
+    if connect::on_established(ctx) {
         return Ok(1);
     }
     let family = ctx.family();

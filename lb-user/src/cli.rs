@@ -20,7 +20,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::{
     addr::ServerAddr,
     admin::client::{AdminClient, ClientError, Endpoint},
-    config::{DEFAULT_ADMIN_LISTEN, DatapathMode, Overrides, parse_duration},
+    config::{DEFAULT_ADMIN_LISTEN, DatapathMode, Forwarding, Overrides, parse_duration},
 };
 
 /// Exit code for a failure (and for `lb check`, unhealthy).
@@ -159,6 +159,10 @@ pub struct RunArgs {
     /// cgroup v2 directory for the sockops program (detected when absent).
     #[arg(long, env = "LB_CGROUP")]
     pub cgroup: Option<PathBuf>,
+    /// Forwarding of every balancer: splice (through lb) or connect (the kernel sends clients
+    /// in the cgroup straight to the chosen server at connect(); kernel 5.8+).
+    #[arg(long, env = "LB_FORWARDING", value_enum)]
+    pub forwarding: Option<Forwarding>,
 }
 
 impl RunArgs {
@@ -172,6 +176,7 @@ impl RunArgs {
             admin_listen: self.admin_listen,
             health_loop: self.health_loop,
             cgroup: self.cgroup.clone(),
+            forwarding: self.forwarding,
         }
     }
 }

@@ -88,6 +88,38 @@ pub struct NodeKill {
 /// [`KillError::Unsupported`] when the kernel has no `SOCK_DESTROY`; other [`KillError`]s for
 /// netlink failures. Sockets destroyed before an error stay destroyed.
 pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
+    destroy_matching(peer, |_| true)
+}
+
+/// Destroy the TCP sockets in this network namespace whose peer is `peer` and whose socket
+/// cookie is in `cookies` (the connect-time sockets lb's programs sent to a server; other
+/// sockets to it are left alone). Blocking, as [`destroy_peer_sockets`].
+///
+/// # Errors
+/// As [`destroy_peer_sockets`].
+pub fn destroy_sockets_with_cookies(
+    peer: SocketAddr,
+    cookies: &std::collections::HashSet<u64>,
+) -> Result<NodeKill, KillError> {
+    if cookies.is_empty() {
+        return Ok(NodeKill::default());
+    }
+    destroy_matching(peer, |id| cookies.contains(&cookie_of(id)))
+}
+
+/// The socket cookie of a dumped socket: `inet_diag_sockid.idiag_cookie` is two `u32`s in host
+/// order, low word first.
+fn cookie_of(id: &SocketId) -> u64 {
+    let c = id.cookie;
+    let lo = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+    let hi = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]);
+    u64::from(hi) << 32 | u64::from(lo)
+}
+
+fn destroy_matching(
+    peer: SocketAddr,
+    keep: impl Fn(&SocketId) -> bool,
+) -> Result<NodeKill, KillError> {
     let nl = Netlink::open()?;
     let mut targets = Vec::new();
     match peer.ip() {
@@ -98,6 +130,7 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
         }
         IpAddr::V6(_) => nl.dump(peer, &mut targets)?,
     }
+    targets.retain(|t| keep(&t.id));
     let mut done = NodeKill {
         found: targets.len(),
         destroyed: 0,

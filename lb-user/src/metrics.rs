@@ -62,6 +62,15 @@ pub struct KillLabels {
     pub reason: String,
 }
 
+/// `{balancer,forwarding}` of `lb_balancer_forwarding_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ForwardingLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `splice` or `connect`: the forwarding in effect.
+    pub forwarding: String,
+}
+
 /// `{balancer,direction}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DirectionLabels {
@@ -147,6 +156,8 @@ pub struct Metrics {
     pub splice_credit_refreshes: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
+    /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
+    pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
     /// `lb_inflight_checks`.
     pub inflight_checks: Gauge,
     /// `lb_connections_total`: accepted client connections.
@@ -268,6 +279,12 @@ impl Metrics {
             "Data path in use (value 1)",
             datapath_info.clone(),
         );
+        let balancer_forwarding = Family::<ForwardingLabels, Gauge>::default();
+        registry.register(
+            "balancer_forwarding_info",
+            "Forwarding in effect per balancer: splice (through lb) or connect (kernel sends clients straight to the server) (value 1)",
+            balancer_forwarding.clone(),
+        );
         let inflight_checks = Gauge::default();
         registry.register(
             "inflight_checks",
@@ -331,6 +348,7 @@ impl Metrics {
             splice_blocking_redirects,
             splice_credit_refreshes,
             datapath_info,
+            balancer_forwarding,
             inflight_checks,
             connections_total,
             dials_abandoned,
@@ -368,15 +386,25 @@ impl Metrics {
         self.server_state.clear();
         self.server_connections.clear();
         for b in balancers {
+            // Connect-time connections go straight to the server; the kernel counts them.
+            let direct = datapath.map(|d| d.connect_counts(b.id)).unwrap_or_default();
             for s in b.status() {
                 let l = ServerLabels {
                     balancer: b.name.clone(),
                     server: s.address.to_string(),
                 };
+                let direct = s
+                    .address
+                    .socket_addr()
+                    .and_then(|a| direct.get(&a).copied())
+                    .unwrap_or(0);
+                let total = u64::try_from(s.connections)
+                    .unwrap_or(u64::MAX)
+                    .saturating_add(direct);
                 self.server_state.get_or_create(&l).set(s.state as i64);
                 self.server_connections
                     .get_or_create(&l)
-                    .set(i64::try_from(s.connections).unwrap_or(i64::MAX));
+                    .set(i64::try_from(total).unwrap_or(i64::MAX));
             }
             let _ = self
                 .spliced_connections

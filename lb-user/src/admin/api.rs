@@ -28,6 +28,14 @@ pub struct BalancerStatus {
     pub listen: Vec<SocketAddr>,
     /// Policy (`failover`, `round-robin`, ...).
     pub policy: String,
+    /// Forwarding in effect: `splice` (through lb) or `connect` (the kernel sends clients in
+    /// lb's cgroup straight to the server at `connect()`). Server `connections` include the
+    /// connect-time ones.
+    #[serde(default)]
+    pub forwarding: String,
+    /// Why a balancer configured with `forwarding = "connect"` forwards through lb instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarding_fallback: Option<String>,
     /// Servers, in preference order; the default last when it is only STANDBY.
     pub servers: Vec<ServerStatus>,
     /// The discovery source and what it last did; absent without discovery.

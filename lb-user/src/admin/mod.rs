@@ -102,11 +102,21 @@ pub fn status(daemon: &Handle) -> StatusBody {
             .iter()
             .map(|b| {
                 let cfg = b.config();
+                let (forwarding, forwarding_fallback) = daemon.forwarding(&b.name);
+                let direct = daemon.connect_counts(b.id);
+                let mut servers = b.status();
+                for s in &mut servers {
+                    if let Some(n) = s.address.socket_addr().and_then(|a| direct.get(&a)) {
+                        s.connections += usize::try_from(*n).unwrap_or(usize::MAX);
+                    }
+                }
                 BalancerStatus {
                     name: b.name.clone(),
                     listen: cfg.listen.clone(),
                     policy: cfg.policy.to_string(),
-                    servers: b.status(),
+                    forwarding: forwarding.to_string(),
+                    forwarding_fallback,
+                    servers,
                     discovery: b.discovery_status(),
                 }
             })

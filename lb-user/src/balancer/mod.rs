@@ -37,7 +37,7 @@ use self::{
 pub use crate::addr::{MAX_SERVERS, SetError};
 use crate::{
     addr::{ServerAddr, validate_set},
-    config::{BalancerConfig, KillScope},
+    config::{BalancerConfig, KillScope, Policy},
 };
 
 /// What a balancer reports as it works; the daemon counts kills in metrics and runs the
@@ -48,6 +48,10 @@ pub trait Observer: Send + Sync {
     /// `kill_scope = "node"`: end every socket on the node to `server` (lb's own are already
     /// killed). Called without locks held; must not block.
     fn node_kill(&self, server: &ServerAddr);
+    /// The connections of `server` were ended for `reason` (not at shutdown): the daemon also
+    /// ends the connect-time sockets the kernel sent to it, which lb's registry does not hold.
+    /// Called without locks held; must not block.
+    fn server_killed(&self, _balancer: &str, _id: u32, _server: &ServerAddr, _reason: KillReason) {}
 }
 
 /// An observer that does nothing (tests, tools).
@@ -352,6 +356,30 @@ impl Balancer {
         select::dial_order(servers, |a| conns.count(a), policy, rr, rng)
     }
 
+    /// The servers a connect-time table holds, best first (see [`select::connect_order`]).
+    /// Under `failover`, once no server is UNCHECKED, the first one is also marked as dialed
+    /// (HEALTHY/PREFERRED → ACTIVE): connects now go to it, so it keeps them the way a dialed
+    /// server keeps its clients (and `failback = false` holds). Before that, whichever server
+    /// answered its first check first would become ACTIVE with no client at all.
+    pub fn connect_table(self: &Arc<Self>) -> Vec<ServerAddr> {
+        let policy = self.cfg.load().policy;
+        let (order, settled) = {
+            let inner = self.lock();
+            let settled = !inner
+                .servers
+                .iter()
+                .any(|s| s.state == ServerState::Unchecked);
+            (select::connect_order(&inner.servers, policy), settled)
+        };
+        if policy == Policy::Failover
+            && settled
+            && let Some(first) = order.first()
+        {
+            self.record_dial(first, Ok(()));
+        }
+        order
+    }
+
     /// Record a dial result. Success: HEALTHY/PREFERRED → ACTIVE (under `failover` the previous
     /// ACTIVE server becomes HEALTHY). Failure: counts as a failed check when `passive`.
     pub fn record_dial(self: &Arc<Self>, server: &ServerAddr, result: Result<(), String>) {
@@ -501,6 +529,10 @@ impl Balancer {
         let n = conns.len();
         for c in conns {
             c.kill(reason);
+        }
+        if reason != KillReason::Shutdown {
+            self.observer
+                .server_killed(&self.name, self.id, server, reason);
         }
         if n > 0 {
             warn!(balancer = %self.name, %server, connections = n, reason = reason.label(), "killed connections");

@@ -52,3 +52,37 @@ pub(super) fn dial_order(
     addrs.insert(0, pick);
     addrs
 }
+
+/// The servers a connect-time table holds, best first: under `failover` the failover order
+/// without FAILED servers (all of them when nothing else is left), so the kernel's first entry
+/// is the server a dial would try first; under the spreading policies the usable servers in
+/// set order (the kernel spreads over them), or that failover order when fewer than two are
+/// usable. Held and INVALID servers never.
+pub(super) fn connect_order(servers: &[Server], policy: Policy) -> Vec<ServerAddr> {
+    let mut order: Vec<(usize, &Server)> = servers
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.hold == Hold::None && s.state != ServerState::Invalid)
+        .collect();
+    if policy != Policy::Failover {
+        let usable: Vec<ServerAddr> = order
+            .iter()
+            .filter(|(_, s)| s.state.is_usable())
+            .map(|(_, s)| s.addr.clone())
+            .collect();
+        if usable.len() >= 2 {
+            return usable;
+        }
+    }
+    order.sort_by_key(|(i, s)| (std::cmp::Reverse(s.state), *i));
+    let alive: Vec<ServerAddr> = order
+        .iter()
+        .filter(|(_, s)| s.state != ServerState::Failed)
+        .map(|(_, s)| s.addr.clone())
+        .collect();
+    if alive.is_empty() {
+        order.iter().map(|(_, s)| s.addr.clone()).collect()
+    } else {
+        alive
+    }
+}

@@ -405,3 +405,43 @@ fn a_name_is_one_server_per_address_and_keeps_them_across_set_changes() {
         "a refused set changes nothing"
     );
 }
+
+#[test]
+fn connect_table_follows_the_states() {
+    use ServerState::*;
+    let (s0, s1, d) = ("198.18.0.2:1", "198.18.0.3:1", "198.18.0.4:1");
+    let b = balancer(&[s0, s1], Some(d), Policy::Failover);
+    // Nothing checked yet: failover order by set, default last, nobody marked ACTIVE.
+    assert_eq!(b.connect_table(), [a(s0), a(s1), a(d)]);
+    assert_eq!(states(&b)[..2], [Unchecked, Unchecked]);
+    for s in [s0, s1, s0, s1] {
+        b.record_check(&a(s), Ok(()));
+    }
+    // Settled: the head becomes ACTIVE, as a dialed server would.
+    assert_eq!(b.connect_table()[0], a(s0));
+    assert_eq!(states(&b)[..2], [Active, Preferred]);
+    // A FAILED server leaves the table while anything else is left.
+    b.record_check(&a(s0), Err("refused".into()));
+    assert_eq!(b.connect_table(), [a(s1), a(d)]);
+    b.record_check(&a(s1), Err("refused".into()));
+    // Both FAILED: the default of last resort (STANDBY, never FAILED) is what is left.
+    assert_eq!(b.connect_table(), [a(d)]);
+    let b = balancer(&[s0, s1], None, Policy::Failover);
+    b.record_check(&a(s0), Err("refused".into()));
+    b.record_check(&a(s1), Err("refused".into()));
+    assert_eq!(states(&b), [Failed, Failed]);
+    assert_eq!(
+        b.connect_table(),
+        [a(s0), a(s1)],
+        "all FAILED: all are left"
+    );
+
+    // round-robin spreads over the usable servers only (never the STANDBY default).
+    let b = balancer(&[s0, s1], Some(d), Policy::RoundRobin);
+    for s in [s0, s1, s0, s1] {
+        b.record_check(&a(s), Ok(()));
+    }
+    assert_eq!(b.connect_table(), [a(s0), a(s1)]);
+    b.record_check(&a(s1), Err("refused".into()));
+    assert_eq!(b.connect_table()[0], a(s0), "one usable: failover order");
+}

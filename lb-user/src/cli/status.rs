@@ -29,11 +29,20 @@ pub fn render(s: &StatusBody) -> String {
     for b in &s.balancers {
         let listen: Vec<String> = b.listen.iter().map(ToString::to_string).collect();
         out.push_str(&format!(
-            "\nbalancer {}  listen {}  policy {}\n",
+            "\nbalancer {}  listen {}  policy {}  forwarding {}",
             b.name,
             listen.join(","),
-            b.policy
+            b.policy,
+            if b.forwarding.is_empty() {
+                "splice"
+            } else {
+                &b.forwarding
+            },
         ));
+        if let Some(why) = &b.forwarding_fallback {
+            out.push_str(&format!(" (connect unavailable: {why})"));
+        }
+        out.push('\n');
         if let Some(d) = &b.discovery {
             out.push_str(&format!(
                 "  discovery {} {}  every {}s  last success {}  servers {}",

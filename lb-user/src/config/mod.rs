@@ -174,6 +174,27 @@ impl fmt::Display for DatapathMode {
     }
 }
 
+/// How a balancer's clients reach their server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Forwarding {
+    /// Through lb: it accepts, dials the server and splices (or copies) the bytes.
+    #[default]
+    Splice,
+    /// Decided at `connect()`: the kernel's cgroup connect programs send clients in lb's cgroup
+    /// straight to the chosen server (kernel 5.8+); others still take the splice path.
+    Connect,
+}
+
+impl fmt::Display for Forwarding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Forwarding::Splice => "splice",
+            Forwarding::Connect => "connect",
+        })
+    }
+}
+
 /// Server selection policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -278,6 +299,8 @@ pub struct DatapathConfig {
     /// with `MSG_DONTWAIT` on blocking sockets and then poll: the program cannot see per-send
     /// flags, and such a client would spin while the server socket is full.
     pub blocking_splice: bool,
+    /// Default `forwarding` of balancers that set none: splice (default) | connect.
+    pub forwarding: Forwarding,
 }
 
 impl Default for DatapathConfig {
@@ -288,6 +311,7 @@ impl Default for DatapathConfig {
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             copy_buffer_bytes: 256 * 1024,
             blocking_splice: true,
+            forwarding: Forwarding::Splice,
         }
     }
 }
@@ -495,6 +519,9 @@ pub struct BalancerConfig {
     /// Dial through this HTTP CONNECT proxy (`http://host:port`); NO_PROXY is honoured.
     #[serde(default)]
     pub proxy: Option<ProxyUrl>,
+    /// splice | connect; `[datapath] forwarding` when absent.
+    #[serde(default)]
+    pub forwarding: Option<Forwarding>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -560,9 +587,16 @@ pub struct Overrides {
     pub health_loop: Option<bool>,
     /// `--cgroup`.
     pub cgroup: Option<PathBuf>,
+    /// `--forwarding`: every balancer's forwarding.
+    pub forwarding: Option<Forwarding>,
 }
 
 impl Config {
+    /// The forwarding `b` asked for: its own, else `[datapath] forwarding`.
+    pub fn forwarding_of(&self, b: &BalancerConfig) -> Forwarding {
+        b.forwarding.unwrap_or(self.datapath.forwarding)
+    }
+
     /// Parse TOML text.
     ///
     /// # Errors
@@ -628,6 +662,7 @@ impl Config {
                     all_failed: AllFailed::Try,
                     state_file: None,
                     proxy: None,
+                    forwarding: None,
                     health: HealthConfig::default(),
                 });
             }
@@ -662,6 +697,12 @@ impl Config {
         }
         if o.cgroup.is_some() {
             cfg.datapath.cgroup.clone_from(&o.cgroup);
+        }
+        if let Some(f) = o.forwarding {
+            cfg.datapath.forwarding = f;
+            for b in &mut cfg.balancers {
+                b.forwarding = Some(f);
+            }
         }
         cfg.validate()?;
         Ok(cfg)

@@ -379,3 +379,56 @@ fn bad_discovery_names_its_key() {
     .unwrap_err();
     assert!(err.to_string().contains("health.url"), "{err}");
 }
+
+#[test]
+fn forwarding_defaults_inherits_and_is_overridden() {
+    let cfg = Config::from_toml(FULL, "test").unwrap();
+    assert_eq!(cfg.datapath.forwarding, Forwarding::Splice);
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Splice);
+
+    let global = FULL.replace(
+        "mode = \"auto\"",
+        "mode = \"auto\"\nforwarding = \"connect\"",
+    );
+    let cfg = Config::from_toml(&global, "test").unwrap();
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Connect);
+
+    let own = global.replace(
+        "policy = \"failover\"",
+        "policy = \"failover\"\nforwarding = \"splice\"",
+    );
+    let cfg = Config::from_toml(&own, "test").unwrap();
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Splice);
+
+    // The flag (or LB_FORWARDING) sets every balancer's.
+    let path = std::env::temp_dir().join(format!("lb-fwd-{}.toml", std::process::id()));
+    std::fs::write(&path, &own).unwrap();
+    let o = Overrides {
+        forwarding: Some(Forwarding::Connect),
+        ..Overrides::default()
+    };
+    let cfg = Config::load(Some(&path), &o).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Connect);
+
+    let bad = FULL.replace(
+        "mode = \"auto\"",
+        "mode = \"auto\"\nforwarding = \"direct\"",
+    );
+    let e = Config::from_toml(&bad, "test").unwrap_err().to_string();
+    assert!(e.contains("forwarding"), "{e}");
+}
+
+#[test]
+fn connect_forwarding_refuses_a_proxy() {
+    let text = FULL.replace(
+        "policy = \"failover\"",
+        "policy = \"failover\"\nforwarding = \"connect\"\nproxy = \"http://198.18.0.9:3128\"",
+    );
+    let e = Config::from_toml(&text, "test").unwrap_err().to_string();
+    assert!(e.contains("balancer[0].forwarding"), "{e}");
+    assert!(e.contains("proxy"), "{e}");
+    // The same proxy with splice is fine.
+    let ok = text.replace("forwarding = \"connect\"", "forwarding = \"splice\"");
+    Config::from_toml(&ok, "test").unwrap();
+}

@@ -101,6 +101,16 @@ impl Config {
                 }
             }
             validate_balancer(i, b, &all_listens)?;
+            if let (super::Forwarding::Connect, Some(proxy)) = (self.forwarding_of(b), &b.proxy) {
+                return Err(ConfigError::invalid(
+                    key("forwarding"),
+                    "connect",
+                    format!(
+                        "clients connect straight to the server, so they cannot go through \
+                         balancer[{i}].proxy ({proxy}); use forwarding = \"splice\" or drop the proxy"
+                    ),
+                ));
+            }
         }
         Ok(())
     }

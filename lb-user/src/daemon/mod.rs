@@ -23,8 +23,8 @@ use tracing::{error, info, warn};
 use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
-    config::{Config, DatapathMode, Overrides},
-    datapath::Datapath,
+    config::{Config, DatapathMode, Forwarding, Overrides, Policy},
+    datapath::{ConnectPolicy, Datapath},
     health::HealthService,
     metrics::{KillLabels, Metrics, ModeLabel},
     proxy::{self, PreDial, ProxyCtx},
@@ -41,6 +41,9 @@ pub struct Daemon {
     datapath_mode: DatapathMode,
     /// Why `auto` fell back to userspace, if it did.
     datapath_fallback: Option<String>,
+    /// Each balancer's forwarding in effect (by name, decided at start) and, when it asked for
+    /// `connect` and did not get it, why.
+    forwarding: std::collections::HashMap<String, (Forwarding, Option<String>)>,
     metrics: Arc<Metrics>,
     health: Arc<HealthService>,
     proxy: Arc<ProxyCtx>,
@@ -79,13 +82,18 @@ pub fn attach_datapath(
     cfg: &Config,
 ) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
     let d = &cfg.datapath;
+    let want_connect = cfg
+        .balancers
+        .iter()
+        .any(|b| cfg.forwarding_of(b) == Forwarding::Connect);
     match d.mode {
         DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
         DatapathMode::Bpf => {
-            let dp = Datapath::load(d).context("--datapath bpf: kernel data path unavailable")?;
+            let dp = Datapath::load(d, want_connect)
+                .context("--datapath bpf: kernel data path unavailable")?;
             Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None))
         }
-        DatapathMode::Auto => match Datapath::load(d) {
+        DatapathMode::Auto => match Datapath::load(d, want_connect) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
                 let reason = crate::errors::chain(&e);
@@ -96,9 +104,146 @@ pub fn attach_datapath(
     }
 }
 
-/// Counts kills in `lb_connections_killed_total` and runs the node-wide kill.
+/// The forwarding each balancer of `cfg` gets: `connect` needs the kernel data path with the
+/// connect-time programs attached; without them the balancer uses splice (or copy), with one
+/// warning naming why.
+fn decide_forwarding(
+    cfg: &Config,
+    datapath: Option<&Datapath>,
+    fallback: Option<&str>,
+) -> std::collections::HashMap<String, (Forwarding, Option<String>)> {
+    let mut out = std::collections::HashMap::new();
+    for b in &cfg.balancers {
+        let want = cfg.forwarding_of(b);
+        let why = match (want, datapath) {
+            (Forwarding::Splice, _) => None,
+            (Forwarding::Connect, None) => Some(format!(
+                "the kernel data path is off ({})",
+                fallback.unwrap_or("datapath.mode = userspace")
+            )),
+            (Forwarding::Connect, Some(dp)) => dp.connect_unavailable().map(str::to_string),
+        };
+        if let Some(why) = &why {
+            warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
+        }
+        let got = if why.is_some() {
+            Forwarding::Splice
+        } else {
+            want
+        };
+        out.insert(b.name.clone(), (got, why));
+    }
+    out
+}
+
+/// A server whose connect-time sockets are to be ended, and why.
+type DirectKill = (ServerAddr, KillReason);
+
+/// Keep balancer `b`'s connect-time table current: written now and after every change of its
+/// servers' states, set or config, until `stop`. Kills of a server's connections arrive on
+/// `kills`: the table is rewritten first (so a client that reconnects at once is not sent back
+/// to that server), then the sockets the kernel sent there are destroyed.
+async fn sync_connect_table(
+    b: Arc<Balancer>,
+    dp: Arc<Datapath>,
+    metrics: Arc<Metrics>,
+    mut kills: tokio::sync::mpsc::UnboundedReceiver<DirectKill>,
+    stop: CancellationToken,
+) {
+    let mut changed = b.changed.subscribe();
+    let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
+    loop {
+        let policy = match b.config().policy {
+            Policy::Failover => ConnectPolicy::First,
+            Policy::RoundRobin => ConnectPolicy::RoundRobin,
+            Policy::Random => ConnectPolicy::Random,
+            Policy::LeastConnections => ConnectPolicy::LeastConnections,
+        };
+        let servers: Vec<SocketAddr> = b
+            .connect_table()
+            .iter()
+            .filter_map(ServerAddr::socket_addr)
+            .collect();
+        let now = (policy, servers);
+        if last.as_ref() != Some(&now) {
+            match dp.set_connect_table(b.id, now.0, &now.1) {
+                Ok(()) => {
+                    let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
+                    info!(balancer = %b.name, policy = ?now.0, servers = %list.join(","), "connect-time table updated");
+                }
+                Err(e) => {
+                    warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
+                }
+            }
+            last = Some(now);
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            r = changed.changed() => if r.is_err() { return },
+            k = kills.recv() => {
+                let Some((server, reason)) = k else { return };
+                // Rewrite the table before the kill (the loop does it when the state moved).
+                let servers: Vec<SocketAddr> = b
+                    .connect_table()
+                    .iter()
+                    .filter_map(ServerAddr::socket_addr)
+                    .collect();
+                if last.as_ref().is_none_or(|l| l.1 != servers) {
+                    let policy = last.as_ref().map_or(ConnectPolicy::First, |l| l.0);
+                    if dp.set_connect_table(b.id, policy, &servers).is_ok() {
+                        last = Some((policy, servers));
+                    }
+                }
+                let (dp, metrics, name, id) = (dp.clone(), metrics.clone(), b.name.clone(), b.id);
+                drop(tokio::task::spawn_blocking(move || {
+                    kill_direct(&dp, &metrics, &name, id, &server, reason);
+                }));
+            }
+        }
+    }
+}
+
+/// Destroy the connect-time sockets balancer `id`'s programs sent to `server` (netlink
+/// `SOCK_DESTROY`, lb's network namespace only) and count them in
+/// `lb_connections_killed_total`. Blocking.
+fn kill_direct(
+    dp: &Datapath,
+    metrics: &Metrics,
+    balancer: &str,
+    id: u32,
+    server: &ServerAddr,
+    reason: KillReason,
+) {
+    let Some(addr) = server.socket_addr() else {
+        return;
+    };
+    let cookies = dp.connect_cookies(id, addr);
+    match crate::kill::destroy_sockets_with_cookies(addr, &cookies) {
+        Ok(k) => {
+            if k.destroyed > 0 {
+                warn!(%balancer, %server, found = k.found, destroyed = k.destroyed, reason = reason.label(), "killed connect-time connections");
+                metrics
+                    .connections_killed
+                    .get_or_create(&KillLabels {
+                        balancer: balancer.to_string(),
+                        server: server.to_string(),
+                        reason: reason.label().into(),
+                    })
+                    .inc_by(k.destroyed as u64);
+            }
+        }
+        Err(e) => {
+            warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot kill connect-time connections");
+        }
+    }
+}
+
+/// Counts kills in `lb_connections_killed_total`, runs the node-wide kill and ends the
+/// connect-time sockets of a killed server.
 struct KillCounter {
     metrics: Arc<Metrics>,
+    /// Per connect-mode balancer id, its table task's kill queue.
+    direct: std::collections::HashMap<u32, tokio::sync::mpsc::UnboundedSender<DirectKill>>,
 }
 
 impl Observer for KillCounter {
@@ -119,6 +264,12 @@ impl Observer for KillCounter {
             .socket_addr()
             .map_or_else(|| server.authority(), |sa| sa.to_string());
         crate::kill::spawn_node_kill(target);
+    }
+
+    fn server_killed(&self, _balancer: &str, id: u32, server: &ServerAddr, reason: KillReason) {
+        if let Some(tx) = self.direct.get(&id) {
+            let _ = tx.send((server.clone(), reason));
+        }
     }
 }
 
@@ -164,8 +315,38 @@ impl Daemon {
                 .flat_map(|b| b.listen.iter().copied())
                 .collect::<Vec<_>>(),
         );
+        let forwarding = decide_forwarding(&cfg, datapath.as_deref(), datapath_fallback.as_deref());
+        for b in &cfg.balancers {
+            let f = forwarding.get(&b.name).map_or(Forwarding::Splice, |f| f.0);
+            metrics
+                .balancer_forwarding
+                .get_or_create(&crate::metrics::ForwardingLabels {
+                    balancer: b.name.clone(),
+                    forwarding: f.to_string(),
+                })
+                .set(1);
+        }
+        let connect_ids: std::collections::HashSet<u32> = cfg
+            .balancers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| {
+                forwarding
+                    .get(&b.name)
+                    .is_some_and(|f| f.0 == Forwarding::Connect)
+            })
+            .filter_map(|(i, _)| u32::try_from(i).ok())
+            .collect();
+        let mut direct = std::collections::HashMap::new();
+        let mut direct_rx = std::collections::HashMap::new();
+        for id in &connect_ids {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            direct.insert(*id, tx);
+            direct_rx.insert(*id, rx);
+        }
         let observer: Arc<dyn Observer> = Arc::new(KillCounter {
             metrics: metrics.clone(),
+            direct,
         });
         let balancers: Vec<Arc<Balancer>> = cfg
             .balancers
@@ -187,6 +368,7 @@ impl Daemon {
             datapath,
             datapath_mode,
             datapath_fallback,
+            forwarding,
             metrics,
             health,
             proxy: proxy_ctx.clone(),
@@ -211,6 +393,10 @@ impl Daemon {
             if let Some(dp) = &daemon.datapath {
                 dp.add_listener(addr, b.id)
                     .with_context(|| format!("registering listener {addr}"))?;
+                if connect_ids.contains(&b.id) {
+                    dp.add_connect_listener(addr, b.id)
+                        .with_context(|| format!("registering connect-time listener {addr}"))?;
+                }
             }
             let stop = CancellationToken::new();
             daemon
@@ -222,6 +408,17 @@ impl Daemon {
             info!(balancer = %b.name, listen = %addr, "listening");
         }
         if let Some(dp) = &daemon.datapath {
+            for b in &balancers {
+                if let Some(rx) = direct_rx.remove(&b.id) {
+                    tasks.spawn(sync_connect_table(
+                        b.clone(),
+                        dp.clone(),
+                        daemon.metrics.clone(),
+                        rx,
+                        daemon.shutdown.clone(),
+                    ));
+                }
+            }
             dp.start_refresher(daemon.shutdown.clone())?;
             dp.start_kernel_log(daemon.shutdown.clone());
         }
@@ -366,6 +563,26 @@ impl Handle {
     /// Why `auto` fell back to userspace, if it did.
     pub fn datapath_fallback(&self) -> Option<&str> {
         self.0.datapath_fallback.as_deref()
+    }
+
+    /// Balancer `name`'s forwarding in effect and, when it asked for `connect` and forwards
+    /// through lb instead, why.
+    pub fn forwarding(&self, name: &str) -> (Forwarding, Option<String>) {
+        self.0
+            .forwarding
+            .get(name)
+            .cloned()
+            .unwrap_or((Forwarding::Splice, None))
+    }
+
+    /// Established connect-time connections of balancer `id` per server address (empty
+    /// without the kernel data path).
+    pub fn connect_counts(&self, id: u32) -> std::collections::HashMap<SocketAddr, u64> {
+        self.0
+            .datapath
+            .as_ref()
+            .map(|dp| dp.connect_counts(id))
+            .unwrap_or_default()
     }
 
     /// Whether the kernel data path is attached.

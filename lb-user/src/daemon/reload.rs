@@ -48,6 +48,8 @@ pub fn reload_config(
                 .push(format!("removing balancer {}", ob.name));
         }
     }
+    // Forwarding is decided at start (programs, listener entries, the table task).
+    let new_forwarding = new.datapath.forwarding;
     for nb in &mut new.balancers {
         let Some(b) = daemon.balancer(&nb.name) else {
             summary
@@ -61,6 +63,12 @@ pub fn reload_config(
                 .need_restart
                 .push(format!("balancer {} listen", nb.name));
             nb.listen.clone_from(&current.listen);
+        }
+        if nb.forwarding.unwrap_or(new_forwarding) != old.forwarding_of(&current) {
+            summary
+                .need_restart
+                .push(format!("balancer {} forwarding", nb.name));
+            nb.forwarding = current.forwarding.or(Some(old.datapath.forwarding));
         }
         if *current == *nb {
             summary.unchanged.push(nb.name.clone());

@@ -15,9 +15,10 @@ use aya::{
     maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf, SockHash, sock::SockMapFd},
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAP_CLIENTS, MAP_FLOWS,
-    MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl,
-    RefreshRequest, SockKey,
+    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
+    FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS,
+    MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
 };
 
 use super::DatapathError;
@@ -35,6 +36,7 @@ pub(super) struct Maps {
     pub(super) flows: Flows,
     pub(super) pairs: Pairs,
     pub(super) stats: Stats,
+    pub(super) connect: ConnectMaps,
 }
 
 impl Maps {
@@ -66,6 +68,24 @@ impl Maps {
             stats: Stats(Mutex::new(
                 PerCpuArray::try_from(take(MAP_STATS)?).map_err(map_err(MAP_STATS))?,
             )),
+            connect: ConnectMaps {
+                listeners: Listeners(Mutex::new(
+                    HashMap::try_from(take(MAP_CONNECT_LISTENERS)?)
+                        .map_err(map_err(MAP_CONNECT_LISTENERS))?,
+                )),
+                tables: Mutex::new(
+                    HashMap::try_from(take(MAP_CONNECT_TABLES)?)
+                        .map_err(map_err(MAP_CONNECT_TABLES))?,
+                ),
+                socks: Mutex::new(
+                    HashMap::try_from(take(MAP_CONNECT_SOCKS)?)
+                        .map_err(map_err(MAP_CONNECT_SOCKS))?,
+                ),
+                counts: Mutex::new(
+                    HashMap::try_from(take(MAP_CONNECT_COUNTS)?)
+                        .map_err(map_err(MAP_CONNECT_COUNTS))?,
+                ),
+            },
         };
         let ring =
             RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
@@ -125,6 +145,78 @@ impl Listeners {
             .insert(key, id, 0)
             .map_err(map_err(MAP_LISTENERS))
     }
+}
+
+/// The connect-time maps: listeners of connect-mode balancers, their server tables, the
+/// sockets the connect programs rewrote (by cookie) and the established ones per server.
+pub(super) struct ConnectMaps {
+    pub(super) listeners: Listeners,
+    tables: Mutex<HashMap<MapData, u32, ConnectTable>>,
+    socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
+    counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
+}
+
+impl ConnectMaps {
+    /// Replace balancer `id`'s table whole.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn set_table(&self, id: u32, table: &ConnectTable) -> Result<(), DatapathError> {
+        self.tables
+            .lock()
+            .expect("poisoned")
+            .insert(id, table, 0)
+            .map_err(map_err(MAP_CONNECT_TABLES))
+    }
+
+    /// Established connect-time sockets per server of balancer `id` (servers with none are
+    /// left out).
+    pub(super) fn counts(&self, id: u32) -> Vec<(ConnectServer, u64)> {
+        let counts = self.counts.lock().expect("poisoned");
+        counts
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, n)| k.balancer == id && i64::try_from(*n).is_ok_and(|v| v > 0))
+            .map(|(k, n)| (k.server, n))
+            .collect()
+    }
+
+    /// Cookies of the sockets the connect programs sent to `server` for balancer `id`.
+    pub(super) fn cookies(&self, id: u32, server: &ConnectServer) -> Vec<u64> {
+        let socks = self.socks.lock().expect("poisoned");
+        socks
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, o)| o.count.balancer == id && o.count.server == *server)
+            .map(|(cookie, _)| cookie)
+            .collect()
+    }
+}
+
+/// A server address as the connect tables hold it.
+pub(super) fn connect_server(addr: SocketAddr) -> ConnectServer {
+    let key = listener_key(addr);
+    ConnectServer {
+        ip_be: key.ip_be,
+        port: key.port,
+        family: key.family,
+    }
+}
+
+/// The socket address of a connect table entry.
+pub(super) fn server_addr(s: &ConnectServer) -> Option<SocketAddr> {
+    let ip: IpAddr = match s.family {
+        AF_INET => IpAddr::from(s.ip_be[0].to_ne_bytes()),
+        AF_INET6 => {
+            let mut b = [0u8; 16];
+            for (chunk, w) in b.chunks_exact_mut(4).zip(s.ip_be) {
+                chunk.copy_from_slice(&w.to_ne_bytes());
+            }
+            IpAddr::from(b)
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, u16::try_from(s.port).ok()?))
 }
 
 /// `LB_NETNS`: a client tuple (cookie 0) → its namespace cookie, or `NETNS_AMBIGUOUS`.

@@ -26,12 +26,14 @@ use std::{
 use aya::{
     Ebpf,
     maps::MapError,
-    programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps},
+    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps},
 };
 use lb_common::{
-    BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, NETNS_AMBIGUOUS,
-    PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
+    FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OWN_TGID,
+    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -98,6 +100,9 @@ pub enum DatapathError {
     /// The kernel's BTF gave no struct offsets (the blocking-client splice alone is off).
     #[error(transparent)]
     Btf(#[from] BtfError),
+    /// The connect-time programs were not attached because no balancer uses them.
+    #[error("no balancer has forwarding = \"connect\"")]
+    NotRequested,
     /// A map operation failed.
     #[error("map {map}")]
     Map {
@@ -125,6 +130,22 @@ pub struct Datapath {
     pairs: Mutex<HashMap<SockKey, Arc<Pair>>>,
     /// `datapath.max_buffered_bytes` (bytes).
     max_buffered: u64,
+    /// Why the connect-time programs are not attached (`None`: they are).
+    connect_missing: Option<String>,
+}
+
+/// How a connect-mode balancer's kernel programs pick a server from its table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectPolicy {
+    /// Always the first server (lb writes the table in failover order).
+    First,
+    /// The next server in turn (a counter per CPU).
+    RoundRobin,
+    /// A uniformly random server.
+    Random,
+    /// Of two different random servers, the one with fewer established connect-time
+    /// connections (power of two choices; lb's proxied connections are not counted).
+    LeastConnections,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -137,7 +158,9 @@ impl std::fmt::Debug for Datapath {
 
 impl Datapath {
     /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
-    /// sk_msg to the client sockhash. `cfg.blocking_splice` is honoured when the kernel allows it;
+    /// sk_msg to the client sockhash, and with `want_connect` the connect-time programs (a
+    /// failure there only turns connect-time forwarding off, see
+    /// [`Datapath::connect_unavailable`]). `cfg.blocking_splice` is honoured when the kernel allows it;
     /// otherwise it is turned off alone, with a warning naming why. The programs' log level is
     /// taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start is a
     /// warning, never an error.
@@ -145,7 +168,10 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
     /// load/attach step that failed.
-    pub fn load(cfg: &crate::config::DatapathConfig) -> Result<Datapath, DatapathError> {
+    pub fn load(
+        cfg: &crate::config::DatapathConfig,
+        want_connect: bool,
+    ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
@@ -164,7 +190,9 @@ impl Datapath {
         let blocking = u32::from(offsets.is_some());
         let offsets = offsets.unwrap_or_default();
         let log_level = kernel_log::level();
+        let own_tgid = std::process::id();
         let mut ebpf = aya::EbpfLoader::new()
+            .override_global(GLOBAL_OWN_TGID, &own_tgid, true)
             .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
             .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
             .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
@@ -197,6 +225,32 @@ impl Datapath {
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(prog_err(PROG_SOCKOPS))?;
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
+        // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
+        let attached = if want_connect {
+            attach_connect(&mut ebpf, &cgroup_file)
+        } else {
+            Err(DatapathError::NotRequested)
+        };
+        let connect_missing = match attached {
+            Ok(()) => {
+                info!(cgroup = %cgroup.display(), "connect-time programs attached (connect4/6, getpeername4/6)");
+                None
+            }
+            Err(DatapathError::NotRequested) => Some(DatapathError::NotRequested.to_string()),
+            Err(e) => {
+                // The reason on one line; a verifier log, when there is one, at debug level.
+                let full = crate::errors::chain(&e);
+                debug!(reason = %full, "connect-time programs not attached");
+                let first = full.lines().next().unwrap_or_default();
+                Some(
+                    first
+                        .split(" Verifier output:")
+                        .next()
+                        .unwrap_or(first)
+                        .to_string(),
+                )
+            }
+        };
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
         // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
         // so a node daemon's resident size reflects what it holds.
@@ -215,7 +269,74 @@ impl Datapath {
             kernel_log: Mutex::new(kernel_log),
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,
+            connect_missing,
         })
+    }
+
+    /// Why connect-time forwarding is unavailable (a program type, attach type or helper the
+    /// kernel lacks), `None` when its programs are attached.
+    pub fn connect_unavailable(&self) -> Option<&str> {
+        self.connect_missing.as_deref()
+    }
+
+    /// Tell the connect programs that `addr` is a listener of connect-mode balancer `id`. An
+    /// unspecified address matches loopback destinations of its port and family only.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn add_connect_listener(&self, addr: SocketAddr, id: u32) -> Result<(), DatapathError> {
+        self.maps
+            .connect
+            .listeners
+            .insert(&maps::listener_key(addr), id)
+    }
+
+    /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
+    /// [`MAX_CONNECT_SERVERS`] are kept). An empty list stops rewriting: connects then reach
+    /// the listener.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn set_connect_table(
+        &self,
+        id: u32,
+        policy: ConnectPolicy,
+        servers: &[SocketAddr],
+    ) -> Result<(), DatapathError> {
+        let mut table = ConnectTable {
+            policy: match policy {
+                ConnectPolicy::First => CONNECT_FIRST,
+                ConnectPolicy::RoundRobin => CONNECT_ROUND_ROBIN,
+                ConnectPolicy::Random => CONNECT_RANDOM,
+                ConnectPolicy::LeastConnections => CONNECT_LEAST,
+            },
+            ..ConnectTable::default()
+        };
+        for (slot, addr) in table.servers.iter_mut().zip(servers) {
+            *slot = maps::connect_server(*addr);
+        }
+        table.count = u32::try_from(servers.len().min(MAX_CONNECT_SERVERS)).unwrap_or(0);
+        self.maps.connect.set_table(id, &table)
+    }
+
+    /// Established connect-time sockets of balancer `id`, per server address.
+    pub fn connect_counts(&self, id: u32) -> HashMap<SocketAddr, u64> {
+        let mut out = HashMap::new();
+        for (server, n) in self.maps.connect.counts(id) {
+            if let Some(addr) = maps::server_addr(&server) {
+                *out.entry(addr).or_insert(0) += n;
+            }
+        }
+        out
+    }
+
+    /// Socket cookies of the connect-time sockets balancer `id`'s programs sent to `server`.
+    pub fn connect_cookies(&self, id: u32, server: SocketAddr) -> std::collections::HashSet<u64> {
+        self.maps
+            .connect
+            .cookies(id, &maps::connect_server(server))
+            .into_iter()
+            .collect()
     }
 
     /// The cgroup the sockops program is attached to.
@@ -305,6 +426,32 @@ impl Datapath {
         }
         out
     }
+}
+
+/// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing
+/// (program type, attach type, helper, or the verifier refusing) leaves connect-time forwarding
+/// off; what is attached stays until lb exits and is harmless without a listener entry.
+fn attach_connect(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<(), DatapathError> {
+    probe::probe_connect()?;
+    for name in [
+        PROG_GETPEERNAME4,
+        PROG_GETPEERNAME6,
+        PROG_CONNECT4,
+        PROG_CONNECT6,
+    ] {
+        let err = |source| DatapathError::Program {
+            program: name,
+            source,
+        };
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::Missing(name))?
+            .try_into()
+            .map_err(err)?;
+        prog.load().map_err(err)?;
+        prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

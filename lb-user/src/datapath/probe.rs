@@ -123,6 +123,38 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
     Ok(())
 }
 
+/// What connect-time forwarding needs beyond the splice: the cgroup sock_addr program type
+/// (4.17+) and, in it, `bpf_get_socket_cookie` and `bpf_get_current_pid_tgid`. The getpeername
+/// attach types (5.8+) have no probe of their own: attaching them fails on older kernels, and
+/// that failure names them.
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] naming the first thing missing.
+pub(super) fn probe_connect() -> Result<(), DatapathError> {
+    use aya::{programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    if !sys::is_program_supported(ProgramType::CgroupSockAddr).unwrap_or(false) {
+        return Err(DatapathError::MissingFeature(
+            "cgroup sock_addr program type (4.17+)",
+        ));
+    }
+    for (helper, name) in [
+        (
+            H::BPF_FUNC_get_socket_cookie,
+            "bpf_get_socket_cookie in cgroup sock_addr programs",
+        ),
+        (
+            H::BPF_FUNC_get_current_pid_tgid,
+            "bpf_get_current_pid_tgid in cgroup sock_addr programs",
+        ),
+    ] {
+        if !sys::is_helper_supported(ProgramType::CgroupSockAddr, helper).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    Ok(())
+}
+
 /// Whether this process has `CAP_PERFMON` (bit 38) or `CAP_SYS_ADMIN` (bit 21) in its effective
 /// set (`CapEff` in `/proc/self/status`; bit numbers from `<linux/capability.h>`).
 fn has_perfmon() -> bool {

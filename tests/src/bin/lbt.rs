@@ -5,6 +5,7 @@
 //! - `DOWN <n> <seed>\n` → n pseudo-random bytes, FIN; then read until EOF.
 //! - `ECHO\n` → echo until EOF, then FIN.
 //! - `NAME\n` → `<name>\n`, then hold until EOF.
+//! - `PEER\n` → `<name> <the client address as the server sees it>\n`, close.
 //! - `ONCE <n>\n` → read n bytes, echo them, close first (the server holds TIME_WAIT, so
 //!   clients making many short connections do not run out of ports).
 //! - `STALL <ms>\n` → read nothing for ms, then as `UP`.
@@ -95,6 +96,9 @@ enum Action {
         #[arg(long, default_value_t = 60_000)]
         max_ms: u64,
     },
+    /// Connect, print the socket's local address, its peer (`getpeername`) and the server's
+    /// name and view of the client's address (`PEER`).
+    Peer,
     /// Ask the server to reset the connection; reports how the read side ended.
     Rst,
     /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
@@ -327,6 +331,11 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
             let mut buf = vec![0u8; n.parse().unwrap_or(0)];
             reader.read_exact(&mut buf)?;
             write_retry(&mut w, &buf)?;
+            Ok(())
+        }
+        ["PEER"] => {
+            let seen = w.peer_addr()?;
+            write_retry(&mut w, format!("{name} {seen}\n").as_bytes())?;
             Ok(())
         }
         ["NAME"] => {
@@ -575,6 +584,17 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
         Action::Bulk { dir, conns, n } => bulk(addr, &dir, conns, n),
         Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
         Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
+        Action::Peer => {
+            let mut s = connect(addr)?;
+            let local = s.local_addr()?;
+            let peer = s.peer_addr()?;
+            write_retry(&mut s, b"PEER\n")?;
+            let line = read_line(&mut s)?;
+            let (name, seen) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+            Ok(
+                json!({"ok": true, "local": local.to_string(), "peer": peer.to_string(), "server": name, "server_sees": seen}),
+            )
+        }
         Action::Rst => {
             let mut s = connect(addr)?;
             write_retry(&mut s, b"RST\n")?;

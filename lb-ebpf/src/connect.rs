@@ -1,0 +1,376 @@
+//! Connect-time balancing: cgroup `connect4`/`connect6` programs rewrite a TCP `connect()` to a
+//! listener of a connect-mode balancer into the address of the server the balancer's table
+//! picks, so the client talks to the server directly and lb is on neither direction of the
+//! byte stream; `getpeername4`/`getpeername6` give back the address the client dialed. Each
+//! rewritten socket is recorded by its cookie; the sockops program counts it per server once
+//! it is established and forgets it when it closes ([`on_established`], [`on_state`]).
+//!
+//! Minimum kernel: 4.17 for connect4/6, 5.8 for getpeername4/6 (lb attaches all four or
+//! none); `bpf_get_socket_cookie` in sock_addr and sockops programs.
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie},
+    macros::{cgroup_sock_addr, map},
+    maps::{HashMap, LruHashMap, PerCpuArray},
+    programs::{SockAddrContext, SockOpsContext},
+};
+use lb_common::{
+    AF_INET, AF_INET6, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectCountKey,
+    ConnectOrig, ConnectServer, ConnectTable, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS,
+    MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS,
+    MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT4,
+    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+};
+
+named_as!(
+    LB_CONNECT_LISTENERS = MAP_CONNECT_LISTENERS,
+    LB_CONNECT_TABLES = MAP_CONNECT_TABLES,
+    LB_CONNECT_RR = MAP_CONNECT_RR,
+    LB_CONNECT_SOCKS = MAP_CONNECT_SOCKS,
+    LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
+    LB_OWN_TGID = GLOBAL_OWN_TGID,
+    lb_connect4 = PROG_CONNECT4,
+    lb_connect6 = PROG_CONNECT6,
+    lb_getpeername4 = PROG_GETPEERNAME4,
+    lb_getpeername6 = PROG_GETPEERNAME6,
+);
+
+#[map]
+static LB_CONNECT_LISTENERS: HashMap<ListenerKey, u32> =
+    HashMap::with_max_entries(MAX_LISTENERS, 0);
+
+#[map]
+static LB_CONNECT_TABLES: HashMap<u32, ConnectTable> = HashMap::with_max_entries(MAX_BALANCERS, 0);
+
+#[map]
+static LB_CONNECT_RR: PerCpuArray<u32> = PerCpuArray::with_max_entries(MAX_BALANCERS, 0);
+
+#[map]
+static LB_CONNECT_SOCKS: LruHashMap<u64, ConnectOrig> =
+    LruHashMap::with_max_entries(MAX_CONNECTIONS, 0);
+
+#[map]
+static LB_CONNECT_COUNTS: HashMap<ConnectCountKey, u64> =
+    HashMap::with_max_entries(MAX_CONNECT_COUNTS, 0);
+
+// lb's own tgid, set at load time: its sockets are never rewritten.
+#[unsafe(no_mangle)]
+static LB_OWN_TGID: u32 = 0;
+
+/// Allow the syscall (the only verdict these programs give; a getpeername program may return
+/// nothing else).
+const ALLOW: i32 = 1;
+/// `SOCK_STREAM` from `<sys/socket.h>`.
+const SOCK_STREAM: u32 = 1;
+/// `::ffff:0:0/96` second-to-last word, network order as stored.
+const MAPPED_WORD2: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+#[cgroup_sock_addr(connect4)]
+pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
+    match try_connect(&ctx, false) {
+        Ok(()) | Err(()) => ALLOW,
+    }
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
+    match try_connect(&ctx, true) {
+        Ok(()) | Err(()) => ALLOW,
+    }
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
+    match try_getpeername(&ctx, false) {
+        Ok(()) | Err(()) => ALLOW,
+    }
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
+    match try_getpeername(&ctx, true) {
+        Ok(()) | Err(()) => ALLOW,
+    }
+}
+
+/// Whether an IPv4 address (network order as stored) is in 127.0.0.0/8.
+#[inline(always)]
+fn loopback4(ip_be: u32) -> bool {
+    ip_be.to_ne_bytes()[0] == 127
+}
+
+/// The listener key of a dialed address: IPv4 (also an IPv4-mapped IPv6 address) in word 0.
+/// Returns the key and whether the dialed address was IPv4-mapped.
+#[inline(always)]
+fn dialed_key(ip: [u32; 4], port: u32, v6: bool) -> (ListenerKey, bool) {
+    if !v6 {
+        return (
+            ListenerKey {
+                ip_be: [ip[0], 0, 0, 0],
+                port,
+                family: AF_INET,
+            },
+            false,
+        );
+    }
+    if ip[0] == 0 && ip[1] == 0 && ip[2] == MAPPED_WORD2 {
+        return (
+            ListenerKey {
+                ip_be: [ip[3], 0, 0, 0],
+                port,
+                family: AF_INET,
+            },
+            true,
+        );
+    }
+    (
+        ListenerKey {
+            ip_be: ip,
+            port,
+            family: AF_INET6,
+        },
+        false,
+    )
+}
+
+/// Rewrite the destination when it is a connect-mode listener. The verdict is always "allow"
+/// (the entry points return [`ALLOW`]); `Err` only ends the work early. Inlined, so `v6` is a
+/// constant in each program: the verifier refuses a context store through a pointer computed
+/// from a branch, which is what one shared body compiled to.
+#[inline(always)]
+fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
+    let sa = ctx.sock_addr;
+    if ctx_u32!(sa, type_) != SOCK_STREAM {
+        return Ok(());
+    }
+    // SAFETY: reading a global lb set at load time.
+    let own = unsafe { core::ptr::read_volatile(&LB_OWN_TGID) };
+    if (bpf_get_current_pid_tgid() >> 32) as u32 == own {
+        return Ok(());
+    }
+    let ip = if v6 {
+        ctx_ip6!(sa, user_ip6)
+    } else {
+        [ctx_u32!(sa, user_ip4), 0, 0, 0]
+    };
+    let port = u32::from(u16::from_be(ctx_u32!(sa, user_port) as u16));
+    let (key, mapped) = dialed_key(ip, port, v6);
+    // SAFETY: plain u32 copied out.
+    let found = unsafe { LB_CONNECT_LISTENERS.get(&key) }.copied();
+    let balancer = match found {
+        Some(b) => b,
+        None => {
+            let local = if key.family == AF_INET {
+                loopback4(key.ip_be[0]) || key.ip_be[0] == 0
+            } else {
+                key.ip_be == [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])] || key.ip_be == [0; 4]
+            };
+            if !local {
+                return Ok(());
+            }
+            let wildcard = ListenerKey::wildcard(port, key.family);
+            // SAFETY: plain u32 copied out.
+            match unsafe { LB_CONNECT_LISTENERS.get(&wildcard) }.copied() {
+                Some(b) => b,
+                None => return Ok(()),
+            }
+        }
+    };
+    let Some(table) = LB_CONNECT_TABLES.get_ptr(&balancer) else {
+        return Ok(());
+    };
+    // SAFETY: lb replaces the element whole (hash update), so this pointer is a stable copy.
+    let table = unsafe { &*table };
+    let count = table.count as usize;
+    if count == 0 || count > MAX_CONNECT_SERVERS {
+        return Ok(());
+    }
+    let pick = match table.policy {
+        CONNECT_ROUND_ROBIN => match LB_CONNECT_RR.get_ptr_mut(balancer) {
+            Some(rr) => {
+                // SAFETY: this CPU's slot.
+                let n = unsafe {
+                    *rr = (*rr).wrapping_add(1);
+                    *rr
+                };
+                n as usize % count
+            }
+            None => 0,
+        },
+        // SAFETY: no preconditions.
+        CONNECT_RANDOM => (unsafe { bpf_get_prandom_u32() }) as usize % count,
+        CONNECT_LEAST => least_of_two(table, balancer, count),
+        _ => 0,
+    };
+    // pick < count <= MAX_CONNECT_SERVERS (a power of two): the mask changes nothing but
+    // gives the verifier the bound it cannot derive from a modulo (`black_box` keeps LLVM,
+    // which knows the bound, from dropping it).
+    let pick = core::hint::black_box(pick) & (MAX_CONNECT_SERVERS - 1);
+    let Some(server) = table.servers.get(pick).copied() else {
+        return Ok(());
+    };
+    // An IPv4 socket can only reach an IPv4 server; an IPv6 socket an IPv6 one, or an IPv4
+    // one as a mapped address when it dialed a mapped address (so it is not IPV6_V6ONLY).
+    // Anything else is left to the listener (lb's proxy path).
+    let new_ip = match (v6, server.family) {
+        (false, AF_INET) => [server.ip_be[0], 0, 0, 0],
+        (true, AF_INET6) => server.ip_be,
+        (true, AF_INET) if mapped => [0, 0, MAPPED_WORD2, server.ip_be[0]],
+        _ => return Ok(()),
+    };
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    let orig = ConnectOrig {
+        dialed_ip_be: ip,
+        dialed_port: port,
+        established: 0,
+        count: ConnectCountKey {
+            server,
+            balancer,
+            _pad: 0,
+        },
+    };
+    if LB_CONNECT_SOCKS
+        .insert(&cookie, &orig, u64::from(BPF_ANY))
+        .is_err()
+    {
+        // Without the record getpeername could not answer: leave it to the listener.
+        return Ok(());
+    }
+    let port_raw = u32::from((server.port as u16).to_be());
+    // SAFETY: connect programs may write the destination of their own context.
+    unsafe {
+        if v6 {
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[0]), new_ip[0]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[1]), new_ip[1]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[2]), new_ip[2]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[3]), new_ip[3]);
+        } else {
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip4), new_ip[0]);
+        }
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_port), port_raw);
+    }
+    Ok(())
+}
+
+/// Established connect-time sockets of `server` in `balancer` (0 when none were counted).
+#[inline(always)]
+fn established(server: &ConnectServer, balancer: u32) -> u64 {
+    let key = ConnectCountKey {
+        server: *server,
+        balancer,
+        _pad: 0,
+    };
+    // SAFETY: copied out at once; a transient negative (wrapped) count reads as 0.
+    let n = unsafe { LB_CONNECT_COUNTS.get(&key) }.copied().unwrap_or(0);
+    if n > u64::MAX / 2 { 0 } else { n }
+}
+
+/// `least-connections`: two different servers at random (power of two choices), the one with
+/// fewer established connect-time sockets (the first on a tie). Index < `count`.
+#[inline(always)]
+fn least_of_two(table: &ConnectTable, balancer: u32, count: usize) -> usize {
+    // SAFETY: no preconditions.
+    let r = unsafe { bpf_get_prandom_u32() } as usize;
+    // checked_rem: no division-by-zero panic path for the verifier to refuse.
+    let a = (r & 0xffff).checked_rem(count).unwrap_or(0);
+    if count < 2 {
+        return a;
+    }
+    let step = 1 + (r >> 16).checked_rem(count - 1).unwrap_or(0);
+    let b = (a + step).checked_rem(count).unwrap_or(0);
+    let (a, b) = (
+        core::hint::black_box(a) & (MAX_CONNECT_SERVERS - 1),
+        core::hint::black_box(b) & (MAX_CONNECT_SERVERS - 1),
+    );
+    let (Some(sa), Some(sb)) = (table.servers.get(a), table.servers.get(b)) else {
+        return a;
+    };
+    if established(sb, balancer) < established(sa, balancer) {
+        b
+    } else {
+        a
+    }
+}
+
+/// Give a rewritten socket's peer back as the listener address it dialed (inlined, as
+/// [`try_connect`]).
+#[inline(always)]
+fn try_getpeername(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
+    let sa = ctx.sock_addr;
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // SAFETY: copied out at once.
+    let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
+        return Ok(());
+    };
+    let port_raw = u32::from((orig.dialed_port as u16).to_be());
+    let ip = orig.dialed_ip_be;
+    // SAFETY: getpeername programs may write the address they return.
+    unsafe {
+        if v6 {
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[0]), ip[0]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[1]), ip[1]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[2]), ip[2]);
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip6[3]), ip[3]);
+        } else {
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_ip4), ip[0]);
+        }
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_port), port_raw);
+    }
+    Ok(())
+}
+
+/// Add `delta` (wrapping; `u64::MAX` is -1) to the count of `key`.
+#[inline(always)]
+fn count_add(key: &ConnectCountKey, delta: u64) {
+    let _ = LB_CONNECT_COUNTS.insert(key, &0, u64::from(BPF_NOEXIST));
+    if let Some(n) = LB_CONNECT_COUNTS.get_ptr_mut(key) {
+        // SAFETY: a live map value; every writer adds atomically. `AtomicU64::fetch_add` is
+        // not offered on the BPF target (no compare-and-swap), the intrinsic is: an atomic add
+        // whose result is unused, which the BPF backend emits as one `lock xadd`.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                n, delta,
+            );
+        }
+    }
+}
+
+/// Sockops `ACTIVE_ESTABLISHED`: a socket a connect program rewrote is counted for its server,
+/// and asked to report its state changes so its close uncounts it. Returns whether it was one.
+#[inline(always)]
+pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+    let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
+        return false;
+    };
+    // SAFETY: a live map value; one socket's callbacks run under its lock.
+    let orig = unsafe { &mut *orig };
+    if orig.established == 0 && ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32).is_ok() {
+        orig.established = 1;
+        count_add(&orig.count, 1);
+    }
+    true
+}
+
+/// Sockops `STATE_CB` (only sockets [`on_established`] asked for it): on close, uncount the
+/// socket and forget it.
+#[inline(always)]
+pub(crate) fn on_state(ctx: &SockOpsContext) {
+    if ctx.arg(1) != BPF_TCP_CLOSE {
+        return;
+    }
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+    // SAFETY: copied out at once.
+    let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
+        return;
+    };
+    if orig.established == 1 {
+        count_add(&orig.count, u64::MAX);
+    }
+    let _ = LB_CONNECT_SOCKS.remove(&cookie);
+}

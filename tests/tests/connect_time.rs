@@ -1,0 +1,618 @@
+//! Connect-time balancing (`forwarding = "connect"`) end to end: servers on test hosts, clients
+//! in the test's cgroup (where lb attaches its connect4/6 and getpeername4/6 programs), lb as a
+//! real process. A client's `connect()` to the listener goes straight to a server: no byte
+//! crosses lb, the server sees the client's own socket, `getpeername` still names the listener,
+//! the kernel's count shows in `/status`, a FAILED server's clients are reset by lb (netlink
+//! `SOCK_DESTROY` of the sockets the programs sent there) and reconnect to the other server,
+//! and a client outside the cgroup is still proxied.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{
+    Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
+    skip_unless_root,
+};
+use serde_json::Value;
+
+const MIB: u64 = 1024 * 1024;
+const T: Duration = Duration::from_secs(60);
+/// Check settings: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
+const INTERVAL_MS: u64 = 500;
+const FALL: u64 = 2;
+const TIMEOUT_MS: u64 = 300;
+/// Scheduling and polling slack on a shared, loaded machine.
+const SLACK_MS: u64 = 700;
+/// From FAILED to a direct client's abort: the table write, the netlink dump and destroy, the
+/// client's wake-up.
+const KILL_SLACK_MS: u64 = 300;
+
+const CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "{policy}"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "http"
+url = "http://{server}/healthz"
+interval = "{interval}ms"
+timeout = "{timeout}ms"
+rise = 1
+fall = {fall}
+on_unhealthy = "kill"
+"#;
+
+struct Setup {
+    hosts: Vec<Host>,
+    cg: TestCgroup,
+    lb: Lb,
+    listen: SocketAddr,
+    config: PathBuf,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl Setup {
+    /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
+    /// forwarding; returns once no server is UNCHECKED and the table was written.
+    fn new(policy: &str) -> Result<Setup> {
+        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+        let cg = TestCgroup::new()?;
+        let port = free_port()?;
+        let text = CONFIG
+            .replace("{port}", &port.to_string())
+            .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+            .replace("{policy}", policy)
+            .replace("{interval}", &INTERVAL_MS.to_string())
+            .replace("{timeout}", &TIMEOUT_MS.to_string())
+            .replace("{fall}", &FALL.to_string());
+        let config =
+            std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, &text)?;
+        let lb = Lb::start(&[
+            "--config",
+            &config.display().to_string(),
+            "--cgroup",
+            &cg.path.display().to_string(),
+        ])?;
+        let s = Setup {
+            hosts,
+            cg,
+            lb,
+            listen: format!("127.0.0.1:{port}").parse()?,
+            config,
+        };
+        s.lb.wait_settled(Duration::from_secs(10))?;
+        lb_tests::wait_until(Duration::from_secs(5), || {
+            Ok(s.lb.log_text().contains("connect-time table updated"))
+        })?;
+        let st = s.lb.status()?;
+        ensure!(
+            st["balancers"][0]["forwarding"] == "connect",
+            "forwarding should be connect: {st}\n{}",
+            s.lb.log_text()
+        );
+        Ok(s)
+    }
+
+    fn place(&self) -> Place<'_> {
+        Place::cgroup(&self.cg.path)
+    }
+
+    fn server(&self, i: usize) -> String {
+        self.hosts[i].addr(9000).to_string()
+    }
+
+    /// State and connection count of server `i` from `/status`.
+    fn server_status(&self, i: usize) -> Result<(String, u64)> {
+        let st = self.lb.status()?;
+        let addr = self.server(i);
+        let s = st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .find(|s| s["address"] == addr.as_str())
+            .with_context(|| format!("{addr} not in /status: {st}"))?;
+        Ok((
+            s["state"].as_str().unwrap_or("").to_string(),
+            s["connections"].as_u64().unwrap_or(0),
+        ))
+    }
+
+    fn peer(&self, place: &Place<'_>) -> Result<Value> {
+        let v = run_client(place, self.listen, &["peer"], T)?;
+        ensure!(v["ok"] == true, "peer client failed: {v}");
+        Ok(v)
+    }
+}
+
+/// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
+fn skip(name: &str) -> bool {
+    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+}
+
+#[test]
+fn connect_time_goes_straight_to_the_server() -> Result<()> {
+    if skip("connect_time_goes_straight_to_the_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+
+    // In the cgroup: the server sees the client's own socket, getpeername the listener.
+    let v = s.peer(&s.place())?;
+    eprintln!("in the cgroup: {v}");
+    ensure!(v["peer"] == s.listen.to_string(), "getpeername: {v}");
+    ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
+    ensure!(
+        v["server_sees"] == v["local"],
+        "the server should see the client's own socket, not lb's: {v}"
+    );
+
+    // 64 MiB each way, byte-exact, none of it through lb.
+    let n = (64 * MIB).to_string();
+    for dir in ["up", "down"] {
+        let t = Instant::now();
+        let r = run_client(&s.place(), s.listen, &[dir, &n], T)?;
+        ensure!(r["ok"] == true, "{dir} failed: {r}");
+        eprintln!("{dir} 64 MiB direct: {:.3} s", t.elapsed().as_secs_f64());
+    }
+    let through_lb = s.lb.metric("lb_spliced_bytes_total", "")
+        + s.lb.metric("lb_copied_bytes_total", "")
+        + s.lb.metric("lb_connections_total", "");
+    ensure!(
+        through_lb == 0.0,
+        "lb carried {through_lb} bytes/connections"
+    );
+    ensure!(
+        s.lb.metric("lb_balancer_forwarding_info", "forwarding=\"connect\"") == 1.0,
+        "lb_balancer_forwarding_info should say connect"
+    );
+
+    // A held connection is counted by the kernel, in /status and the metric, and uncounted
+    // when it closes.
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let m = s.lb.metric("lb_server_connections", &s.server(0));
+    ensure!(m == 1.0, "lb_server_connections for s0 = {m}");
+    drop(h);
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))?;
+
+    // Outside the cgroup nothing is rewritten: lb proxies, the server sees lb's socket.
+    let v = s.peer(&Place::default())?;
+    eprintln!("outside the cgroup: {v}");
+    ensure!(v["peer"] == s.listen.to_string(), "{v}");
+    ensure!(
+        v["server_sees"] != v["local"],
+        "a client outside the cgroup should reach the server through lb: {v}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 1.0,
+        "lb should have accepted exactly the outside client"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
+    if skip("connect_time_failover_resets_clients_of_a_failed_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let holders: Vec<Holder> = (0..3)
+        .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
+        .collect::<Result<_>>()?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "client should start on s0: {ev}");
+    }
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 3))?;
+    // lb's own health checks reach s1 at its own address while clients' connects to the
+    // listener are rewritten to s0.
+    let s1 = s.server_status(1)?.0;
+    ensure!(s1 == "HEALTHY" || s1 == "PREFERRED", "s1 is {s1}");
+
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    let failed = loop {
+        if s.server_status(0)?.0 == "FAILED" {
+            break Instant::now();
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!(
+        "s0 FAILED {:.3} s after the blackhole",
+        (failed - t0).as_secs_f64()
+    );
+    ensure!(failed - t0 <= bound, "FAILED after {:?}", failed - t0);
+    for (i, h) in holders.iter().enumerate() {
+        let closed = h.wait_for("closed", Duration::from_secs(5))?;
+        let since_blackhole = t0.elapsed();
+        eprintln!(
+            "client {i}: {} {:.3} s after the blackhole",
+            closed["how"],
+            since_blackhole.as_secs_f64()
+        );
+        ensure!(
+            since_blackhole <= bound + Duration::from_millis(KILL_SLACK_MS),
+            "client {i} ended {since_blackhole:?} after the blackhole: {closed}"
+        );
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "the client should be reset: {closed}"
+        );
+        let ev = h.wait_for("connected", Duration::from_secs(5))?;
+        ensure!(
+            ev["server"] == "s1",
+            "client {i} should reconnect to s1: {ev}"
+        );
+    }
+    // Counted after the destroy returns, so possibly just after the clients saw it.
+    let killed = || {
+        s.lb.metric("lb_connections_killed_total", "reason=\"health\"")
+    };
+    lb_tests::wait_until(Duration::from_secs(2), || Ok(killed() == 3.0))
+        .with_context(|| format!("lb_connections_killed_total = {}", killed()))?;
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
+    if skip("connect_time_round_robin_spreads_new_connects") {
+        return Ok(());
+    }
+    let s = Setup::new("round-robin")?;
+    let mut per = [0u32; 2];
+    for _ in 0..20 {
+        let v = s.peer(&s.place())?;
+        ensure!(v["server_sees"] == v["local"], "{v}");
+        match v["server"].as_str() {
+            Some("s0") => per[0] += 1,
+            Some("s1") => per[1] += 1,
+            _ => bail!("unexpected server: {v}"),
+        }
+    }
+    eprintln!("20 connects: s0 {}, s1 {}", per[0], per[1]);
+    ensure!(per[0] >= 5 && per[1] >= 5, "uneven spread: {per:?}");
+    Ok(())
+}
+
+#[test]
+fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
+    if skip("connect_time_servers_kill_resets_direct_clients") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args([
+            "servers",
+            "--balancer",
+            "api",
+            "kill",
+            &s.server(0),
+            "--admin",
+            &s.lb.admin.to_string(),
+        ])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    let closed = h.wait_for("closed", Duration::from_secs(5))?;
+    eprintln!(
+        "lb servers kill: client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    // A kill is not a failure: the client reconnects to s0 again.
+    let ev = h.wait_for("connected", Duration::from_secs(5))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    Ok(())
+}
+
+#[test]
+fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
+    if skip("connect_time_ipv4_mapped_from_an_ipv6_socket") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    // An IPv6 socket dialing the listener's IPv4-mapped address (connect6, getpeername6): it
+    // goes to the server's mapped address and still names the listener as its peer.
+    let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", s.listen.port()).parse()?;
+    let v = run_client(&s.place(), mapped, &["peer"], T)?;
+    eprintln!("IPv4-mapped: {v}");
+    ensure!(v["ok"] == true, "{v}");
+    ensure!(v["peer"] == mapped.to_string(), "getpeername: {v}");
+    ensure!(v["server"] == "s0", "{v}");
+    let local: SocketAddr = v["local"].as_str().context("local")?.parse()?;
+    let seen: SocketAddr = v["server_sees"].as_str().context("server_sees")?.parse()?;
+    let local_v4 = match local.ip() {
+        std::net::IpAddr::V6(ip) => ip.to_ipv4_mapped().map(std::net::IpAddr::V4),
+        std::net::IpAddr::V4(ip) => Some(std::net::IpAddr::V4(ip)),
+    };
+    ensure!(
+        local_v4 == Some(seen.ip()) && local.port() == seen.port(),
+        "the server should see the client's own socket: {v}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "nothing should go through lb"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<()> {
+    if skip_unless_root("connect_time_with_the_userspace_datapath_falls_back_to_the_proxy") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &hosts[0].addr(9000).to_string(),
+        "--datapath",
+        "userspace",
+        "--forwarding",
+        "connect",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_ready(Duration::from_secs(10))?;
+    let st = lb.status()?;
+    let b = &st["balancers"][0];
+    ensure!(b["forwarding"] == "splice", "{st}");
+    let why = b["forwarding_fallback"].as_str().unwrap_or("");
+    ensure!(why.contains("kernel data path is off"), "{st}");
+    ensure!(
+        lb.log_text().contains("forwarding = connect unavailable"),
+        "one warning expected: {}",
+        lb.log_text()
+    );
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    ensure!(v["ok"] == true && v["server_sees"] != v["local"], "{v}");
+    ensure!(lb.metric("lb_connections_total", "") == 1.0, "proxied");
+    Ok(())
+}
+
+/// What connect-time forwarding buys, printed (not asserted: timings on a shared machine):
+/// 64 B round trips and new connections per second, direct to the server, connect-time through
+/// the listener, and proxied by lb (a client outside the cgroup, kernel splice upstream).
+#[test]
+fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
+    if skip("connect_time_round_trip_and_new_connection_figures") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let direct: SocketAddr = s.server(0).parse()?;
+    let cg = s.place();
+    let outside = Place::default();
+    let runs: [(&str, &Place<'_>, SocketAddr); 3] = [
+        ("direct", &cg, direct),
+        ("connect-time", &cg, s.listen),
+        ("proxied", &outside, s.listen),
+    ];
+    for (name, place, addr) in runs {
+        let rr = run_client(place, addr, &["rr", "2000", "64"], T)?;
+        ensure!(rr["ok"] == true, "{name} rr: {rr}");
+        let cps = run_client(place, addr, &["cps", "1000"], T)?;
+        ensure!(cps["ok"] == true, "{name} cps: {cps}");
+        eprintln!(
+            "{name:>12}: 64 B round trip p50 {:.1} µs p99 {:.1} µs; new connections {:.0}/s",
+            rr["p50_us"].as_f64().unwrap_or(0.0),
+            rr["p99_us"].as_f64().unwrap_or(0.0),
+            cps["per_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    // Only the proxied runs reached lb's listener.
+    ensure!(
+        s.lb.metric("lb_connections_total", "") >= 2.0,
+        "the proxied runs should go through lb"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> Result<()> {
+    if skip("connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down") {
+        return Ok(());
+    }
+    let mut s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    let programs = |cg: &TestCgroup| -> Result<usize> {
+        let shown = lb_tests::sh(
+            "bpftool",
+            &["cgroup", "show", &cg.path.display().to_string()],
+        )?;
+        Ok([
+            "lb_connect4",
+            "lb_connect6",
+            "lb_getpeername4",
+            "lb_getpeername6",
+        ]
+        .iter()
+        .filter(|p| shown.contains(*p))
+        .count())
+    };
+    ensure!(
+        programs(&s.cg)? == 4,
+        "the four connect-time programs should be attached"
+    );
+    let code = s.lb.terminate(Duration::from_secs(10))?;
+    ensure!(code == 0, "lb exited with {code}");
+    ensure!(
+        programs(&s.cg)? == 0,
+        "connect-time programs left after exit"
+    );
+    // lb is gone (programs detached with it): the direct connection stays up.
+    if let Ok(ev) = h.next(Duration::from_secs(2)) {
+        bail!("the direct connection should outlive lb: {ev}");
+    }
+    // A new connect to the listener address is no longer rewritten and nobody listens.
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    eprintln!("connect while lb is down: {v}");
+    ensure!(
+        v["ok"] == false && v["kind"] == "ConnectionRefused",
+        "expected refused: {v}"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_least_connections_balances_held_connections() -> Result<()> {
+    if skip("connect_time_least_connections_balances_held_connections") {
+        return Ok(());
+    }
+    let s = Setup::new("least-connections")?;
+    // With two servers the kernel compares both on every connect: each new held connection goes
+    // to the one with fewer, so after every connect the counts differ by at most one.
+    let mut holders = Vec::new();
+    for i in 0..6u64 {
+        let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+        h.wait_for("connected", Duration::from_secs(10))?;
+        holders.push(h);
+        lb_tests::wait_until(Duration::from_secs(5), || {
+            Ok(s.server_status(0)?.1 + s.server_status(1)?.1 == i + 1)
+        })?;
+        let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+        ensure!(
+            n0.abs_diff(n1) <= 1,
+            "after {} connects: s0 {n0}, s1 {n1}",
+            i + 1
+        );
+    }
+    let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+    eprintln!("6 held connections: s0 {n0}, s1 {n1}");
+    ensure!(n0 == 3 && n1 == 3, "s0 {n0}, s1 {n1}");
+    let m = s.lb.metric("lb_server_connections", "");
+    ensure!(m == 6.0, "lb_server_connections sum {m}");
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["status", "--admin", &s.lb.admin.to_string()])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
+    ensure!(
+        out.status.success() && text.contains("forwarding connect"),
+        "lb status: {text}"
+    );
+    Ok(())
+}
+
+#[test]
+fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> {
+    if skip_unless_root("connect_time_programs_are_attached_only_when_a_balancer_asks") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &hosts[0].addr(9000).to_string(),
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_ready(Duration::from_secs(10))?;
+    let shown = lb_tests::sh(
+        "bpftool",
+        &["cgroup", "show", &cg.path.display().to_string()],
+    )?;
+    ensure!(shown.contains("lb_sockops"), "{shown}");
+    ensure!(
+        !shown.contains("lb_connect4") && !shown.contains("lb_getpeername4"),
+        "splice-only lb should attach no connect-time program: {shown}"
+    );
+    ensure!(lb.status()?["balancers"][0]["forwarding"] == "splice");
+    Ok(())
+}
+
+/// An `lbt serve` in lb's own namespace, killed on drop.
+struct LocalServer(std::process::Child);
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
+    if skip("connect_time_ipv6_listener_to_an_ipv6_server") {
+        return Ok(());
+    }
+    // A native IPv6 listener and an IPv6 server (on [::1] in lb's namespace): connect6 and
+    // getpeername6 with full IPv6 addresses.
+    let server: SocketAddr = format!("[::1]:{}", free_port()?).parse()?;
+    let _server = LocalServer(
+        std::process::Command::new(lb_tests::lbt_bin())
+            .args(["serve", "--listen", &server.to_string(), "--name", "v6"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(std::net::TcpStream::connect(server).is_ok())
+    })?;
+    let cg = TestCgroup::new()?;
+    let listen: SocketAddr = format!("[::1]:{}", free_port()?).parse()?;
+    let lb = Lb::start(&[
+        "--listen",
+        &listen.to_string(),
+        "--server",
+        &server.to_string(),
+        "--datapath",
+        "bpf",
+        "--forwarding",
+        "connect",
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ])?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(lb.log_text().contains("connect-time table updated"))
+    })?;
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    eprintln!("IPv6: {v}");
+    ensure!(v["ok"] == true && v["server"] == "v6", "{v}");
+    ensure!(v["peer"] == listen.to_string(), "getpeername: {v}");
+    ensure!(v["server_sees"] == v["local"], "{v}");
+    ensure!(lb.metric("lb_connections_total", "") == 0.0, "through lb");
+    Ok(())
+}
