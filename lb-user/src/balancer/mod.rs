@@ -357,10 +357,12 @@ impl Balancer {
     }
 
     /// The servers a connect-time table holds, best first (see [`select::connect_order`]).
-    /// Under `failover`, once no server is UNCHECKED, the first one is also marked as dialed
-    /// (HEALTHY/PREFERRED → ACTIVE): connects now go to it, so it keeps them the way a dialed
-    /// server keeps its clients (and `failback = false` holds). Before that, whichever server
-    /// answered its first check first would become ACTIVE with no client at all.
+    /// Under `failover`, once no server is UNCHECKED or RECOVERING (every first verdict is in),
+    /// the first one is also marked as dialed (HEALTHY/PREFERRED → ACTIVE): connects now go to
+    /// it, so it keeps them the way a dialed server keeps its clients (and `failback = false`
+    /// holds). Before that, whichever server passed its `rise` checks first would become
+    /// ACTIVE and keep the clients from the preferred one, which a first start never fails
+    /// back to (only a recovery from FAILED does).
     pub fn connect_table(self: &Arc<Self>) -> Vec<ServerAddr> {
         let policy = self.cfg.load().policy;
         let (order, settled) = {
@@ -368,7 +370,7 @@ impl Balancer {
             let settled = !inner
                 .servers
                 .iter()
-                .any(|s| s.state == ServerState::Unchecked);
+                .any(|s| matches!(s.state, ServerState::Unchecked | ServerState::Recovering));
             (select::connect_order(&inner.servers, policy), settled)
         };
         if policy == Policy::Failover
