@@ -24,9 +24,9 @@ use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
     config::{Config, DatapathMode, Forwarding, Overrides, Policy},
-    datapath::{ConnectPolicy, Datapath},
+    datapath::{ConnectPolicy, Datapath, PassiveKind, PassiveSink},
     health::HealthService,
-    metrics::{KillLabels, Metrics, ModeLabel},
+    metrics::{KillLabels, Metrics, ModeLabel, PassiveLabels},
     proxy::{self, PreDial, ProxyCtx},
 };
 
@@ -218,6 +218,8 @@ fn kill_direct(
         return;
     };
     let cookies = dp.connect_cookies(id, addr);
+    // Their close is lb's doing: not a failed connect of the server.
+    dp.ignore_events_of(&cookies);
     match crate::kill::destroy_sockets_with_cookies(addr, &cookies) {
         Ok(k) => {
             if k.destroyed > 0 {
@@ -236,6 +238,43 @@ fn kill_direct(
             warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot kill connect-time connections");
         }
     }
+}
+
+/// Where connect-time sockets' reports go: counted in `lb_passive_events_total`, then, with
+/// `health.passive`, a failed connect as a failed dial of its server (one failed check, as the
+/// proxy's) and an RTO as a reset by it (toward `passive_reset_limit`). Runs on the
+/// `lb-passive` thread.
+fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
+    let weak = Arc::downgrade(daemon);
+    Arc::new(move |id, addr, kind| {
+        let Some(d) = weak.upgrade() else { return };
+        let _rt = d.runtime.enter();
+        let bs = d.balancers.load();
+        let Some(b) = bs.iter().find(|b| b.id == id) else {
+            return;
+        };
+        let Some(server) = b.server_at(addr) else {
+            return;
+        };
+        d.metrics
+            .passive_events
+            .get_or_create(&PassiveLabels {
+                balancer: b.name.clone(),
+                server: server.to_string(),
+                kind: kind.label().into(),
+            })
+            .inc();
+        tracing::debug!(balancer = %b.name, %server, kind = kind.label(), "connect-time passive signal");
+        match kind {
+            PassiveKind::ConnectFailed => b.record_dial(
+                &server,
+                Err("connect-time connect failed (refused, timed out or abandoned)".into()),
+            ),
+            PassiveKind::Rto => {
+                b.record_server_reset(&server);
+            }
+        }
+    })
 }
 
 /// Counts kills in `lb_connections_killed_total`, runs the node-wide kill and ends the
@@ -420,6 +459,9 @@ impl Daemon {
                 }
             }
             dp.start_refresher(daemon.shutdown.clone())?;
+            if !connect_ids.is_empty() {
+                dp.start_passive(daemon.shutdown.clone(), passive_sink(&daemon))?;
+            }
             dp.start_kernel_log(daemon.shutdown.clone());
         }
 
