@@ -779,3 +779,98 @@ fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()>
     s.hosts[0].blackhole(false)?;
     Ok(())
 }
+
+/// Servers `s0:9000` and `s1:9000`, every check sent to s1 (`shared_target`), so a blackholed
+/// s0 fails no check; one reset (an RTO counts as one) is one failed check, and one fails it.
+const RTO_CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "failover"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "http"
+url = "http://{check}/healthz"
+shared_target = true
+interval = "30s"
+timeout = "1s"
+rise = 1
+fall = 1
+passive = true
+passive_reset_limit = 1
+on_unhealthy = "kill"
+"#;
+
+#[test]
+fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
+    if skip("connect_time_retransmission_timeout_counts_as_a_reset") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = RTO_CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{check}", &hosts[1].addr(9000).to_string());
+    let s = Setup::with_config(hosts, &text)?;
+    let v = s.peer(&s.place())?;
+    ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
+    let failures = || s.lb.metric("lb_health_checks_total", "result=\"failure\"");
+    // An echo client sending without pause: once s0 is blackholed its next segment is never
+    // acknowledged, and the retransmission timer fires.
+    let (rr, done, failed, t0) = std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(
+                &s.place(),
+                s.listen,
+                &["rr", "1000000000", "64"],
+                Duration::from_secs(30),
+            );
+            (r, Instant::now())
+        });
+        lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+        let t0 = Instant::now();
+        s.hosts[0].blackhole(true)?;
+        let failed = loop {
+            if s.server_status(0)?.0 == "FAILED" {
+                break Instant::now();
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed, t0))
+    })?;
+    let rto = s.lb.metric("lb_passive_events_total", "kind=\"rto\"");
+    eprintln!(
+        "s0 FAILED {:.3} s after the blackhole on {rto} RTO event(s); the echo client ended {:.3} s after that: {}",
+        (failed - t0).as_secs_f64(),
+        done.saturating_duration_since(failed).as_secs_f64(),
+        rr["error"]
+    );
+    ensure!(rto == 1.0, "one RTO event expected, got {rto}");
+    ensure!(
+        failures() == 0.0,
+        "a health check failed; only the RTO should count"
+    );
+    ensure!(
+        failed - t0 <= Duration::from_secs(3),
+        "FAILED only {:?} after the blackhole",
+        failed - t0
+    );
+    ensure!(
+        rr["ok"] == false
+            && rr["kind"]
+                .as_str()
+                .is_some_and(|k| k == "ConnectionAborted" || k == "ConnectionReset"),
+        "the echo client should be killed: {rr}"
+    );
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
