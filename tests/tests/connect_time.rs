@@ -874,3 +874,72 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
     s.hosts[0].blackhole(false)?;
     Ok(())
 }
+
+#[test]
+fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result<()> {
+    if skip("connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", &INTERVAL_MS.to_string())
+        .replace("{timeout}", &TIMEOUT_MS.to_string())
+        .replace("{fall}", &FALL.to_string())
+        .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
+    ensure!(text.contains("\"keep\""), "config template changed");
+    let s = Setup::with_config(hosts, &text)?;
+    // An established connection to s0, idle: `keep` leaves it alone.
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    let (dial, done, failed) = std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(&s.place(), s.listen, &["dial"], T);
+            (r, Instant::now())
+        });
+        let failed = loop {
+            if s.server_status(0)?.0 == "FAILED" {
+                break Instant::now();
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed))
+    })?;
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!(
+        "on_unhealthy = keep: s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({})",
+        (failed - t0).as_secs_f64(),
+        done.saturating_duration_since(failed).as_secs_f64(),
+        dial["error"]
+    );
+    ensure!(
+        dial["ok"] == false && (dial["errno"] == ECONNABORTED || dial["errno"] == ECONNRESET),
+        "the pending connect should be aborted: {dial}"
+    );
+    ensure!(
+        done - t0 <= bound + Duration::from_millis(KILL_SLACK_MS),
+        "the connect ended {:?} after the blackhole: {dial}",
+        done - t0
+    );
+    // The established connection is kept.
+    ensure!(
+        h.next(Duration::from_millis(500)).is_err(),
+        "the held connection should be kept under on_unhealthy = keep"
+    );
+    let (_, held) = s.server_status(0)?;
+    ensure!(
+        held == 1,
+        "s0 should still count the held connection: {held}"
+    );
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}

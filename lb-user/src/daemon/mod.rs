@@ -152,7 +152,26 @@ async fn sync_connect_table(
 ) {
     let mut changed = b.changed.subscribe();
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
+    let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
     loop {
+        // A server that just turned FAILED: with `on_unhealthy = "kill"` its kill aborts every
+        // connect-time socket sent there; otherwise the connects still in SYN_SENT are
+        // aborted here, so no client waits out the kernel's SYN retries.
+        let failed_now: std::collections::HashSet<ServerAddr> = b
+            .status()
+            .into_iter()
+            .filter(|s| s.state == crate::balancer::ServerState::Failed)
+            .map(|s| s.address)
+            .collect();
+        if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
+            for server in failed_now.difference(&failed) {
+                let (dp, name, id, server) = (dp.clone(), b.name.clone(), b.id, server.clone());
+                drop(tokio::task::spawn_blocking(move || {
+                    abort_connecting(&dp, &name, id, &server);
+                }));
+            }
+        }
+        failed = failed_now;
         let policy = match b.config().policy {
             Policy::Failover => ConnectPolicy::First,
             Policy::RoundRobin => ConnectPolicy::RoundRobin,
@@ -275,6 +294,26 @@ fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
             }
         }
     })
+}
+
+/// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
+/// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
+/// its established connections to `on_unhealthy`. Blocking.
+fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr) {
+    let Some(addr) = server.socket_addr() else {
+        return;
+    };
+    let cookies = dp.connect_cookies(id, addr);
+    dp.ignore_events_of(&cookies);
+    match crate::kill::destroy_connecting_with_cookies(addr, &cookies) {
+        Ok(k) if k.destroyed > 0 => {
+            warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
+        }
+        Ok(_) => {}
+        Err(e) => {
+            warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot abort connect-time connects");
+        }
+    }
 }
 
 /// Counts kills in `lb_connections_killed_total`, runs the node-wide kill and ends the
