@@ -4,7 +4,9 @@
 //! crosses lb, the server sees the client's own socket, `getpeername` still names the listener,
 //! the kernel's count shows in `/status`, a FAILED server's clients are reset by lb (netlink
 //! `SOCK_DESTROY` of the sockets the programs sent there) and reconnect to the other server,
-//! and a client outside the cgroup is still proxied.
+//! and a client outside the cgroup is still proxied. Passive health from the kernel: refused
+//! connects and a retransmission timeout fail a server with no check failing, and a connect
+//! still in SYN_SENT to a server that turns FAILED is aborted at once.
 
 use std::{
     net::SocketAddr,
