@@ -113,6 +113,21 @@ pub const MAP_CONNECT_SOCKS: &str = "LB_CONNECT_SOCKS";
 /// Hash: [`ConnectCountKey`] → established connect-time sockets (`u64`, changed with atomic
 /// adds by the sockops program; a decrement is an add of `u64::MAX`).
 pub const MAP_CONNECT_COUNTS: &str = "LB_CONNECT_COUNTS";
+/// Ring buffer of [`ConnectEvent`]s: passive health signals of connect-time sockets (a
+/// rewritten connect that failed, a retransmission timeout on an established one).
+pub const MAP_CONNECT_EVENTS: &str = "LB_CONNECT_EVENTS";
+/// Size of [`MAP_CONNECT_EVENTS`] in bytes (a power of two, a multiple of the page size): 1638
+/// events of 40 bytes (plus the ring's 8-byte header each) before the kernel drops and counts
+/// [`BalancerStats::connect_event_drops`].
+pub const CONNECT_EVENTS_RING_BYTES: u32 = 64 * 1024;
+/// [`ConnectEvent::kind`]: a rewritten connect went from `SYN_SENT` to `CLOSE` (refused by a
+/// reset, its SYN retries ran out, or the client gave up on it).
+pub const EVENT_CONNECT_FAILED: u32 = 1;
+/// [`ConnectEvent::kind`]: the first retransmission timeout of an established connect-time
+/// socket (one per socket).
+pub const EVENT_RTO: u32 = 2;
+/// [`ConnectOrig::reported`] bit: the socket's RTO event was sent (or dropped).
+pub const REPORTED_RTO: u32 = 1;
 /// `u32` global: lb's own process id (tgid); the connect programs never rewrite its sockets
 /// (health checks, proxy dials).
 pub const GLOBAL_OWN_TGID: &str = "LB_OWN_TGID";
@@ -185,8 +200,28 @@ pub struct ConnectOrig {
     pub established: u32,
     /// Where the program sent it, and its balancer.
     pub count: ConnectCountKey,
+    /// Events already reported for this socket ([`REPORTED_RTO`]), so each kind is sent at
+    /// most once per socket.
+    pub reported: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<ConnectOrig>() == 56);
+const _: () = assert!(size_of::<ConnectOrig>() == 64);
+
+/// A passive health signal of one connect-time socket, from the sockops program to lb.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectEvent {
+    /// The server the socket was sent to.
+    pub server: ConnectServer,
+    /// Balancer id.
+    pub balancer: u32,
+    /// [`EVENT_CONNECT_FAILED`] or [`EVENT_RTO`].
+    pub kind: u32,
+    /// The socket's cookie (lb ignores the failures of sockets it destroyed itself).
+    pub cookie: u64,
+}
+const _: () = assert!(size_of::<ConnectEvent>() == 40);
 
 /// Every global lb sets at load time, for the ELF check.
 pub const GLOBAL_NAMES: [&str; 7] = [
@@ -224,8 +259,9 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 14] = [
+pub const MAP_NAMES: [&str; 15] = [
     MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_EVENTS,
     MAP_CONNECT_TABLES,
     MAP_CONNECT_RR,
     MAP_CONNECT_SOCKS,
@@ -406,8 +442,11 @@ pub struct BalancerStats {
     /// Sends of blocking clients redirected past the credit; each waits in the kernel if the
     /// server socket has no room, as on a direct connection.
     pub blocking_redirects: u64,
+    /// Connect-time events the sockops program could not send because
+    /// [`MAP_CONNECT_EVENTS`] was full.
+    pub connect_event_drops: u64,
 }
-const _: () = assert!(size_of::<BalancerStats>() == 72);
+const _: () = assert!(size_of::<BalancerStats>() == 80);
 
 impl BalancerStats {
     /// Add `other`'s counters to these (lb sums the per-CPU copies).
@@ -420,6 +459,7 @@ impl BalancerStats {
         self.registered += other.registered;
         self.refresh_requests += other.refresh_requests;
         self.blocking_redirects += other.blocking_redirects;
+        self.connect_event_drops += other.connect_event_drops;
     }
 }
 
@@ -457,4 +497,6 @@ mod pod {
     unsafe impl aya::Pod for super::ConnectCountKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ConnectOrig {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ConnectEvent {}
 }

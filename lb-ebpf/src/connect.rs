@@ -5,22 +5,34 @@
 //! rewritten socket is recorded by its cookie; the sockops program counts it per server once
 //! it is established and forgets it when it closes ([`on_established`], [`on_state`]).
 //!
+//! Passive health: from its `connect()` on ([`on_connect`], sockops `TCP_CONNECT_CB`) a
+//! rewritten socket reports its state changes and retransmission timeouts. A connect that goes
+//! from `SYN_SENT` to `CLOSE` (refused, timed out, or given up) and the first RTO of an
+//! established socket reach lb as [`ConnectEvent`]s on `LB_CONNECT_EVENTS`: at most one of each
+//! kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the ring
+//! is full, so a storm of failing connects cannot flood lb.
+//!
 //! Minimum kernel: 4.17 for connect4/6, 5.8 for getpeername4/6 (lb attaches all four or
 //! none); `bpf_get_socket_cookie` in sock_addr and sockops programs.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
+    bindings::{
+        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
+        BPF_TCP_SYN_SENT,
+    },
     helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, map},
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{SockAddrContext, SockOpsContext},
 };
 use lb_common::{
-    AF_INET, AF_INET6, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectCountKey,
-    ConnectOrig, ConnectServer, ConnectTable, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS,
-    MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS,
-    MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT4,
-    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    AF_INET, AF_INET6, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
+    CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable,
+    EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS,
+    MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SOCKS,
+    MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS,
+    MAX_LISTENERS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    REPORTED_RTO,
 };
 
 named_as!(
@@ -29,6 +41,7 @@ named_as!(
     LB_CONNECT_RR = MAP_CONNECT_RR,
     LB_CONNECT_SOCKS = MAP_CONNECT_SOCKS,
     LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
+    LB_CONNECT_EVENTS = MAP_CONNECT_EVENTS,
     LB_OWN_TGID = GLOBAL_OWN_TGID,
     lb_connect4 = PROG_CONNECT4,
     lb_connect6 = PROG_CONNECT6,
@@ -53,6 +66,13 @@ static LB_CONNECT_SOCKS: LruHashMap<u64, ConnectOrig> =
 #[map]
 static LB_CONNECT_COUNTS: HashMap<ConnectCountKey, u64> =
     HashMap::with_max_entries(MAX_CONNECT_COUNTS, 0);
+
+#[map]
+static LB_CONNECT_EVENTS: RingBuf = RingBuf::with_byte_size(CONNECT_EVENTS_RING_BYTES, 0);
+
+/// The sockops callbacks a rewritten socket asks for: state changes (its close uncounts it; a
+/// failed connect is reported) and retransmission timeouts (reported once).
+const CB_FLAGS: i32 = (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32;
 
 // lb's own tgid, set at load time: its sockets are never rewritten.
 #[unsafe(no_mangle)]
@@ -230,6 +250,8 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
             balancer,
             _pad: 0,
         },
+        reported: 0,
+        _pad: 0,
     };
     if LB_CONNECT_SOCKS
         .insert(&cookie, &orig, u64::from(BPF_ANY))
@@ -349,15 +371,63 @@ pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
     };
     // SAFETY: a live map value; one socket's callbacks run under its lock.
     let orig = unsafe { &mut *orig };
-    if orig.established == 0 && ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32).is_ok() {
+    if orig.established == 0 && ctx.set_cb_flags(CB_FLAGS).is_ok() {
         orig.established = 1;
         count_add(&orig.count, 1);
     }
     true
 }
 
-/// Sockops `STATE_CB` (only sockets [`on_established`] asked for it): on close, uncount the
-/// socket and forget it.
+/// Sockops `TCP_CONNECT_CB` (before the SYN is sent): a socket a connect program rewrote asks
+/// for its state changes and retransmission timeouts from now on, so a connect that fails is
+/// reported ([`on_state`]).
+#[inline(always)]
+pub(crate) fn on_connect(ctx: &SockOpsContext) {
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+    // SAFETY: only tested for presence.
+    if unsafe { LB_CONNECT_SOCKS.get(&cookie) }.is_some() {
+        let _ = ctx.set_cb_flags(CB_FLAGS);
+    }
+}
+
+/// Send one event to lb; a full ring drops it and counts the drop for the balancer.
+#[inline(always)]
+fn report(orig: &ConnectOrig, kind: u32, cookie: u64) {
+    let ev = ConnectEvent {
+        server: orig.count.server,
+        balancer: orig.count.balancer,
+        kind,
+        cookie,
+    };
+    if LB_CONNECT_EVENTS.output::<ConnectEvent>(&ev, 0).is_err()
+        && let Some(stats) = crate::LB_STATS.get_ptr_mut(orig.count.balancer)
+    {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { (*stats).connect_event_drops += 1 };
+    }
+}
+
+/// Sockops `RTO_CB`: the first retransmission timeout of an established rewritten socket is
+/// reported (later ones, and those of a connect still sending SYNs, are not).
+#[inline(always)]
+pub(crate) fn on_rto(ctx: &SockOpsContext) {
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+    let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
+        return;
+    };
+    // SAFETY: a live map value; one socket's callbacks run under its lock.
+    let orig = unsafe { &mut *orig };
+    if orig.established == 1 && orig.reported & REPORTED_RTO == 0 {
+        orig.reported |= REPORTED_RTO;
+        let copy = *orig;
+        report(&copy, EVENT_RTO, cookie);
+    }
+}
+
+/// Sockops `STATE_CB` (only sockets [`on_connect`] or [`on_established`] asked for it): on
+/// close, report a connect that never got established, uncount the socket and forget it.
 #[inline(always)]
 pub(crate) fn on_state(ctx: &SockOpsContext) {
     if ctx.arg(1) != BPF_TCP_CLOSE {
@@ -371,6 +441,8 @@ pub(crate) fn on_state(ctx: &SockOpsContext) {
     };
     if orig.established == 1 {
         count_add(&orig.count, u64::MAX);
+    } else if ctx.arg(0) == BPF_TCP_SYN_SENT {
+        report(&orig, EVENT_CONNECT_FAILED, cookie);
     }
     let _ = LB_CONNECT_SOCKS.remove(&cookie);
 }

@@ -4,7 +4,8 @@
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
 //!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
 //!   A socket the connect programs sent straight to a server is counted instead (and, through
-//!   `STATE_CB`, uncounted when it closes); see [`connect`].
+//!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
+//!   connect and its first retransmission timeout to lb (passive health); see [`connect`].
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
@@ -40,7 +41,10 @@
 #![allow(internal_features)]
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, sk_action},
+    bindings::{
+        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, sk_action,
+    },
     cty::c_void,
     helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
     macros::{map, sk_msg, sock_ops},
@@ -167,6 +171,14 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_STATE_CB => {
             connect::on_state(ctx);
+            return Ok(1);
+        }
+        BPF_SOCK_OPS_TCP_CONNECT_CB => {
+            connect::on_connect(ctx);
+            return Ok(1);
+        }
+        BPF_SOCK_OPS_RTO_CB => {
+            connect::on_rto(ctx);
             return Ok(1);
         }
         _ => return Ok(1),

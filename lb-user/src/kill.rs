@@ -88,7 +88,7 @@ pub struct NodeKill {
 /// [`KillError::Unsupported`] when the kernel has no `SOCK_DESTROY`; other [`KillError`]s for
 /// netlink failures. Sockets destroyed before an error stay destroyed.
 pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
-    destroy_matching(peer, |_| true)
+    destroy_matching(peer, LIVE_STATES, |_| true)
 }
 
 /// Destroy the TCP sockets in this network namespace whose peer is `peer` and whose socket
@@ -104,7 +104,24 @@ pub fn destroy_sockets_with_cookies(
     if cookies.is_empty() {
         return Ok(NodeKill::default());
     }
-    destroy_matching(peer, |id| cookies.contains(&cookie_of(id)))
+    destroy_matching(peer, LIVE_STATES, |id| cookies.contains(&cookie_of(id)))
+}
+
+/// As [`destroy_sockets_with_cookies`], for the sockets still in `SYN_SENT` only: connects
+/// that have not reached the server, aborted without touching its established connections.
+///
+/// # Errors
+/// As [`destroy_peer_sockets`].
+pub fn destroy_connecting_with_cookies(
+    peer: SocketAddr,
+    cookies: &std::collections::HashSet<u64>,
+) -> Result<NodeKill, KillError> {
+    if cookies.is_empty() {
+        return Ok(NodeKill::default());
+    }
+    destroy_matching(peer, StateFlags::SYN_SENT, |id| {
+        cookies.contains(&cookie_of(id))
+    })
 }
 
 /// The socket cookie of a dumped socket: `inet_diag_sockid.idiag_cookie` is two `u32`s in host
@@ -118,17 +135,18 @@ fn cookie_of(id: &SocketId) -> u64 {
 
 fn destroy_matching(
     peer: SocketAddr,
+    states: StateFlags,
     keep: impl Fn(&SocketId) -> bool,
 ) -> Result<NodeKill, KillError> {
     let nl = Netlink::open()?;
     let mut targets = Vec::new();
     match peer.ip() {
         IpAddr::V4(v4) => {
-            nl.dump(peer, &mut targets)?;
+            nl.dump(peer, states.clone(), &mut targets)?;
             let mapped = SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), peer.port());
-            nl.dump(mapped, &mut targets)?;
+            nl.dump(mapped, states, &mut targets)?;
         }
-        IpAddr::V6(_) => nl.dump(peer, &mut targets)?,
+        IpAddr::V6(_) => nl.dump(peer, states, &mut targets)?,
     }
     targets.retain(|t| keep(&t.id));
     let mut done = NodeKill {
@@ -298,8 +316,13 @@ impl Netlink {
         }
     }
 
-    /// Append the live TCP sockets whose peer is `peer` (its family's dump).
-    fn dump(&self, peer: SocketAddr, out: &mut Vec<Target>) -> Result<(), KillError> {
+    /// Append the TCP sockets in `states` whose peer is `peer` (its family's dump).
+    fn dump(
+        &self,
+        peer: SocketAddr,
+        states: StateFlags,
+        out: &mut Vec<Target>,
+    ) -> Result<(), KillError> {
         let (family, socket_id) = match peer {
             SocketAddr::V4(_) => (libc::AF_INET as u8, SocketId::new_v4()),
             SocketAddr::V6(_) => (libc::AF_INET6 as u8, SocketId::new_v6()),
@@ -308,7 +331,7 @@ impl Netlink {
             family,
             protocol: IPPROTO_TCP,
             extensions: ExtensionFlags::empty(),
-            states: LIVE_STATES,
+            states,
             socket_id,
         });
         let seq = self

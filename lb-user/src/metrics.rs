@@ -62,6 +62,17 @@ pub struct KillLabels {
     pub reason: String,
 }
 
+/// `{balancer,server,kind}` of `lb_passive_events_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PassiveLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// Server address.
+    pub server: String,
+    /// [`crate::datapath::PassiveKind::label`]: `connect_failed` or `rto`.
+    pub kind: String,
+}
+
 /// `{balancer,forwarding}` of `lb_balancer_forwarding_info`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ForwardingLabels {
@@ -154,6 +165,11 @@ pub struct Metrics {
     pub splice_blocking_redirects: Family<BalancerLabel, Counter>,
     /// `lb_splice_credit_refreshes_total`: times the sk_msg program asked lb for more credit.
     pub splice_credit_refreshes: Family<BalancerLabel, Counter>,
+    /// `lb_passive_events_total`: what connect-time sockets reported about their server (a
+    /// failed connect, an established socket's first retransmission timeout).
+    pub passive_events: Family<PassiveLabels, Counter>,
+    /// `lb_passive_event_drops_total`: connect-time events the kernel dropped (ring full).
+    pub passive_event_drops: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
@@ -273,6 +289,18 @@ impl Metrics {
             "Times the kernel program asked lb to recompute a connection's credit from its server socket's queue",
             splice_credit_refreshes.clone(),
         );
+        let passive_events = Family::<PassiveLabels, Counter>::default();
+        registry.register(
+            "passive_events",
+            "Connect-time sockets' reports about their server: connect_failed (a rewritten connect never got established) or rto (an established socket's first retransmission timeout)",
+            passive_events.clone(),
+        );
+        let passive_event_drops = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "passive_event_drops",
+            "Connect-time events the kernel dropped because lb's ring buffer was full",
+            passive_event_drops.clone(),
+        );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
         registry.register(
             "datapath_info",
@@ -347,6 +375,8 @@ impl Metrics {
             splice_fallbacks,
             splice_blocking_redirects,
             splice_credit_refreshes,
+            passive_events,
+            passive_event_drops,
             datapath_info,
             balancer_forwarding,
             inflight_checks,
@@ -446,6 +476,12 @@ impl Metrics {
                     &balancer,
                     (name, "credit_refreshes"),
                     st.refresh_requests,
+                );
+                self.bump(
+                    &self.passive_event_drops,
+                    &balancer,
+                    (name, "passive_event_drops"),
+                    st.connect_event_drops,
                 );
                 for r in lb_common::PassReason::ALL {
                     self.bump(

@@ -4,7 +4,9 @@
 //! crosses lb, the server sees the client's own socket, `getpeername` still names the listener,
 //! the kernel's count shows in `/status`, a FAILED server's clients are reset by lb (netlink
 //! `SOCK_DESTROY` of the sockets the programs sent there) and reconnect to the other server,
-//! and a client outside the cgroup is still proxied.
+//! and a client outside the cgroup is still proxied. Passive health from the kernel: refused
+//! connects and a retransmission timeout fail a server with no check failing, and a connect
+//! still in SYN_SENT to a server that turns FAILED is aborted at once.
 
 use std::{
     net::SocketAddr,
@@ -36,6 +38,11 @@ const KILL_SLACK_MS: u64 = 300;
 fn timed() -> bool {
     std::env::var_os("LB_VM").is_none()
 }
+
+/// `lbt client dial`'s errnos (Linux).
+const ECONNREFUSED: i64 = 111;
+const ECONNABORTED: i64 = 103;
+const ECONNRESET: i64 = 104;
 
 const CONFIG: &str = r#"
 [datapath]
@@ -78,15 +85,21 @@ impl Setup {
     /// forwarding; returns once no server is UNCHECKED and the table was written.
     fn new(policy: &str) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let port = free_port()?;
         let text = CONFIG
-            .replace("{port}", &port.to_string())
             .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
             .replace("{policy}", policy)
             .replace("{interval}", &INTERVAL_MS.to_string())
             .replace("{timeout}", &TIMEOUT_MS.to_string())
             .replace("{fall}", &FALL.to_string());
+        Setup::with_config(hosts, &text)
+    }
+
+    /// lb with config `text` (its `{port}` replaced by a free port for the listener) in front
+    /// of `hosts`; returns once no server is UNCHECKED and the table was written.
+    fn with_config(hosts: Vec<Host>, text: &str) -> Result<Setup> {
+        let cg = TestCgroup::new()?;
+        let port = free_port()?;
+        let text = text.replace("{port}", &port.to_string());
         let config =
             std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
         std::fs::write(&config, &text)?;
@@ -126,13 +139,17 @@ impl Setup {
 
     /// State and connection count of server `i` from `/status`.
     fn server_status(&self, i: usize) -> Result<(String, u64)> {
+        self.status_of(&self.server(i))
+    }
+
+    /// State and connection count of the server at `addr` from `/status`.
+    fn status_of(&self, addr: &str) -> Result<(String, u64)> {
         let st = self.lb.status()?;
-        let addr = self.server(i);
         let s = st["balancers"][0]["servers"]
             .as_array()
             .context("servers")?
             .iter()
-            .find(|s| s["address"] == addr.as_str())
+            .find(|s| s["address"] == addr)
             .with_context(|| format!("{addr} not in /status: {st}"))?;
         Ok((
             s["state"].as_str().unwrap_or("").to_string(),
@@ -624,5 +641,321 @@ fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
     ensure!(v["peer"] == listen.to_string(), "getpeername: {v}");
     ensure!(v["server_sees"] == v["local"], "{v}");
     ensure!(lb.metric("lb_connections_total", "") == 0.0, "through lb");
+    Ok(())
+}
+
+/// Servers `s0:9001` (host up, nothing listening: a connect is refused with a reset) and
+/// `s1:9000`; the check asks port 9000 of each host (`{host}`), so both pass it, and its 30 s
+/// interval leaves only passive signals to fail `s0:9001` during the test.
+const PASSIVE_CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "failover"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "http"
+url = "http://{host}:9000/healthz"
+interval = "30s"
+timeout = "1s"
+rise = 1
+fall = {fall}
+passive = true
+on_unhealthy = "kill"
+"#;
+
+#[test]
+fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
+    if skip("connect_time_refused_connects_fail_a_server_without_a_check") {
+        return Ok(());
+    }
+    const PASSIVE_FALL: u64 = 3;
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let refusing = hosts[0].addr(9001).to_string();
+    let servers = format!("\"{refusing}\", \"{}\"", hosts[1].addr(9000));
+    let text = PASSIVE_CONFIG
+        .replace("{servers}", &servers)
+        .replace("{fall}", &PASSIVE_FALL.to_string());
+    let s = Setup::with_config(hosts, &text)?;
+    let (first, _) = s.status_of(&refusing)?;
+    ensure!(
+        first != "FAILED",
+        "{refusing} passed its check on :9000: {first}"
+    );
+    let failures = || s.lb.metric("lb_health_checks_total", "result=\"failure\"");
+    let refused = || {
+        s.lb.metric("lb_passive_events_total", "kind=\"connect_failed\"")
+    };
+    ensure!(
+        failures() == 0.0,
+        "no check should fail: {}",
+        s.lb.log_text()
+    );
+
+    let mut last = Instant::now();
+    for i in 1..=PASSIVE_FALL {
+        let v = run_client(&s.place(), s.listen, &["dial"], T)?;
+        last = Instant::now();
+        ensure!(
+            v["ok"] == false && v["errno"] == ECONNREFUSED,
+            "connect {i} should be refused by {refusing}: {v}"
+        );
+        // The event is counted by lb a moment after the client saw the reset.
+        lb_tests::wait_until(Duration::from_secs(2), || Ok(refused() == i as f64))
+            .with_context(|| format!("lb_passive_events_total after {i}: {}", refused()))?;
+        if i < PASSIVE_FALL {
+            let (state, _) = s.status_of(&refusing)?;
+            ensure!(
+                state != "FAILED",
+                "FAILED after {i} < fall refused connects"
+            );
+        }
+    }
+    let took = lb_tests::wait_until(Duration::from_secs(2), || {
+        Ok(s.status_of(&refusing)?.0 == "FAILED")
+    })
+    .with_context(|| format!("{refusing} not FAILED: {}", s.lb.log_text()))?;
+    eprintln!(
+        "{refusing} FAILED {:.3} s after refused connect-time connect number {PASSIVE_FALL} ({:.3} s after the client saw it)",
+        last.elapsed().as_secs_f64(),
+        took.as_secs_f64()
+    );
+    ensure!(
+        failures() == 0.0,
+        "a health check failed; only the refused connects should count"
+    );
+    // The table moved: the next client goes to the other server.
+    let v = run_client(&s.place(), s.listen, &["dial"], T)?;
+    ensure!(v["ok"] == true && v["server"] == "s1", "{v}");
+    Ok(())
+}
+
+#[test]
+fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()> {
+    if skip("connect_time_syn_sent_connects_to_a_failed_server_are_aborted") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let v = s.peer(&s.place())?;
+    ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
+
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    // A client whose connect is rewritten to s0: its SYNs go nowhere, so it waits in SYN_SENT.
+    let (dial, done, failed) = std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(&s.place(), s.listen, &["dial"], T);
+            (r, Instant::now())
+        });
+        let failed = loop {
+            if s.server_status(0)?.0 == "FAILED" {
+                break Instant::now();
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed))
+    })?;
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!(
+        "s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({} after {} ms in connect())",
+        (failed - t0).as_secs_f64(),
+        done.saturating_duration_since(failed).as_secs_f64(),
+        dial["error"],
+        dial["ms"]
+    );
+    ensure!(
+        !timed() || failed - t0 <= bound,
+        "FAILED after {:?}",
+        failed - t0
+    );
+    ensure!(
+        dial["ok"] == false && (dial["errno"] == ECONNABORTED || dial["errno"] == ECONNRESET),
+        "the pending connect should be aborted: {dial}"
+    );
+    ensure!(
+        !timed() || done - t0 <= bound + Duration::from_millis(KILL_SLACK_MS),
+        "the connect ended {:?} after the blackhole, not at once when s0 turned FAILED: {dial}",
+        done - t0
+    );
+    // lb's own abort is not a failure of the server.
+    ensure!(
+        s.lb.metric("lb_passive_events_total", "kind=\"connect_failed\"") == 0.0,
+        "the destroyed connect was counted as a server failure"
+    );
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+/// Servers `s0:9000` and `s1:9000`, every check sent to s1 (`shared_target`), so a blackholed
+/// s0 fails no check; one reset (an RTO counts as one) is one failed check, and one fails it.
+const RTO_CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "failover"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "http"
+url = "http://{check}/healthz"
+shared_target = true
+interval = "30s"
+timeout = "1s"
+rise = 1
+fall = 1
+passive = true
+passive_reset_limit = 1
+on_unhealthy = "kill"
+"#;
+
+#[test]
+fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
+    if skip("connect_time_retransmission_timeout_counts_as_a_reset") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = RTO_CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{check}", &hosts[1].addr(9000).to_string());
+    let s = Setup::with_config(hosts, &text)?;
+    let v = s.peer(&s.place())?;
+    ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
+    let failures = || s.lb.metric("lb_health_checks_total", "result=\"failure\"");
+    // An echo client sending without pause: once s0 is blackholed its next segment is never
+    // acknowledged, and the retransmission timer fires.
+    let (rr, done, failed, t0) = std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(
+                &s.place(),
+                s.listen,
+                &["rr", "1000000000", "64"],
+                Duration::from_secs(30),
+            );
+            (r, Instant::now())
+        });
+        lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+        let t0 = Instant::now();
+        s.hosts[0].blackhole(true)?;
+        let failed = loop {
+            if s.server_status(0)?.0 == "FAILED" {
+                break Instant::now();
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed, t0))
+    })?;
+    let rto = s.lb.metric("lb_passive_events_total", "kind=\"rto\"");
+    eprintln!(
+        "s0 FAILED {:.3} s after the blackhole on {rto} RTO event(s); the echo client ended {:.3} s after that: {}",
+        (failed - t0).as_secs_f64(),
+        done.saturating_duration_since(failed).as_secs_f64(),
+        rr["error"]
+    );
+    ensure!(rto == 1.0, "one RTO event expected, got {rto}");
+    ensure!(
+        failures() == 0.0,
+        "a health check failed; only the RTO should count"
+    );
+    ensure!(
+        failed - t0 <= Duration::from_secs(3),
+        "FAILED only {:?} after the blackhole",
+        failed - t0
+    );
+    ensure!(
+        rr["ok"] == false
+            && rr["kind"]
+                .as_str()
+                .is_some_and(|k| k == "ConnectionAborted" || k == "ConnectionReset"),
+        "the echo client should be killed: {rr}"
+    );
+    s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result<()> {
+    if skip("connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", &INTERVAL_MS.to_string())
+        .replace("{timeout}", &TIMEOUT_MS.to_string())
+        .replace("{fall}", &FALL.to_string())
+        .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
+    ensure!(text.contains("\"keep\""), "config template changed");
+    let s = Setup::with_config(hosts, &text)?;
+    // An established connection to s0, idle: `keep` leaves it alone.
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    let (dial, done, failed) = std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(&s.place(), s.listen, &["dial"], T);
+            (r, Instant::now())
+        });
+        let failed = loop {
+            if s.server_status(0)?.0 == "FAILED" {
+                break Instant::now();
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed))
+    })?;
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!(
+        "on_unhealthy = keep: s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({})",
+        (failed - t0).as_secs_f64(),
+        done.saturating_duration_since(failed).as_secs_f64(),
+        dial["error"]
+    );
+    ensure!(
+        dial["ok"] == false && (dial["errno"] == ECONNABORTED || dial["errno"] == ECONNRESET),
+        "the pending connect should be aborted: {dial}"
+    );
+    ensure!(
+        !timed() || done - t0 <= bound + Duration::from_millis(KILL_SLACK_MS),
+        "the connect ended {:?} after the blackhole: {dial}",
+        done - t0
+    );
+    // The established connection is kept.
+    ensure!(
+        h.next(Duration::from_millis(500)).is_err(),
+        "the held connection should be kept under on_unhealthy = keep"
+    );
+    let (_, held) = s.server_status(0)?;
+    ensure!(
+        held == 1,
+        "s0 should still count the held connection: {held}"
+    );
+    s.hosts[0].blackhole(false)?;
     Ok(())
 }

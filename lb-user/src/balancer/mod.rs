@@ -382,6 +382,16 @@ impl Balancer {
         order
     }
 
+    /// The server of this balancer at `addr` (a name's server pinned to that address, or an
+    /// address server), for signals that know only the address (connect-time sockets).
+    pub fn server_at(&self, addr: std::net::SocketAddr) -> Option<ServerAddr> {
+        self.lock()
+            .servers
+            .iter()
+            .find(|s| s.addr.socket_addr() == Some(addr))
+            .map(|s| s.addr.clone())
+    }
+
     /// Record a dial result. Success: HEALTHY/PREFERRED → ACTIVE (under `failover` the previous
     /// ACTIVE server becomes HEALTHY). Failure: counts as a failed check when `passive`.
     pub fn record_dial(self: &Arc<Self>, server: &ServerAddr, result: Result<(), String>) {

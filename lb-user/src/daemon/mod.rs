@@ -24,9 +24,9 @@ use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
     config::{Config, DatapathMode, Forwarding, Overrides, Policy},
-    datapath::{ConnectPolicy, Datapath},
+    datapath::{ConnectPolicy, Datapath, PassiveKind, PassiveSink},
     health::HealthService,
-    metrics::{KillLabels, Metrics, ModeLabel},
+    metrics::{KillLabels, Metrics, ModeLabel, PassiveLabels},
     proxy::{self, PreDial, ProxyCtx},
 };
 
@@ -152,7 +152,26 @@ async fn sync_connect_table(
 ) {
     let mut changed = b.changed.subscribe();
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
+    let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
     loop {
+        // A server that just turned FAILED: with `on_unhealthy = "kill"` its kill aborts every
+        // connect-time socket sent there; otherwise the connects still in SYN_SENT are
+        // aborted here, so no client waits out the kernel's SYN retries.
+        let failed_now: std::collections::HashSet<ServerAddr> = b
+            .status()
+            .into_iter()
+            .filter(|s| s.state == crate::balancer::ServerState::Failed)
+            .map(|s| s.address)
+            .collect();
+        if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
+            for server in failed_now.difference(&failed) {
+                let (dp, name, id, server) = (dp.clone(), b.name.clone(), b.id, server.clone());
+                drop(tokio::task::spawn_blocking(move || {
+                    abort_connecting(&dp, &name, id, &server);
+                }));
+            }
+        }
+        failed = failed_now;
         let policy = match b.config().policy {
             Policy::Failover => ConnectPolicy::First,
             Policy::RoundRobin => ConnectPolicy::RoundRobin,
@@ -218,6 +237,8 @@ fn kill_direct(
         return;
     };
     let cookies = dp.connect_cookies(id, addr);
+    // Their close is lb's doing: not a failed connect of the server.
+    dp.ignore_events_of(&cookies);
     match crate::kill::destroy_sockets_with_cookies(addr, &cookies) {
         Ok(k) => {
             if k.destroyed > 0 {
@@ -234,6 +255,63 @@ fn kill_direct(
         }
         Err(e) => {
             warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot kill connect-time connections");
+        }
+    }
+}
+
+/// Where connect-time sockets' reports go: counted in `lb_passive_events_total`, then, with
+/// `health.passive`, a failed connect as a failed dial of its server (one failed check, as the
+/// proxy's) and an RTO as a reset by it (toward `passive_reset_limit`). Runs on the
+/// `lb-passive` thread.
+fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
+    let weak = Arc::downgrade(daemon);
+    Arc::new(move |id, addr, kind| {
+        let Some(d) = weak.upgrade() else { return };
+        let _rt = d.runtime.enter();
+        let bs = d.balancers.load();
+        let Some(b) = bs.iter().find(|b| b.id == id) else {
+            return;
+        };
+        let Some(server) = b.server_at(addr) else {
+            return;
+        };
+        d.metrics
+            .passive_events
+            .get_or_create(&PassiveLabels {
+                balancer: b.name.clone(),
+                server: server.to_string(),
+                kind: kind.label().into(),
+            })
+            .inc();
+        tracing::debug!(balancer = %b.name, %server, kind = kind.label(), "connect-time passive signal");
+        match kind {
+            PassiveKind::ConnectFailed => b.record_dial(
+                &server,
+                Err("connect-time connect failed (refused, timed out or abandoned)".into()),
+            ),
+            PassiveKind::Rto => {
+                b.record_server_reset(&server);
+            }
+        }
+    })
+}
+
+/// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
+/// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
+/// its established connections to `on_unhealthy`. Blocking.
+fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr) {
+    let Some(addr) = server.socket_addr() else {
+        return;
+    };
+    let cookies = dp.connect_cookies(id, addr);
+    dp.ignore_events_of(&cookies);
+    match crate::kill::destroy_connecting_with_cookies(addr, &cookies) {
+        Ok(k) if k.destroyed > 0 => {
+            warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
+        }
+        Ok(_) => {}
+        Err(e) => {
+            warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot abort connect-time connects");
         }
     }
 }
@@ -420,6 +498,9 @@ impl Daemon {
                 }
             }
             dp.start_refresher(daemon.shutdown.clone())?;
+            if !connect_ids.is_empty() {
+                dp.start_passive(daemon.shutdown.clone(), passive_sink(&daemon))?;
+            }
             dp.start_kernel_log(daemon.shutdown.clone());
         }
 

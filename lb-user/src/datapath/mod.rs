@@ -2,7 +2,8 @@
 //! to the client sockhash, registers listeners, pairs and unpairs connections, and sums the
 //! splice counters. The rooms beside it: [`probe`] (what the kernel and process allow),
 //! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
-//! server), [`btf`] (kernel struct offsets) and [`kernel_log`] (the programs' aya-log events
+//! server), [`passive`] (connect-time sockets' failures as passive health), [`btf`] (kernel
+//! struct offsets) and [`kernel_log`] (the programs' aya-log events
 //! in lb's log, target `lb::kernel`).
 //!
 //! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
@@ -13,6 +14,7 @@ mod btf;
 mod credit;
 mod kernel_log;
 mod maps;
+mod passive;
 mod probe;
 
 use std::{
@@ -41,6 +43,7 @@ pub use self::{
     btf::BtfError,
     credit::Pair,
     maps::sock_key,
+    passive::{PassiveKind, PassiveSink},
     probe::{detect_cgroup2, probe_kernel},
 };
 
@@ -123,6 +126,10 @@ pub struct Datapath {
     maps: maps::Maps,
     /// The credit request ring, until [`Datapath::start_refresher`] takes it.
     refresh: Mutex<Option<maps::RefreshRing>>,
+    /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
+    events: Mutex<Option<maps::EventRing>>,
+    /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
+    ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
     /// `None` when kernel logging is off or could not start.
     kernel_log: Mutex<Option<kernel_log::KernelLogger>>,
@@ -201,7 +208,7 @@ impl Datapath {
             .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
             .load(EBPF_OBJ)
             .map_err(DatapathError::Load)?;
-        let (maps, ring) = maps::Maps::take(&mut ebpf)?;
+        let (maps, ring, events) = maps::Maps::take(&mut ebpf)?;
 
         let prog_err =
             |program: &'static str| move |source| DatapathError::Program { program, source };
@@ -266,6 +273,8 @@ impl Datapath {
             cgroup,
             maps,
             refresh: Mutex::new(Some(ring)),
+            events: Mutex::new(Some(events)),
+            ignored: Mutex::new(HashMap::new()),
             kernel_log: Mutex::new(kernel_log),
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,

@@ -101,6 +101,10 @@ enum Action {
     Peer,
     /// Ask the server to reset the connection; reports how the read side ended.
     Rst,
+    /// One blocking `connect()` without a time limit of its own (the kernel's SYN retries
+    /// bound it): reports whether it connected, and if not its errno and error, with the
+    /// milliseconds it took; a connected socket also reports the server's name.
+    Dial,
     /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
     Many {
         conns: u32,
@@ -594,6 +598,23 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             Ok(
                 json!({"ok": true, "local": local.to_string(), "peer": peer.to_string(), "server": name, "server_sees": seen}),
             )
+        }
+        Action::Dial => {
+            let t = Instant::now();
+            match TcpStream::connect(addr) {
+                Ok(mut s) => {
+                    let ms = t.elapsed().as_millis() as u64;
+                    write_retry(&mut s, b"NAME\n")?;
+                    let name = read_line(&mut s)?;
+                    Ok(json!({"ok": true, "ms": ms, "server": name}))
+                }
+                Err(e) => Ok(json!({
+                    "ok": false,
+                    "ms": t.elapsed().as_millis() as u64,
+                    "errno": e.raw_os_error(),
+                    "error": e.kind().to_string(),
+                })),
+            }
         }
         Action::Rst => {
             let mut s = connect(addr)?;
