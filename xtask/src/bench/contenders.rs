@@ -277,6 +277,46 @@ fn wait_connect_table(lb: &Lb) -> Result<()> {
     Ok(())
 }
 
+/// Starts of `lb connect` tried before giving up on having the preferred server ACTIVE.
+const CONNECT_START_TRIES: u32 = 8;
+
+/// Start lb with `args` and wait until its servers are settled. For `lb connect`, also until its
+/// table is written with `primary` as the ACTIVE server: under `failover` a connect-time table
+/// marks its first server ACTIVE as soon as no server is UNCHECKED, so when the backup passes its
+/// `rise` checks a moment before the preferred server does, the backup is ACTIVE and keeps the
+/// clients (no fail-back from a first start). A splice balancer dials only when the first client
+/// comes, after the bench waited for both. Such an lb is stopped and started again, at most
+/// [`CONNECT_START_TRIES`] times.
+fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
+    for attempt in 1..=CONNECT_START_TRIES {
+        let mut lb = Lb::start(args)?;
+        lb.wait_ready(Duration::from_secs(15))?;
+        lb.wait_settled(Duration::from_secs(15))?;
+        if kind != Kind::LbConnect {
+            return Ok(lb);
+        }
+        wait_connect_table(&lb)?;
+        let st = lb.status()?;
+        let active: Vec<String> = st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .filter(|s| s["state"] == "ACTIVE")
+            .filter_map(|s| s["address"].as_str().map(str::to_string))
+            .collect();
+        if active.is_empty() || active == [primary.to_string()] {
+            return Ok(lb);
+        }
+        eprintln!(
+            "bench: lb connect start {attempt}: the backup {} became ACTIVE before {primary} \
+             passed its checks; starting it again",
+            active.join(",")
+        );
+        let _ = lb.terminate(Duration::from_secs(5));
+    }
+    bail!("lb connect: the preferred server was not ACTIVE after {CONNECT_START_TRIES} starts")
+}
+
 impl Running {
     /// Start `kind` in front of `servers` (the first preferred, the rest backups).
     ///
@@ -311,13 +351,7 @@ impl Running {
                 if kind == Kind::LbConnect {
                     args.extend(["--forwarding", "connect", "--datapath", "bpf"]);
                 }
-                let lb = Lb::start(&args)?;
-                lb.wait_ready(Duration::from_secs(15))?;
-                lb.wait_settled(Duration::from_secs(15))?;
-                if kind == Kind::LbConnect {
-                    wait_connect_table(&lb)?;
-                }
-                Proc::Lb(lb)
+                Proc::Lb(start_lb(&args, kind, primary)?)
             }
             Kind::Haproxy => {
                 let cfg = dir.join("haproxy.cfg");
