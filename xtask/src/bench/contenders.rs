@@ -278,7 +278,7 @@ fn wait_connect_table(lb: &Lb) -> Result<()> {
 }
 
 /// Starts of `lb connect` tried before giving up on having the preferred server ACTIVE.
-const CONNECT_START_TRIES: u32 = 8;
+const CONNECT_START_TRIES: u32 = 12;
 
 /// Start lb with `args` and wait until its servers are settled. For `lb connect`, also until its
 /// table is written with `primary` as the ACTIVE server: under `failover` a connect-time table
@@ -288,6 +288,16 @@ const CONNECT_START_TRIES: u32 = 8;
 /// comes, after the bench waited for both. Such an lb is stopped and started again, at most
 /// [`CONNECT_START_TRIES`] times.
 fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
+    if kind == Kind::LbConnect {
+        // A host that was just blackholed and brought back needs its neighbour entry resolved
+        // again, which delays its first check; reach it once first so it does not lose the race.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline
+            && std::net::TcpStream::connect_timeout(&primary, Duration::from_millis(500)).is_err()
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
     for attempt in 1..=CONNECT_START_TRIES {
         let mut lb = Lb::start(args)?;
         lb.wait_ready(Duration::from_secs(15))?;
