@@ -289,8 +289,9 @@ const CONNECT_START_TRIES: u32 = 12;
 /// [`CONNECT_START_TRIES`] times.
 fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
     if kind == Kind::LbConnect {
-        // A host that was just blackholed and brought back needs its neighbour entry resolved
-        // again, which delays its first check; reach it once first so it does not lose the race.
+        // Reach the preferred server once first: right after a blackhole is lifted its first
+        // check tended to lose the race (3-4 restarts in a row without this, none in the quick
+        // run with it; presumably its neighbour entry has to be resolved again).
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline
             && std::net::TcpStream::connect_timeout(&primary, Duration::from_millis(500)).is_err()
