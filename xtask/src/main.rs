@@ -33,7 +33,8 @@ enum Cmd {
     /// Everything CI runs: fmt, clippy, unit and privileged integration tests, the quick bench,
     /// then the 6.1 VM run.
     Test,
-    /// lb side by side with a direct connection, HAProxy and nginx; results in bench/results/.
+    /// lb (splice, copy and connect-time) side by side with a direct connection, HAProxy and
+    /// nginx; results in bench/results/.
     Bench {
         /// Fewer, shorter runs (a smoke check; results go to bench/results/raw/quick/).
         #[arg(long)]

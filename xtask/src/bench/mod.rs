@@ -1,6 +1,7 @@
 //! `cargo xtask bench [--quick]`: every scenario of issue 8 run side by side for a direct
-//! connection, lb with each data path, HAProxy and nginx, alternating run by run; medians and
-//! ranges go to `bench/results/` as markdown, JSON and SVG charts.
+//! connection, lb with each data path, lb with connect-time forwarding, HAProxy and nginx,
+//! alternating run by run; medians and ranges go to `bench/results/` as markdown, JSON and SVG
+//! charts.
 
 mod contenders;
 mod report;
@@ -210,6 +211,7 @@ pub fn run(quick: bool) -> Result<()> {
     let mut hosts = scenarios::Hosts::new()?;
     let cgroups = Cgroups {
         bpf: lb_tests::TestCgroup::new()?,
+        connect: lb_tests::TestCgroup::new()?,
         plain: lb_tests::TestCgroup::new()?,
     };
     let mut res = Results::default();
@@ -228,7 +230,7 @@ pub fn run(quick: bool) -> Result<()> {
 
     let options = serde_json::to_value(&opts)?;
     let header = format!(
-        "## Benchmark: lb next to a direct connection, HAProxy and nginx\n\n\
+        "## Benchmark: lb (splice, copy, connect-time) next to a direct connection, HAProxy and nginx\n\n\
          `cargo xtask bench{}`: {} measured runs per contender of scenarios 1-4 after a warm-up, \
          {} of scenarios 5-7, contenders alternating run by run; took {} s.",
         if quick { " --quick" } else { "" },

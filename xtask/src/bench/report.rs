@@ -425,6 +425,7 @@ fn color(k: Kind) -> RGBColor {
     match k {
         Kind::Direct => RGBColor(140, 140, 140),
         Kind::LbBpf => RGBColor(31, 100, 180),
+        Kind::LbConnect => RGBColor(120, 60, 170),
         Kind::LbUserspace => RGBColor(120, 170, 225),
         Kind::Haproxy => RGBColor(230, 125, 30),
         Kind::Nginx => RGBColor(60, 160, 70),
@@ -553,6 +554,9 @@ mod tests {
         assert!(!missing.contains(&"failover_ms / nginx".to_string()));
         assert!(!missing.contains(&"splice_share_up / haproxy".to_string()));
         assert!(missing.contains(&"splice_share_up / lb bpf".to_string()));
+        assert!(!missing.contains(&"splice_share_up / lb connect".to_string()));
+        assert!(missing.contains(&"cpu_proxy_up / lb connect".to_string()));
+        assert!(missing.contains(&"kill_after_down_ms / lb connect".to_string()));
     }
 
     #[test]
