@@ -281,12 +281,10 @@ fn wait_connect_table(lb: &Lb) -> Result<()> {
 const CONNECT_START_TRIES: u32 = 12;
 
 /// Start lb with `args` and wait until its servers are settled. For `lb connect`, also until its
-/// table is written with `primary` as the ACTIVE server: under `failover` a connect-time table
-/// marks its first server ACTIVE as soon as no server is UNCHECKED, so when the backup passes its
-/// `rise` checks a moment before the preferred server does, the backup is ACTIVE and keeps the
-/// clients (no fail-back from a first start). A splice balancer dials only when the first client
-/// comes, after the bench waited for both. Such an lb is stopped and started again, at most
-/// [`CONNECT_START_TRIES`] times.
+/// table is written with `primary` as the ACTIVE server (a connect-time table marks its first
+/// server ACTIVE once every first verdict is in): the failover scenarios blackhole `primary`, so
+/// a start on which the preferred server's first checks failed (and the backup took the
+/// clients) is stopped and started again, at most [`CONNECT_START_TRIES`] times.
 fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
     if kind == Kind::LbConnect {
         // Reach the preferred server once first: right after a blackhole is lifted its first
@@ -319,8 +317,8 @@ fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
             return Ok(lb);
         }
         eprintln!(
-            "bench: lb connect start {attempt}: the backup {} became ACTIVE before {primary} \
-             passed its checks; starting it again",
+            "bench: lb connect start {attempt}: the backup {} is ACTIVE, not {primary}; \
+             starting it again",
             active.join(",")
         );
         let _ = lb.terminate(Duration::from_secs(5));
