@@ -142,6 +142,36 @@ impl Setup {
         self.status_of(&self.server(i))
     }
 
+    /// Poll until s0 is FAILED (every 10 ms, at most `limit` after `t0`); when it turned so.
+    fn wait_s0_failed(&self, t0: Instant, limit: Duration) -> Result<Instant> {
+        loop {
+            if self.server_status(0)?.0 == "FAILED" {
+                return Ok(Instant::now());
+            }
+            if t0.elapsed() > limit {
+                bail!("s0 not FAILED after {limit:?}: {}", self.lb.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Blackhole s0 and, at once, start a client `connect()` that the table sends to s0 (its
+    /// SYNs go nowhere, so it waits in SYN_SENT); returns the client's result, when it ended,
+    /// when s0 turned FAILED, and when the blackhole began.
+    fn dial_into_blackhole(&self) -> Result<(Value, Instant, Instant, Instant)> {
+        let t0 = Instant::now();
+        self.hosts[0].blackhole(true)?;
+        std::thread::scope(|scope| -> Result<_> {
+            let client = scope.spawn(|| {
+                let r = run_client(&self.place(), self.listen, &["dial"], T);
+                (r, Instant::now())
+            });
+            let failed = self.wait_s0_failed(t0, Duration::from_secs(10))?;
+            let (r, done) = client.join().expect("client thread");
+            Ok((r?, done, failed, t0))
+        })
+    }
+
     /// State and connection count of the server at `addr` from `/status`.
     fn status_of(&self, addr: &str) -> Result<(String, u64)> {
         let st = self.lb.status()?;
@@ -253,15 +283,7 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
 
     let t0 = Instant::now();
     s.hosts[0].blackhole(true)?;
-    let failed = loop {
-        if s.server_status(0)?.0 == "FAILED" {
-            break Instant::now();
-        }
-        if t0.elapsed() > Duration::from_secs(10) {
-            bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let failed = s.wait_s0_failed(t0, Duration::from_secs(10))?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "s0 FAILED {:.3} s after the blackhole",
@@ -745,26 +767,7 @@ fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()>
     let v = s.peer(&s.place())?;
     ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
 
-    let t0 = Instant::now();
-    s.hosts[0].blackhole(true)?;
-    // A client whose connect is rewritten to s0: its SYNs go nowhere, so it waits in SYN_SENT.
-    let (dial, done, failed) = std::thread::scope(|scope| -> Result<_> {
-        let client = scope.spawn(|| {
-            let r = run_client(&s.place(), s.listen, &["dial"], T);
-            (r, Instant::now())
-        });
-        let failed = loop {
-            if s.server_status(0)?.0 == "FAILED" {
-                break Instant::now();
-            }
-            if t0.elapsed() > Duration::from_secs(10) {
-                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let (r, done) = client.join().expect("client thread");
-        Ok((r?, done, failed))
-    })?;
+    let (dial, done, failed, t0) = s.dial_into_blackhole()?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({} after {} ms in connect())",
@@ -861,15 +864,7 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
         lb_tests::wait_until(start_bound, || Ok(s.server_status(0)?.1 == 1))?;
         let t0 = Instant::now();
         s.hosts[0].blackhole(true)?;
-        let failed = loop {
-            if s.server_status(0)?.0 == "FAILED" {
-                break Instant::now();
-            }
-            if t0.elapsed() > Duration::from_secs(if timed() { 10 } else { 60 }) {
-                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let failed = s.wait_s0_failed(t0, Duration::from_secs(if timed() { 10 } else { 60 }))?;
         let (r, done) = client.join().expect("client thread");
         Ok((r?, done, failed, t0))
     })?;
@@ -921,25 +916,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
 
-    let t0 = Instant::now();
-    s.hosts[0].blackhole(true)?;
-    let (dial, done, failed) = std::thread::scope(|scope| -> Result<_> {
-        let client = scope.spawn(|| {
-            let r = run_client(&s.place(), s.listen, &["dial"], T);
-            (r, Instant::now())
-        });
-        let failed = loop {
-            if s.server_status(0)?.0 == "FAILED" {
-                break Instant::now();
-            }
-            if t0.elapsed() > Duration::from_secs(10) {
-                bail!("s0 not FAILED after 10 s: {}", s.lb.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let (r, done) = client.join().expect("client thread");
-        Ok((r?, done, failed))
-    })?;
+    let (dial, done, failed, t0) = s.dial_into_blackhole()?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "on_unhealthy = keep: s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({})",
