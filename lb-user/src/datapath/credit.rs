@@ -139,31 +139,21 @@ impl Datapath {
         self: &Arc<Self>,
         cancel: tokio_util::sync::CancellationToken,
     ) -> std::io::Result<()> {
-        let Some(mut ring) = self.refresh.lock().expect("poisoned").take() else {
+        let Some(ring) = self.refresh.lock().expect("poisoned").take() else {
             return Ok(());
         };
         let this = self.clone();
-        std::thread::Builder::new()
-            .name("lb-credit".into())
-            .spawn(move || {
-                while !cancel.is_cancelled() {
-                    let mut fds = [nix::poll::PollFd::new(
-                        ring.as_fd(),
-                        nix::poll::PollFlags::POLLIN,
-                    )];
-                    if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
-                        continue;
-                    }
-                    let mut reqs = Vec::new();
-                    while let Some(req) = ring.next_request() {
-                        reqs.push(req);
-                    }
-                    for req in reqs {
-                        this.refresh_one(&req.key);
-                    }
+        super::spawn_ring_reader(
+            "lb-credit",
+            cancel,
+            ring,
+            super::maps::RefreshRing::next_request,
+            move |reqs| {
+                for req in reqs {
+                    this.refresh_one(&req.key);
                 }
-            })?;
-        Ok(())
+            },
+        )
     }
 
     fn refresh_one(&self, key: &SockKey) {

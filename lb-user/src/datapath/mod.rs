@@ -463,6 +463,46 @@ fn attach_connect(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<(), Datapat
     Ok(())
 }
 
+/// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
+/// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an empty
+/// one). The credit refresher and the passive-event reader share it.
+///
+/// # Errors
+/// The thread could not be spawned.
+fn spawn_ring_reader<R, T>(
+    name: &str,
+    cancel: tokio_util::sync::CancellationToken,
+    mut ring: R,
+    next: fn(&mut R) -> Option<T>,
+    mut handle: impl FnMut(Vec<T>) + Send + 'static,
+) -> std::io::Result<()>
+where
+    R: std::os::fd::AsFd + Send + 'static,
+    T: 'static,
+{
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            while !cancel.is_cancelled() {
+                let mut fds = [nix::poll::PollFd::new(
+                    ring.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
+                    continue;
+                }
+                let mut batch = Vec::new();
+                while let Some(record) = next(&mut ring) {
+                    batch.push(record);
+                }
+                if !batch.is_empty() {
+                    handle(batch);
+                }
+            }
+        })?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use object::{Object as _, ObjectSymbol as _};

@@ -10,7 +10,6 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    os::fd::AsFd,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -75,44 +74,30 @@ impl Datapath {
         cancel: tokio_util::sync::CancellationToken,
         sink: PassiveSink,
     ) -> std::io::Result<()> {
-        let Some(mut ring) = self.events.lock().expect("poisoned").take() else {
+        let Some(ring) = self.events.lock().expect("poisoned").take() else {
             return Ok(());
         };
         let this = self.clone();
-        std::thread::Builder::new()
-            .name("lb-passive".into())
-            .spawn(move || {
-                while !cancel.is_cancelled() {
-                    let mut fds = [nix::poll::PollFd::new(
-                        ring.as_fd(),
-                        nix::poll::PollFlags::POLLIN,
-                    )];
-                    if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
+        super::spawn_ring_reader(
+            "lb-passive",
+            cancel,
+            ring,
+            maps::EventRing::next_event,
+            move |evs| {
+                let ignored: HashMap<u64, Instant> = this.ignored.lock().expect("poisoned").clone();
+                for ev in evs {
+                    if ignored.contains_key(&ev.cookie) {
                         continue;
                     }
-                    let mut evs = Vec::new();
-                    while let Some(ev) = ring.next_event() {
-                        evs.push(ev);
-                    }
-                    if evs.is_empty() {
+                    let (Some(kind), Some(addr)) = (
+                        PassiveKind::from_kernel(ev.kind),
+                        maps::server_addr(&ev.server),
+                    ) else {
                         continue;
-                    }
-                    let ignored: HashMap<u64, Instant> =
-                        this.ignored.lock().expect("poisoned").clone();
-                    for ev in evs {
-                        if ignored.contains_key(&ev.cookie) {
-                            continue;
-                        }
-                        let (Some(kind), Some(addr)) = (
-                            PassiveKind::from_kernel(ev.kind),
-                            maps::server_addr(&ev.server),
-                        ) else {
-                            continue;
-                        };
-                        sink(ev.balancer, addr, kind);
-                    }
+                    };
+                    sink(ev.balancer, addr, kind);
                 }
-            })?;
-        Ok(())
+            },
+        )
     }
 }
