@@ -12,6 +12,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("errors", 0),
     ("kill", 0),
     ("config", 1),
+    ("handover", 1),
     ("net", 1),
     ("datapath", 2),
     ("balancer", 3),

@@ -6,13 +6,16 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     sync::Mutex,
 };
 
 use aya::{
     Ebpf,
-    maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf, SockHash, sock::SockMapFd},
+    maps::{
+        HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray, RingBuf, SockHash,
+        sock::SockMapFd,
+    },
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer,
@@ -37,6 +40,9 @@ pub(super) struct Maps {
     pub(super) pairs: Pairs,
     pub(super) stats: Stats,
     pub(super) connect: ConnectMaps,
+    /// Copies of the ring buffers' descriptors (the rings themselves go to their threads), for
+    /// a hand-over.
+    rings: Vec<(&'static str, OwnedFd)>,
 }
 
 impl Maps {
@@ -47,8 +53,79 @@ impl Maps {
     /// [`DatapathError::Missing`] for a map the object lacks, [`DatapathError::Map`] for one of
     /// another type than expected.
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
-        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(DatapathError::Missing(name));
+        Maps::build(|name| ebpf.take_map(name).ok_or(DatapathError::Missing(name)))
+    }
+
+    /// The maps of a running lb, from descriptors it handed over (by map name).
+    ///
+    /// # Errors
+    /// As [`Maps::take`]; a descriptor that is not a map is [`DatapathError::Map`].
+    pub(super) fn from_fds(
+        mut fds: std::collections::HashMap<String, OwnedFd>,
+    ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
+        Maps::build(|name| {
+            let fd = fds.remove(name).ok_or(DatapathError::Missing(name))?;
+            let data = MapData::from_fd(fd).map_err(map_err(name))?;
+            Map::from_map_data(data).map_err(map_err(name))
+        })
+    }
+
+    /// Copies of every map's descriptor, by name, for a hand-over.
+    ///
+    /// # Errors
+    /// A descriptor could not be duplicated (out of descriptors).
+    pub(super) fn export(&self) -> std::io::Result<Vec<(&'static str, OwnedFd)>> {
+        let dup = |fd: BorrowedFd<'_>| fd.try_clone_to_owned();
+        let mut out = vec![
+            (MAP_CLIENTS, dup(self.clients.0.fd().as_fd())?),
+            (MAP_SERVERS, dup(self.servers.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (MAP_LISTENERS, dup(self.listeners.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (MAP_NETNS, dup(self.netns.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (MAP_FLOWS, dup(self.flows.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (MAP_PAIRS, dup(self.pairs.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (MAP_STATS, dup(self.stats.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (
+                MAP_CONNECT_LISTENERS,
+                dup(self.connect.listeners.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_CONNECT_TABLES,
+                dup(self.connect.tables.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_CONNECT_SOCKS,
+                dup(self.connect.socks.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_CONNECT_COUNTS,
+                dup(self.connect.counts.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+        ];
+        for (name, fd) in &self.rings {
+            out.push((name, dup(fd.as_fd())?));
+        }
+        Ok(out)
+    }
+
+    fn build(
+        mut take: impl FnMut(&'static str) -> Result<Map, DatapathError>,
+    ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
+        let ring =
+            RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
+        let events = EventRing(
+            RingBuf::try_from(take(MAP_CONNECT_EVENTS)?).map_err(map_err(MAP_CONNECT_EVENTS))?,
+        );
+        let dup = |name: &'static str, fd: BorrowedFd<'_>| {
+            fd.try_clone_to_owned()
+                .map(|fd| (name, fd))
+                .map_err(|source| DatapathError::Dup { map: name, source })
+        };
+        let rings = vec![
+            dup(MAP_REFRESH, ring.as_fd())?,
+            dup(MAP_CONNECT_EVENTS, events.as_fd())?,
+        ];
         let maps = Maps {
+            rings,
             clients: Clients(SockHash::try_from(take(MAP_CLIENTS)?).map_err(map_err(MAP_CLIENTS))?),
             servers: Servers(Mutex::new(
                 SockHash::try_from(take(MAP_SERVERS)?).map_err(map_err(MAP_SERVERS))?,
@@ -87,11 +164,6 @@ impl Maps {
                 ),
             },
         };
-        let ring =
-            RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
-        let events = EventRing(
-            RingBuf::try_from(take(MAP_CONNECT_EVENTS)?).map_err(map_err(MAP_CONNECT_EVENTS))?,
-        );
         Ok((maps, ring, events))
     }
 }

@@ -12,6 +12,7 @@
 
 mod btf;
 mod credit;
+mod handover;
 mod kernel_log;
 mod maps;
 mod passive;
@@ -28,7 +29,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::MapError,
-    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps},
+    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink},
 };
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
@@ -106,6 +107,25 @@ pub enum DatapathError {
     /// The connect-time programs were not attached because no balancer uses them.
     #[error("no balancer has forwarding = \"connect\"")]
     NotRequested,
+    /// A program's attachment is not a BPF link (kernels before 5.7 attach cgroup programs
+    /// without one), or a pinned link could not be opened.
+    #[error("link of program {program}")]
+    Link {
+        /// Program name.
+        program: &'static str,
+        /// Why.
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+    /// A map's descriptor could not be copied (for a hand-over).
+    #[error("cannot copy the descriptor of map {map}")]
+    Dup {
+        /// Map name.
+        map: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A map operation failed.
     #[error("map {map}")]
     Map {
@@ -119,8 +139,12 @@ pub enum DatapathError {
 
 /// The loaded kernel data path.
 pub struct Datapath {
-    /// The programs and the sockops link; dropping it detaches them.
-    _ebpf: Ebpf,
+    /// The programs as loaded (`None` when adopted from an lb that handed them over); dropping
+    /// it detaches sk_msg from the client sockhash.
+    _ebpf: Option<Ebpf>,
+    /// The cgroup links (sockops, and the connect-time programs when attached), by program
+    /// name; a link stays attached while any process holds it or it is pinned.
+    links: Mutex<Vec<(&'static str, handover::HeldLink)>>,
     cgroup: PathBuf,
     /// Every map; the sk_msg attachment lives as long as the client sockhash in it.
     maps: maps::Maps,
@@ -228,13 +252,21 @@ impl Datapath {
             .try_into()
             .map_err(prog_err(PROG_SOCKOPS))?;
         sockops.load().map_err(prog_err(PROG_SOCKOPS))?;
-        sockops
+        let link = sockops
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(prog_err(PROG_SOCKOPS))?;
+        let link = sockops.take_link(link).map_err(prog_err(PROG_SOCKOPS))?;
+        let mut links = vec![(
+            PROG_SOCKOPS,
+            FdLink::try_from(link).map_err(|source| DatapathError::Link {
+                program: PROG_SOCKOPS,
+                source,
+            })?,
+        )];
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
         let attached = if want_connect {
-            attach_connect(&mut ebpf, &cgroup_file)
+            attach_connect(&mut ebpf, &cgroup_file).map(|l| links.extend(l))
         } else {
             Err(DatapathError::NotRequested)
         };
@@ -269,7 +301,13 @@ impl Datapath {
             libc::malloc_trim(0);
         }
         Ok(Datapath {
-            _ebpf: ebpf,
+            _ebpf: Some(ebpf),
+            links: Mutex::new(
+                links
+                    .into_iter()
+                    .map(|(n, l)| (n, handover::HeldLink::Loaded(l)))
+                    .collect(),
+            ),
             cgroup,
             maps,
             refresh: Mutex::new(Some(ring)),
@@ -440,8 +478,12 @@ impl Datapath {
 /// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing
 /// (program type, attach type, helper, or the verifier refusing) leaves connect-time forwarding
 /// off; what is attached stays until lb exits and is harmless without a listener entry.
-fn attach_connect(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<(), DatapathError> {
+fn attach_connect(
+    ebpf: &mut Ebpf,
+    cgroup: &std::fs::File,
+) -> Result<Vec<(&'static str, FdLink)>, DatapathError> {
     probe::probe_connect()?;
+    let mut links = Vec::new();
     for name in [
         PROG_GETPEERNAME4,
         PROG_GETPEERNAME6,
@@ -458,9 +500,15 @@ fn attach_connect(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<(), Datapat
             .try_into()
             .map_err(err)?;
         prog.load().map_err(err)?;
-        prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
+        let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
+        let link = prog.take_link(link).map_err(err)?;
+        let link = FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            program: name,
+            source,
+        })?;
+        links.push((name, link));
     }
-    Ok(())
+    Ok(links)
 }
 
 /// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every

@@ -1,0 +1,171 @@
+//! The kernel data path across `lb upgrade`: the old process gives the new one a descriptor of
+//! every map and of every cgroup link, passed with `SCM_RIGHTS` like the sockets. The new one
+//! adopts them without loading or attaching anything, so every socket stays in the sockhashes,
+//! sk_msg stays attached to the client sockhash (the map holds it), the cgroup programs never
+//! detach, and nothing is pinned: the programs still end with the last process holding them.
+//! Paired connections move as [`credit::Pair`]s rebuilt from lb's copied count.
+//!
+//! The programs keep the globals they were loaded with, among them lb's pid (`LB_OWN_TGID`,
+//! whose `connect()`s the connect-time programs never rewrite): after an upgrade, a `connect()`
+//! lb itself makes to one of its connect-mode listeners is rewritten like a client's.
+//!
+//! Minimum kernel: 5.7 (cgroup programs attached with BPF links).
+
+use std::{
+    collections::HashMap,
+    os::fd::{AsFd, AsRawFd, FromRawFd as _, OwnedFd},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use aya::programs::links::FdLink;
+use lb_common::{PROG_NAMES, SockKey};
+use tracing::info;
+
+use super::{Datapath, DatapathError, credit, maps::Maps};
+
+/// A cgroup link this process holds: attached by it, or handed over by the lb before it.
+#[derive(Debug)]
+pub(super) enum HeldLink {
+    /// Attached by this process.
+    Loaded(FdLink),
+    /// Handed over (a descriptor of the link).
+    Adopted(OwnedFd),
+}
+
+impl HeldLink {
+    /// A new descriptor of this link.
+    fn dup(&self) -> std::io::Result<OwnedFd> {
+        match self {
+            HeldLink::Adopted(fd) => fd.try_clone(),
+            // aya gives an FdLink's descriptor to nobody: open the link again by its id.
+            HeldLink::Loaded(link) => {
+                let id = link.info().map_err(std::io::Error::other)?.id();
+                link_fd_by_id(id)
+            }
+        }
+    }
+}
+
+/// `BPF_LINK_GET_FD_BY_ID`: a new descriptor of link `id` (needs `CAP_SYS_ADMIN`).
+fn link_fd_by_id(id: u32) -> std::io::Result<OwnedFd> {
+    const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+    // `union bpf_attr` for the *_GET_FD_BY_ID commands: the id, next_id, open_flags; the
+    // kernel wants whatever it is not given to be zero.
+    let attr: [u32; 4] = [id, 0, 0, 0];
+    // SAFETY: the bpf syscall reads `size_of_val(&attr)` bytes from a live, initialised array
+    // and returns a new descriptor (or -1), which nothing else owns.
+    #[expect(unsafe_code, reason = "aya 0.14 does not expose BPF_LINK_GET_FD_BY_ID")]
+    unsafe {
+        let fd = libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_GET_FD_BY_ID,
+            attr.as_ptr(),
+            std::mem::size_of_val(&attr),
+        );
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(
+            i32::try_from(fd).map_err(std::io::Error::other)?,
+        ))
+    }
+}
+
+/// What the old process hands over of its data path: descriptors by name.
+#[derive(Debug)]
+pub struct Export {
+    /// Map name and a new descriptor of it.
+    pub maps: Vec<(&'static str, OwnedFd)>,
+    /// Program name and a new descriptor of its cgroup link.
+    pub links: Vec<(&'static str, OwnedFd)>,
+}
+
+impl Datapath {
+    /// New descriptors of every map and link. This process keeps its own, so a failed
+    /// hand-over changes nothing.
+    ///
+    /// # Errors
+    /// [`DatapathError::Dup`]: a descriptor could not be had (out of descriptors).
+    pub fn export(&self) -> Result<Export, DatapathError> {
+        let maps = self
+            .maps
+            .export()
+            .map_err(|source| DatapathError::Dup { map: "*", source })?;
+        let links = self
+            .links
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|(name, link)| {
+                link.dup()
+                    .map(|fd| (*name, fd))
+                    .map_err(|source| DatapathError::Dup { map: name, source })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Export { maps, links })
+    }
+
+    /// The data path of the lb that handed it over: its maps and links (by name) attached to
+    /// `cgroup`. Nothing is loaded or attached, nothing detaches.
+    ///
+    /// # Errors
+    /// A map missing or of the wrong type; a link of an unknown program.
+    pub fn adopt(
+        cfg: &crate::config::DatapathConfig,
+        maps: HashMap<String, OwnedFd>,
+        links: Vec<(String, OwnedFd)>,
+        cgroup: PathBuf,
+        connect_missing: Option<String>,
+    ) -> Result<Datapath, DatapathError> {
+        let (maps, ring, events) = Maps::from_fds(maps)?;
+        let mut held = Vec::new();
+        for (name, fd) in links {
+            let program = PROG_NAMES
+                .iter()
+                .copied()
+                .find(|p| *p == name)
+                .ok_or(DatapathError::Missing("program named in the hand-over"))?;
+            held.push((program, HeldLink::Adopted(fd)));
+        }
+        info!(cgroup = %cgroup.display(), links = held.len(), "kernel data path taken over (maps and links of the previous lb)");
+        Ok(Datapath {
+            _ebpf: None,
+            links: Mutex::new(held),
+            cgroup,
+            maps,
+            refresh: Mutex::new(Some(ring)),
+            events: Mutex::new(Some(events)),
+            ignored: Mutex::new(HashMap::new()),
+            kernel_log: Mutex::new(None),
+            pairs: Mutex::new(HashMap::new()),
+            max_buffered: cfg.max_buffered_bytes,
+            connect_missing,
+        })
+    }
+
+    /// Take over a paired connection whose server socket is already in the server sockhash
+    /// (left there by the lb that handed it over): lb has copied `copied` bytes of the client's
+    /// stream, and redirecting goes on under the counting rule with fresh credit.
+    pub fn adopt_pair(
+        &self,
+        key: SockKey,
+        server: &(impl AsRawFd + AsFd),
+        copied: u64,
+    ) -> Arc<credit::Pair> {
+        let limit = credit::size_server_socket(server, self.max_buffered);
+        let pair = Arc::new(credit::Pair::new(key, server.as_raw_fd(), limit));
+        self.pairs
+            .lock()
+            .expect("poisoned")
+            .insert(key, pair.clone());
+        self.set_copied(&pair, copied);
+        pair
+    }
+
+    /// Forget a paired connection in this process only (it is being handed over): the kernel
+    /// keeps its sockhash entry and the count lb last published.
+    pub fn release(&self, pair: &credit::Pair) {
+        self.pairs.lock().expect("poisoned").remove(&pair.key());
+    }
+}
