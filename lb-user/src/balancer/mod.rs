@@ -5,6 +5,7 @@
 //! `.await` or a kill: transitions return what to kill, and the kills run after the lock is
 //! released. The config is an `ArcSwap` snapshot, so readers never lock.
 
+mod handover;
 mod registry;
 mod select;
 mod set;

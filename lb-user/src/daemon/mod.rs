@@ -385,6 +385,7 @@ impl Daemon {
             metrics: metrics.clone(),
             pre_dial: Some(pre_dial),
             tasks: TaskTracker::new(),
+            freezer: proxy::Freezer::default(),
         });
         // A dial or a check that lands on one of these is a loop.
         crate::net::set_own_listeners(

@@ -30,8 +30,10 @@ pub type PreDial = Arc<
 >;
 
 mod dial;
+mod handover;
 
 pub use dial::dial;
+pub use handover::{Dir, Freezer, Frozen, adopt};
 
 thread_local! {
     /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
@@ -50,6 +52,8 @@ pub struct ProxyCtx {
     pub pre_dial: Option<PreDial>,
     /// Every connection task.
     pub tasks: TaskTracker,
+    /// Stops every connection at a point where it can be handed over (`lb upgrade`).
+    pub freezer: Freezer,
 }
 
 impl std::fmt::Debug for ProxyCtx {
@@ -120,15 +124,69 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         })
         .inc();
     let _ = client.set_nodelay(true);
+    connect(client, peer, balancer, ctx).await;
+}
+
+/// Dial a server for an accepted client, then serve the pair. A freeze (`lb upgrade`) during
+/// the dial hands the client over undialed: it has received nothing yet.
+async fn connect(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ctx: Arc<ProxyCtx>) {
+    let freeze = ctx.freezer.token();
     // Boxed so the dial's state is freed once connected instead of living in every connection's
     // task for its whole life.
-    let (spec, server) = match Box::pin(dial(&balancer, &ctx)).await {
+    let dialed = tokio::select! {
+        r = Box::pin(dial(&balancer, &ctx)) => r,
+        () = freeze.cancelled() => {
+            ctx.freezer.frozen(Frozen::undialed(balancer, peer, client));
+            return;
+        }
+    };
+    let (spec, server) = match dialed {
         Ok(v) => v,
         Err(e) => {
             warn!(balancer = %balancer.name, client = %peer, error = %e, "all servers failed; closing the client");
             return;
         }
     };
+    established(
+        Conn {
+            client,
+            peer,
+            balancer,
+            spec,
+            server,
+        },
+        ctx,
+        Resume::Fresh,
+    )
+    .await;
+}
+
+/// A client with its server socket.
+struct Conn {
+    client: TcpStream,
+    peer: SocketAddr,
+    balancer: Arc<Balancer>,
+    spec: ServerAddr,
+    server: TcpStream,
+}
+
+/// Where a connection's relay starts.
+enum Resume {
+    /// A new connection: pair it when the kernel can.
+    Fresh,
+    /// Handed over: each direction's state, and whether the kernel splices it.
+    Adopted { up: Dir, down: Dir, spliced: bool },
+}
+
+/// Serve a connected pair until it ends, is killed, or is frozen for a hand-over.
+async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
+    let Conn {
+        client,
+        peer,
+        balancer,
+        spec,
+        server,
+    } = conn;
     let guard = balancer.register(&spec);
     // Until the connection ends cleanly, closing the server socket resets it. Should lb die
     // (SIGKILL, a crash), the kernel's close then wakes a blocking client asleep in a redirected
@@ -137,18 +195,27 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
     // that the stream broke instead of seeing a FIN.
     abort(&server);
     let local = client.local_addr().ok();
-    let pair = match (&ctx.datapath, local) {
-        (Some(dp), Some(local)) => {
-            dp.client_key(peer, local)
-                .and_then(|key| match dp.pair(key, &server) {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        warn!(error = %e, "cannot pair; copying in userspace");
-                        None
-                    }
-                })
-        }
+    let key = match (&ctx.datapath, local) {
+        (Some(dp), Some(local)) => dp.client_key(peer, local),
         _ => None,
+    };
+    let (mut up, mut down, pair) = match (resume, &ctx.datapath, key) {
+        (Resume::Fresh, Some(dp), Some(key)) => {
+            let pair = match dp.pair(key, &server) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    warn!(error = %e, "cannot pair; copying in userspace");
+                    None
+                }
+            };
+            (Dir::default(), Dir::default(), pair)
+        }
+        (Resume::Adopted { up, down, spliced }, Some(dp), Some(key)) if spliced => {
+            let pair = dp.adopt_pair(key, &server, up.written);
+            (up, down, Some(pair))
+        }
+        (Resume::Adopted { up, down, .. }, _, _) => (up, down, None),
+        (Resume::Fresh, _, _) => (Dir::default(), Dir::default(), None),
     };
     if pair.is_some() {
         ctx.metrics
@@ -158,10 +225,36 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
             })
             .inc();
     }
+    let freeze = ctx.freezer.token();
     let outcome = tokio::select! {
         () = guard.cancel.cancelled() => Outcome::Killed,
-        r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name) => r,
+        () = freeze.cancelled() => Outcome::Frozen,
+        r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name, &mut up, &mut down) => r,
     };
+    if let Outcome::Frozen = outcome {
+        // Handed over as it stands: the kernel keeps the pair (sockhash entry, counts), the
+        // next process takes the sockets and the unwritten bytes.
+        if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
+            dp.release(p);
+            ctx.metrics
+                .spliced_connections
+                .get_or_create(&BalancerLabel {
+                    balancer: balancer.name.clone(),
+                })
+                .dec();
+        }
+        drop(guard);
+        let frozen = Frozen::established(
+            balancer,
+            peer,
+            client,
+            (spec, server),
+            (up, down),
+            pair.is_some(),
+        );
+        ctx.freezer.frozen(frozen);
+        return;
+    }
     if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
         dp.unpair(p);
         dp.forget(&p.key());
@@ -173,7 +266,7 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
             .dec();
     }
     match outcome {
-        Outcome::Closed => {
+        Outcome::Closed | Outcome::Frozen => {
             // Both directions ended: let the kernel deliver what is still queued, then FIN.
             let _ = socket2::SockRef::from(&server).set_linger(None);
         }
@@ -198,6 +291,8 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
 
 enum Outcome {
     Closed,
+    /// Stopped for a hand-over; the sockets go to the next process as they are.
+    Frozen,
     Reset(io::Error, Side),
     Killed,
 }
@@ -221,13 +316,15 @@ async fn relay(
     pair: Option<&Pair>,
     ctx: &ProxyCtx,
     balancer: &str,
+    up_dir: &mut Dir,
+    down_dir: &mut Dir,
 ) -> Outcome {
     // Counted as each chunk lands, so the metric is current while connections live.
     let up_bytes = ctx.metrics.copied_counter(balancer, "client_to_server");
     let down_bytes = ctx.metrics.copied_counter(balancer, "server_to_client");
     let up = async {
-        let mut last = 0;
-        pump(client, server, ctx, |copied| {
+        let mut last = up_dir.written;
+        pump(client, server, ctx, up_dir, |copied| {
             if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
                 dp.set_copied(p, copied);
             }
@@ -242,8 +339,8 @@ async fn relay(
         Ok::<(), (io::Error, Side)>(())
     };
     let down = async {
-        let mut last = 0;
-        pump(server, client, ctx, |copied| {
+        let mut last = down_dir.written;
+        pump(server, client, ctx, down_dir, |copied| {
             down_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -286,56 +383,58 @@ fn read_draining(src: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`. An error says
-/// whether it came from `src` (`true`) or `dst`.
+/// whether it came from `src` (`true`) or `dst`. `dir` holds what a hand-over needs at any
+/// await point: the bytes written so far and the chunk in flight with its unwritten part.
 async fn pump(
     src: &TcpStream,
     dst: &TcpStream,
     ctx: &ProxyCtx,
+    dir: &mut Dir,
     mut on_copied: impl FnMut(u64),
 ) -> Result<u64, (io::Error, bool)> {
     // Reads land in a per-thread scratch buffer and are written on at once; only bytes the
-    // destination cannot take right now are kept, in `pending`, which is released as soon as it
-    // is flushed. Idle and request/response connections therefore hold no buffer at all.
-    let mut pending: Vec<u8> = Vec::new();
-    let mut total = 0u64;
+    // destination cannot take right now are kept, in `dir.pending`, which is released as soon
+    // as it is flushed. Idle and request/response connections therefore hold no buffer at all.
     loop {
-        src.readable().await.map_err(|e| (e, true))?;
-        let read = SCRATCH.with(|scratch| {
-            let mut scratch = scratch.borrow_mut();
-            if scratch.len() < ctx.copy_buffer_bytes {
-                scratch.resize(ctx.copy_buffer_bytes, 0);
-            }
-            let buf = &mut scratch[..ctx.copy_buffer_bytes];
-            let n = read_draining(src, buf).map_err(|e| (e, true))?;
-            let mut off = 0;
-            while off < n {
-                match dst.try_write(&buf[off..n]) {
-                    Ok(w) => off += w,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err((e, false)),
+        if dir.chunk == 0 {
+            src.readable().await.map_err(|e| (e, true))?;
+            let read = SCRATCH.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                if scratch.len() < ctx.copy_buffer_bytes {
+                    scratch.resize(ctx.copy_buffer_bytes, 0);
                 }
+                let buf = &mut scratch[..ctx.copy_buffer_bytes];
+                let n = read_draining(src, buf).map_err(|e| (e, true))?;
+                let mut off = 0;
+                while off < n {
+                    match dst.try_write(&buf[off..n]) {
+                        Ok(w) => off += w,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) => return Err((e, false)),
+                    }
+                }
+                dir.pending.extend_from_slice(&buf[off..n]);
+                Ok(n)
+            });
+            match read {
+                Ok(0) => return Ok(dir.written),
+                Ok(n) => dir.chunk = n as u64,
+                // Sockets in a sockhash may report readable spuriously: wait again.
+                Err((e, true)) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(err) => return Err(err),
             }
-            pending.extend_from_slice(&buf[off..n]);
-            Ok(n)
-        });
-        let n = match read {
-            Ok(0) => return Ok(total),
-            Ok(n) => n,
-            // Sockets in a sockhash may report readable spuriously: wait again.
-            Err((e, true)) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(err) => return Err(err),
-        };
-        let mut off = 0;
-        while off < pending.len() {
+        }
+        while dir.off < dir.pending.len() {
             dst.writable().await.map_err(|e| (e, false))?;
-            match dst.try_write(&pending[off..]) {
-                Ok(w) => off += w,
+            match dst.try_write(&dir.pending[dir.off..]) {
+                Ok(w) => dir.off += w,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err((e, false)),
             }
         }
-        pending = Vec::new();
-        total += n as u64;
-        on_copied(total);
+        dir.pending = Vec::new();
+        dir.off = 0;
+        dir.written += std::mem::take(&mut dir.chunk);
+        on_copied(dir.written);
     }
 }

@@ -1,0 +1,110 @@
+//! A balancer's server states across `lb upgrade`: what the old process knew of each server
+//! (state, rise/fall counts, last check and error, holds, how long it has been PREFERRED or
+//! draining) is written into the new process's servers of the same address, so no server
+//! starts over as UNCHECKED and no count toward `rise` or `fall` is lost.
+
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use tracing::info;
+
+use super::{Balancer, Hold, ServerState};
+use crate::handover::ServerSnapshot;
+
+fn state_of(v: u8) -> Option<ServerState> {
+    Some(match v {
+        0 => ServerState::Invalid,
+        1 => ServerState::Failed,
+        2 => ServerState::Standby,
+        3 => ServerState::Unchecked,
+        4 => ServerState::Recovering,
+        5 => ServerState::Healthy,
+        6 => ServerState::Preferred,
+        7 => ServerState::Active,
+        _ => return None,
+    })
+}
+
+fn hold_of(v: u8) -> Hold {
+    match v {
+        1 => Hold::Drain,
+        2 => Hold::Disabled,
+        _ => Hold::None,
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Balancer {
+    /// Every server as this process knows it now.
+    pub fn snapshot_servers(&self) -> Vec<ServerSnapshot> {
+        let now = Instant::now();
+        self.lock()
+            .servers
+            .iter()
+            .map(|s| ServerSnapshot {
+                address: s.addr.to_string(),
+                state: s.state as u8,
+                hold: match s.hold {
+                    Hold::None => 0,
+                    Hold::Drain => 1,
+                    Hold::Disabled => 2,
+                },
+                consecutive_failures: s.consecutive_failures,
+                consecutive_successes: s.consecutive_successes,
+                passive_resets: s.passive_resets,
+                last_check: s
+                    .last_check
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map(|d| d.as_secs_f64()),
+                last_check_age_ms: s.last_check_at.map(|t| millis(now - t)),
+                last_error: s.last_error.clone(),
+                preferred_for_ms: s.preferred_since.map(|t| millis(now - t)),
+                has_failed: s.has_failed,
+                drain_left_ms: s
+                    .drain_deadline
+                    .map(|t| millis(t.saturating_duration_since(now))),
+            })
+            .collect()
+    }
+
+    /// Take the old process's view of the servers this balancer also has (same address);
+    /// servers it did not know keep their fresh state. Returns how many were restored.
+    pub fn restore_servers(&self, snapshot: &[ServerSnapshot]) -> usize {
+        let now = Instant::now();
+        let ago = |ms: u64| now.checked_sub(Duration::from_millis(ms)).unwrap_or(now);
+        let mut restored = 0;
+        {
+            let mut inner = self.lock();
+            for s in &mut inner.servers {
+                let addr = s.addr.to_string();
+                let Some(old) = snapshot.iter().find(|o| o.address == addr) else {
+                    continue;
+                };
+                let Some(state) = state_of(old.state) else {
+                    continue;
+                };
+                s.state = state;
+                s.hold = hold_of(old.hold);
+                s.consecutive_failures = old.consecutive_failures;
+                s.consecutive_successes = old.consecutive_successes;
+                s.passive_resets = old.passive_resets;
+                s.last_check = old
+                    .last_check
+                    .map(|secs| UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0)));
+                s.last_check_at = old.last_check_age_ms.map(ago);
+                s.last_error.clone_from(&old.last_error);
+                s.preferred_since = old.preferred_for_ms.map(ago);
+                s.has_failed = old.has_failed;
+                s.drain_deadline = old
+                    .drain_left_ms
+                    .map(|ms| now + Duration::from_millis(ms));
+                restored += 1;
+            }
+        }
+        info!(balancer = %self.name, restored, "server states taken over");
+        self.bump();
+        restored
+    }
+}
