@@ -192,8 +192,18 @@ fn router(state: Arc<AdminState>) -> Router {
         .layer(middleware::from_fn(|req: Request, next: Next| {
             bounded(REQUEST_TIMEOUT, req, next)
         }));
+    let upgrade = Router::new()
+        .route("/upgrade", post(upgrade_handler))
+        .layer(middleware::from_fn(|req: Request, next: Next| {
+            bounded(
+                crate::daemon::upgrade::STEP_TIMEOUT * 3 + Duration::from_secs(10),
+                req,
+                next,
+            )
+        }));
     let protected = check
         .merge(api)
+        .merge(upgrade)
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     probes
         .merge(protected)
@@ -314,6 +324,16 @@ async fn authorize(State(s): State<Arc<AdminState>>, req: Request, next: Next) -
     resp.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp
+}
+
+/// `POST /upgrade`: hand everything to a new lb from lb's binary; 200 with
+/// [`crate::daemon::upgrade::Upgraded`] (this process exits right after), 500 with the reason
+/// when the new process did not take over (this one serves on).
+async fn upgrade_handler(State(s): State<Arc<AdminState>>) -> Response {
+    match s.daemon.upgrade().await {
+        Ok(u) => Json(u).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+    }
 }
 
 async fn status_handler(State(s): State<Arc<AdminState>>) -> Json<StatusBody> {
@@ -459,9 +479,20 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
     } else if !cfg.listen.ip().is_loopback() {
         warn!(listen = %cfg.listen, "admin API on a non-loopback address without a token_file: anyone who reaches it can change servers");
     }
-    let tcp = std::net::TcpListener::bind(cfg.listen).map_err(|source| AdminError::Bind {
-        addr: cfg.listen,
-        source,
+    // After `lb upgrade` the admin sockets are the old process's, served as they are.
+    let tcp_key = crate::handover::ListenerKey::AdminTcp(cfg.listen);
+    let tcp = match crate::handover::take_inherited(&tcp_key) {
+        Some(fd) => std::net::TcpListener::from(fd),
+        None => std::net::TcpListener::bind(cfg.listen).map_err(|source| AdminError::Bind {
+            addr: cfg.listen,
+            source,
+        })?,
+    };
+    crate::handover::remember(tcp_key, std::os::fd::AsFd::as_fd(&tcp)).map_err(|source| {
+        AdminError::Bind {
+            addr: cfg.listen,
+            source,
+        }
     })?;
     tcp.set_nonblocking(true)
         .map_err(|source| AdminError::Bind {
@@ -471,7 +502,23 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
     let unix = cfg
         .unix_socket
         .as_deref()
-        .map(|p| bind_unix(p).map(|l| (l, p.to_path_buf())))
+        .map(|p| -> Result<_, AdminError> {
+            let key = crate::handover::ListenerKey::AdminUnix(p.to_path_buf());
+            let err = |source| AdminError::UnixSocket {
+                path: p.to_path_buf(),
+                source,
+            };
+            let l = match crate::handover::take_inherited(&key) {
+                Some(fd) => {
+                    let l = std::os::unix::net::UnixListener::from(fd);
+                    l.set_nonblocking(true).map_err(err)?;
+                    l
+                }
+                None => bind_unix(p)?,
+            };
+            crate::handover::remember(key, std::os::fd::AsFd::as_fd(&l)).map_err(err)?;
+            Ok((l, p.to_path_buf()))
+        })
         .transpose()?;
     info!(listen = %cfg.listen, unix_socket = ?cfg.unix_socket, token = cfg.token_file.is_some(), "admin API listening");
 

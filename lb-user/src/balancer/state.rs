@@ -108,6 +108,16 @@ pub enum KillReason {
 }
 
 impl KillReason {
+    /// Every reason.
+    pub const ALL: [KillReason; 6] = [
+        KillReason::Unhealthy,
+        KillReason::Failback,
+        KillReason::Removed,
+        KillReason::Admin,
+        KillReason::DrainTimeout,
+        KillReason::Shutdown,
+    ];
+
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {

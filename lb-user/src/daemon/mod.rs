@@ -3,6 +3,7 @@
 //! The admin API sees it only through a [`Handle`].
 
 pub mod reload;
+pub mod upgrade;
 
 use std::{
     net::SocketAddr,
@@ -57,6 +58,20 @@ pub struct Daemon {
     tasks: TaskTracker,
     listeners: Mutex<Vec<(SocketAddr, CancellationToken)>>,
     runtime: tokio::runtime::Handle,
+    /// Fired once this process handed everything to a new lb (`lb upgrade`): it must exit.
+    handed_over: CancellationToken,
+}
+
+/// What a new process takes over from the lb it replaces (see [`upgrade`]).
+#[derive(Debug)]
+pub struct Takeover {
+    /// The kernel data path adopted from it, when it ran one.
+    pub datapath: Option<Datapath>,
+    /// Its listening sockets by address; these are served, never bound again.
+    pub listeners: std::collections::HashMap<SocketAddr, std::os::fd::OwnedFd>,
+    /// Fired when the old process let go: only then does this one accept, check, and write
+    /// the kernel's tables.
+    pub go: CancellationToken,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -362,7 +377,35 @@ impl Daemon {
         config_path: Option<PathBuf>,
         overrides: Overrides,
     ) -> anyhow::Result<Arc<Daemon>> {
-        let (datapath, datapath_mode, datapath_fallback) = attach_datapath(&cfg)?;
+        Daemon::start_with(cfg, config_path, overrides, None).await
+    }
+
+    /// [`Daemon::start`], or with `takeover` the daemon that replaces a running lb: its data
+    /// path and listeners are used as they are, and nothing is served or checked before
+    /// `takeover.go` fires.
+    ///
+    /// # Errors
+    /// As [`Daemon::start`].
+    pub async fn start_with(
+        cfg: Config,
+        config_path: Option<PathBuf>,
+        overrides: Overrides,
+        takeover: Option<Takeover>,
+    ) -> anyhow::Result<Arc<Daemon>> {
+        let (go, mut inherited, adopted) = match takeover {
+            Some(t) => (t.go, t.listeners, Some(t.datapath)),
+            None => {
+                let go = CancellationToken::new();
+                go.cancel();
+                (go, std::collections::HashMap::new(), None)
+            }
+        };
+        let taking_over = adopted.is_some();
+        let (datapath, datapath_mode, datapath_fallback) = match adopted {
+            Some(Some(dp)) => (Some(Arc::new(dp)), DatapathMode::Bpf, None),
+            Some(None) => (None, DatapathMode::Userspace, None),
+            None => attach_datapath(&cfg)?,
+        };
         let metrics = Arc::new(Metrics::new());
         metrics
             .datapath_info
@@ -457,14 +500,24 @@ impl Daemon {
             tasks: tasks.clone(),
             listeners: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
+            handed_over: CancellationToken::new(),
         });
 
         // Listeners first: a bind failure is fatal and nothing else has started.
         let mut bound = Vec::new();
         for b in &balancers {
             for addr in &b.config().listen {
-                let l = proxy::bind(*addr)
-                    .with_context(|| format!("balancer {}: cannot listen on {addr}", b.name))?;
+                let l = match inherited.remove(addr) {
+                    Some(fd) => tokio::net::TcpListener::from_std(fd.into())
+                        .with_context(|| format!("balancer {}: handed-over listener {addr}", b.name))?,
+                    None => proxy::bind(*addr)
+                        .with_context(|| format!("balancer {}: cannot listen on {addr}", b.name))?,
+                };
+                crate::handover::remember(
+                    crate::handover::ListenerKey::Proxy(*addr),
+                    std::os::fd::AsFd::as_fd(&l),
+                )
+                .with_context(|| format!("keeping a copy of listener {addr}"))?;
                 bound.push((b.clone(), *addr, l));
             }
         }
@@ -483,36 +536,67 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push((addr, stop.clone()));
-            tokio::spawn(proxy::serve(l, b.clone(), proxy_ctx.clone(), stop));
+            let (b2, ctx2, go2) = (b.clone(), proxy_ctx.clone(), go.clone());
+            tokio::spawn(async move {
+                go2.cancelled().await;
+                proxy::serve(l, b2, ctx2, stop).await;
+            });
             info!(balancer = %b.name, listen = %addr, "listening");
         }
         if let Some(dp) = &daemon.datapath {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
-                    tasks.spawn(sync_connect_table(
+                    let sync = sync_connect_table(
                         b.clone(),
                         dp.clone(),
                         daemon.metrics.clone(),
                         rx,
                         daemon.shutdown.clone(),
-                    ));
+                    );
+                    let go = go.clone();
+                    tasks.spawn(async move {
+                        go.cancelled().await;
+                        sync.await;
+                    });
                 }
             }
-            dp.start_refresher(daemon.shutdown.clone())?;
-            if !connect_ids.is_empty() {
-                dp.start_passive(daemon.shutdown.clone(), passive_sink(&daemon))?;
+            if taking_over {
+                // The old process reads the rings until it lets go.
+                let (dp, daemon2, go, want_passive) =
+                    (dp.clone(), daemon.clone(), go.clone(), !connect_ids.is_empty());
+                tasks.spawn(async move {
+                    go.cancelled().await;
+                    let mut started = dp.start_refresher(daemon2.shutdown.clone());
+                    if want_passive && started.is_ok() {
+                        started = dp.start_passive(daemon2.shutdown.clone(), passive_sink(&daemon2));
+                    }
+                    if let Err(e) = started {
+                        error!(error = %e, "cannot start the kernel data path's readers");
+                    }
+                });
+            } else {
+                dp.start_refresher(daemon.shutdown.clone())?;
+                if !connect_ids.is_empty() {
+                    dp.start_passive(daemon.shutdown.clone(), passive_sink(&daemon))?;
+                }
+                dp.start_kernel_log(daemon.shutdown.clone());
             }
-            dp.start_kernel_log(daemon.shutdown.clone());
         }
 
         // First round of checks, then the loops. Balancers with `health.loop = false` get no
         // round: their checks run only before dials and on `/check`.
         {
             let daemon = daemon.clone();
+            let go = go.clone();
             tasks.spawn(async move {
+                go.cancelled().await;
                 let bs = daemon.balancers.load_full();
-                let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
-                futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
+                // A new process took the old one's results: the loops go on from them.
+                if !taking_over {
+                    let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
+                    futures::future::join_all(looping.map(|b| daemon.health.check_all(b)))
+                        .await;
+                }
                 daemon.first_checks_done.store(true, Ordering::Relaxed);
                 for b in bs.iter() {
                     daemon.health.start(b.clone(), daemon.shutdown.clone());
@@ -565,12 +649,23 @@ impl Daemon {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let mut hup = signal(SignalKind::hangup())?;
+        let mut usr2 = signal(SignalKind::user_defined2())?;
         loop {
             tokio::select! {
                 _ = term.recv() => break,
                 _ = int.recv() => break,
                 _ = hup.recv() => {
                     reload::reload(self, self.config_path.as_deref(), &self.overrides);
+                }
+                _ = usr2.recv() => {
+                    let d = self.clone();
+                    // The result is logged; the loop below sees a hand-over.
+                    tokio::spawn(async move { upgrade::upgrade(&d).await });
+                }
+                () = self.handed_over.cancelled() => {
+                    // Let the admin API answer `lb upgrade` before the process ends.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    return Ok(());
                 }
             }
         }
@@ -690,6 +785,20 @@ impl Handle {
     /// Fired when the daemon stops.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.0.shutdown.clone()
+    }
+
+    /// Hand everything to a new lb started from lb's binary (`lb upgrade`); this process
+    /// exits after answering. Runs on the daemon's runtime.
+    ///
+    /// # Errors
+    /// Why the new process did not take over; this one serves on unchanged.
+    pub async fn upgrade(&self) -> Result<upgrade::Upgraded, String> {
+        let d = self.0.clone();
+        self.0
+            .runtime
+            .spawn(async move { upgrade::upgrade(&d).await })
+            .await
+            .map_err(|e| format!("upgrade task failed: {e}"))?
     }
 
     /// The metrics in Prometheus text format.

@@ -1,0 +1,590 @@
+//! `lb upgrade` and `SIGUSR2`, the old process's side: start the binary now at lb's path with
+//! lb's own command line, hand it everything over a unix socket (`SCM_RIGHTS`), and exit once it
+//! says it has it all. The new process's side is `cli::takeover`; the messages are
+//! [`crate::handover`].
+//!
+//! The order, so that no connect is refused and nothing is served twice or lost:
+//!
+//! 1. Hello: the listening sockets (proxy and admin) and the kernel data path (map and link
+//!    descriptors). This process goes on serving; the new one builds its balancers and
+//!    answers Ready, or Refused with the reason (another hand-over version, a config it cannot
+//!    load, a listener or data path change that needs a restart).
+//! 2. This process stops accepting (new connects wait in the shared listen backlog) and freezes
+//!    every connection task between two awaits of its copy loop; a client still being dialed
+//!    goes over undialed.
+//! 3. Conns (sockets, unwritten bytes, counts) in batches, then State (servers' states and
+//!    counters, taken after the freeze so nothing moves afterwards).
+//! 4. The new process answers Done, starts accepting and serving, and this one exits 0 without
+//!    closing anything (the sockets, maps and links live on in the new process).
+//!
+//! Any failure before Done (the binary does not start or exits, no answer within
+//! [`STEP_TIMEOUT`], Refused, a broken socket) kills the new process if it still runs, and this
+//! one serves on unchanged: frozen connections are adopted back, listeners served again.
+
+use std::{
+    collections::HashMap,
+    os::{
+        fd::{AsFd, BorrowedFd, OwnedFd},
+        linux::net::SocketAddrExt as _,
+        unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream},
+    },
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant},
+};
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use super::Daemon;
+use crate::{
+    addr::ServerAddr,
+    handover::{
+        self, BalancerSnapshot, ConnSnapshot, DatapathOffer, DirSnapshot, Hello, ListenerKey,
+        Message, VERSION,
+    },
+    metrics::{BalancerLabel, DirectionLabels, KillLabels},
+    proxy::{self, Dir, Frozen},
+};
+
+/// Bound on each step of the hand-over: the new process connecting, answering Hello, and
+/// answering the connections.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connections per Conns frame (two descriptors each).
+const CONNS_PER_FRAME: usize = handover::MAX_FDS_PER_FRAME / 2;
+
+/// The binary and command line this process started with (recorded at start: after a package
+/// upgrade `/proc/self/exe` names a deleted file).
+static COMMAND: OnceLock<(PathBuf, Vec<std::ffi::OsString>)> = OnceLock::new();
+
+/// Record the binary and arguments an upgrade restarts. Call once, at start.
+pub fn record_command() {
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    let args = std::env::args_os().skip(1).collect();
+    let _ = COMMAND.set((exe, args));
+}
+
+/// A finished hand-over.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Upgraded {
+    /// This process.
+    pub old_pid: u32,
+    /// The process serving now.
+    pub new_pid: u32,
+    /// Its binary.
+    pub binary: PathBuf,
+    /// Connections handed over.
+    pub connections: usize,
+    /// Time from the start of the hand-over to the new process's Done (milliseconds).
+    pub elapsed_ms: u64,
+    /// Time nothing accepted new connections (milliseconds; they waited in the backlog).
+    pub accept_pause_ms: u64,
+}
+
+/// One hand-over at a time.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Hand everything to a new lb started from the recorded binary; on success this process must
+/// exit (see [`Daemon::handed_over`]).
+///
+/// # Errors
+/// Why the new process did not take over; this process serves on unchanged.
+pub async fn upgrade(d: &Arc<Daemon>) -> Result<Upgraded, String> {
+    let _turn = TURN.lock().await;
+    if d.handed_over.is_cancelled() {
+        return Err("this lb has already handed over".into());
+    }
+    if d.shutdown.is_cancelled() || d.proxy.tasks.is_closed() {
+        return Err("this lb is shutting down".into());
+    }
+    let d2 = d.clone();
+    let rt = tokio::runtime::Handle::current();
+    let r = tokio::task::spawn_blocking(move || run(&d2, &rt))
+        .await
+        .map_err(|e| format!("hand-over task failed: {e}"))?;
+    match &r {
+        Ok(u) => {
+            info!(new_pid = u.new_pid, connections = u.connections, elapsed_ms = u.elapsed_ms, accept_pause_ms = u.accept_pause_ms, "handed over to the new lb; exiting");
+            d.handed_over.cancel();
+        }
+        Err(e) => error!(reason = %e, "upgrade failed; this lb keeps serving"),
+    }
+    r
+}
+
+/// The new process while it may still fail: killed and reaped on drop unless released.
+struct NewProcess(Option<Child>);
+
+impl NewProcess {
+    fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
+    /// `Some(status)` once it exited.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.0.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    fn release(mut self) {
+        // It outlives us: whoever adopts it (init, a subreaper, systemd) reaps it.
+        drop(self.0.take());
+    }
+}
+
+impl Drop for NewProcess {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String> {
+    let start = Instant::now();
+    let (exe, args) = COMMAND
+        .get()
+        .cloned()
+        .ok_or("the command line was not recorded at start")?;
+    let name = format!(
+        "lb-upgrade-{}-{}",
+        std::process::id(),
+        crate::daemon::now_ms()
+    );
+    let addr = UnixAddr::from_abstract_name(name.as_bytes()).map_err(|e| e.to_string())?;
+    let listener = UnixListener::bind_addr(&addr)
+        .map_err(|e| format!("cannot open the hand-over socket: {e}"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("hand-over socket: {e}"))?;
+    info!(binary = %exe.display(), "upgrade: starting the new lb");
+    let child = Command::new(&exe)
+        .args(&args)
+        .env(handover::ENV_SOCKET, &name)
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let mut child = NewProcess(Some(child));
+    let sock = accept_child(&listener, &mut child)?;
+    sock.set_read_timeout(Some(STEP_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let fail = |what: &str, e: handover::HandoverError, child: &mut NewProcess| {
+        match child.exited() {
+            Some(st) => format!("the new lb exited ({st}) {what}: {e}"),
+            None => format!("the new lb failed {what}: {e}"),
+        }
+    };
+
+    // 1. Hello.
+    let (hello, fds) = hello(d)?;
+    let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+    handover::send(&sock, &Message::Hello(hello), &borrowed, &[])
+        .map_err(|e| fail("while taking the listeners", e, &mut child))?;
+    drop(borrowed);
+    drop(fds);
+    let new_version = match handover::recv(&sock) {
+        Ok(f) => match f.message {
+            Message::Ready { lb_version } => lb_version,
+            Message::Refused { reason } => return Err(format!("the new lb refused: {reason}")),
+            other => return Err(other.unexpected().to_string()),
+        },
+        Err(e) => return Err(fail("before it was ready", e, &mut child)),
+    };
+    info!(new_pid = child.id(), new_version = %new_version, "upgrade: the new lb is ready; handing over the connections");
+
+    // 2. Stop accepting, freeze.
+    let paused = Instant::now();
+    let stopped = stop_accepting(d);
+    let frozen = rt.block_on(freeze(d));
+    let frozen = match frozen {
+        Ok(f) => f,
+        Err((why, f)) => {
+            resume(d, rt, f, &stopped);
+            return Err(why);
+        }
+    };
+    let state = Message::State {
+        balancers: snapshot(d),
+        first_checks_done: d
+            .first_checks_done
+            .load(std::sync::atomic::Ordering::Relaxed),
+    };
+
+    // 3. Connections, then state; 4. Done.
+    let sent = send_conns(&sock, &frozen).and_then(|()| handover::send(&sock, &state, &[], &[]));
+    let done = sent.and_then(|()| handover::recv(&sock));
+    match done {
+        Ok(handover::Frame {
+            message: Message::Done { conns },
+            ..
+        }) => {
+            let new_pid = child.id();
+            child.release();
+            // The new process holds the sockets now: closing our descriptors ends nothing.
+            drop(frozen);
+            Ok(Upgraded {
+                old_pid: std::process::id(),
+                new_pid,
+                binary: exe,
+                connections: conns,
+                elapsed_ms: millis(start.elapsed()),
+                accept_pause_ms: millis(paused.elapsed()),
+            })
+        }
+        other => {
+            let why = match other {
+                Ok(f) => f.message.unexpected().to_string(),
+                Err(e) => fail("while taking the connections", e, &mut child),
+            };
+            // Kill it before serving again: it must not touch the sockets we resume.
+            drop(child);
+            resume(d, rt, frozen, &stopped);
+            Err(why)
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Wait for the new process to connect (or exit) within [`STEP_TIMEOUT`]; it must be the
+/// process we started.
+fn accept_child(listener: &UnixListener, child: &mut NewProcess) -> Result<UnixStream, String> {
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+                    .map_err(|e| format!("hand-over socket: {e}"))?;
+                if u32::try_from(cred.pid()).ok() != Some(child.id()) {
+                    warn!(pid = cred.pid(), "upgrade: a stranger connected to the hand-over socket; ignored");
+                    continue;
+                }
+                s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(format!("hand-over socket: {e}")),
+        }
+        if let Some(st) = child.exited() {
+            return Err(format!("the new lb exited ({st}) before taking over"));
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the new lb did not connect within {} s",
+                STEP_TIMEOUT.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The Hello message and its descriptors.
+fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    let mut push = |fd: OwnedFd| {
+        fds.push(fd);
+        fds.len() - 1
+    };
+    let mut listeners = Vec::new();
+    let (mut admin_tcp, mut admin_unix) = (None, None);
+    let own = handover::own_listeners().map_err(|e| format!("cannot copy a listener: {e}"))?;
+    for (key, fd) in own {
+        match key {
+            ListenerKey::Proxy(a) => listeners.push((a, push(fd))),
+            ListenerKey::AdminTcp(a) => admin_tcp = Some((a, push(fd))),
+            ListenerKey::AdminUnix(p) => admin_unix = Some((p, push(fd))),
+        }
+    }
+    let datapath = match &d.datapath {
+        None => None,
+        Some(dp) => {
+            let ex = dp
+                .export()
+                .map_err(|e| format!("cannot hand over the kernel data path: {}", crate::errors::chain(&e)))?;
+            let maps = ex
+                .maps
+                .into_iter()
+                .map(|(n, fd)| (n.to_string(), push(fd)))
+                .collect();
+            let links = ex
+                .links
+                .into_iter()
+                .map(|(n, fd)| (n.to_string(), push(fd)))
+                .collect();
+            Some(DatapathOffer {
+                maps,
+                links,
+                cgroup: dp.cgroup().to_path_buf(),
+                connect_missing: dp.connect_unavailable().map(str::to_string),
+            })
+        }
+    };
+    let hello = Hello {
+        version: VERSION,
+        pid: std::process::id(),
+        lb_version: env!("CARGO_PKG_VERSION").into(),
+        listeners,
+        admin_tcp,
+        admin_unix,
+        datapath,
+    };
+    Ok((hello, fds))
+}
+
+/// Stop every accept loop (the listening sockets stay open: the new process has them, and
+/// this one keeps copies to serve again if the hand-over fails). Returns their addresses.
+fn stop_accepting(d: &Daemon) -> Vec<std::net::SocketAddr> {
+    let mut l = d.listeners.lock().unwrap_or_else(|p| p.into_inner());
+    l.drain(..)
+        .map(|(addr, stop)| {
+            stop.cancel();
+            addr
+        })
+        .collect()
+}
+
+type Failed = (String, Vec<Frozen>);
+
+/// Freeze every connection task and collect them.
+async fn freeze(d: &Daemon) -> Result<Vec<Frozen>, Failed> {
+    let mut rx = d.proxy.freezer.freeze();
+    d.proxy.tasks.close();
+    let ended = tokio::time::timeout(Duration::from_secs(10), d.proxy.tasks.wait()).await;
+    d.proxy.tasks.reopen();
+    let mut out = Vec::new();
+    while let Ok(f) = rx.try_recv() {
+        out.push(f);
+    }
+    if ended.is_err() {
+        return Err((
+            "connection tasks did not stop within 10 s".into(),
+            out,
+        ));
+    }
+    Ok(out)
+}
+
+/// After a failed hand-over: serve the frozen connections and accept again.
+fn resume(d: &Arc<Daemon>, rt: &tokio::runtime::Handle, frozen: Vec<Frozen>, stopped: &[std::net::SocketAddr]) {
+    let _g = rt.enter();
+    d.proxy.freezer.thaw();
+    let n = frozen.len();
+    let go = CancellationToken::new();
+    go.cancel();
+    for f in frozen {
+        proxy::adopt(&d.proxy, f, go.clone());
+    }
+    let own = handover::own_listeners().unwrap_or_default();
+    for addr in stopped {
+        let Some(fd) = own.iter().find_map(|(k, fd)| {
+            (k == &ListenerKey::Proxy(*addr)).then(|| fd.try_clone().ok()).flatten()
+        }) else {
+            error!(listen = %addr, "upgrade failed and this listener cannot be served again");
+            continue;
+        };
+        let Some(b) = d
+            .balancers
+            .load()
+            .iter()
+            .find(|b| b.config().listen.contains(addr))
+            .cloned()
+        else {
+            continue;
+        };
+        match tokio::net::TcpListener::from_std(std::net::TcpListener::from(fd)) {
+            Ok(l) => {
+                let stop = CancellationToken::new();
+                d.listeners
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((*addr, stop.clone()));
+                rt.spawn(proxy::serve(l, b, d.proxy.clone(), stop));
+            }
+            Err(e) => error!(listen = %addr, error = %e, "cannot serve a listener again"),
+        }
+    }
+    warn!(connections = n, "upgrade failed: serving the connections and listeners again");
+}
+
+fn dir_snapshot(dir: &Dir) -> DirSnapshot {
+    DirSnapshot {
+        written: dir.written(),
+        chunk: dir.chunk(),
+        unwritten: dir.unwritten().len() as u64,
+    }
+}
+
+/// Send the frozen connections in batches.
+fn send_conns(sock: &UnixStream, frozen: &[Frozen]) -> Result<(), handover::HandoverError> {
+    for batch in frozen.chunks(CONNS_PER_FRAME) {
+        let mut fds: Vec<BorrowedFd<'_>> = Vec::new();
+        let mut raw = Vec::new();
+        let mut conns = Vec::new();
+        for f in batch {
+            fds.push(f.client.as_fd());
+            let client_fd = fds.len() - 1;
+            let server = f.server.as_ref().map(|(spec, fd)| {
+                fds.push(fd.as_fd());
+                (spec.to_string(), fds.len() - 1)
+            });
+            raw.extend_from_slice(f.up.unwritten());
+            raw.extend_from_slice(f.down.unwritten());
+            conns.push(ConnSnapshot {
+                balancer: f.balancer.name.clone(),
+                peer: f.peer,
+                client_fd,
+                server,
+                up: dir_snapshot(&f.up),
+                down: dir_snapshot(&f.down),
+                spliced: f.spliced,
+            });
+        }
+        handover::send(sock, &Message::Conns { conns }, &fds, &raw)?;
+    }
+    Ok(())
+}
+
+/// Every balancer's servers and counters.
+fn snapshot(d: &Daemon) -> Vec<BalancerSnapshot> {
+    let m = &d.metrics;
+    d.balancers
+        .load()
+        .iter()
+        .map(|b| {
+            let name = b.name.clone();
+            let copied = |direction: &str| {
+                m.copied_bytes
+                    .get(&DirectionLabels {
+                        balancer: name.clone(),
+                        direction: direction.into(),
+                    })
+                    .map_or(0, |c| c.get())
+            };
+            let mut killed = Vec::new();
+            for server in b.server_specs() {
+                for reason in crate::balancer::KillReason::ALL {
+                    let labels = KillLabels {
+                        balancer: name.clone(),
+                        server: server.to_string(),
+                        reason: reason.label().into(),
+                    };
+                    if let Some(c) = m.connections_killed.get(&labels) {
+                        killed.push((labels.server, labels.reason, c.get()));
+                    }
+                }
+            }
+            BalancerSnapshot {
+                servers: b.snapshot_servers(),
+                connections_total: m
+                    .connections_total
+                    .get(&BalancerLabel {
+                        balancer: name.clone(),
+                    })
+                    .map_or(0, |c| c.get()),
+                copied_up: copied("client_to_server"),
+                copied_down: copied("server_to_client"),
+                killed,
+                name,
+            }
+        })
+        .collect()
+}
+
+impl Daemon {
+    /// Whether this process handed everything to a new lb and must exit now.
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.is_cancelled()
+    }
+
+    /// Take the old process's balancer states and counters (new process, before serving).
+    pub fn restore(&self, balancers: &[BalancerSnapshot], first_checks_done: bool) {
+        let m = &self.metrics;
+        for s in balancers {
+            let Some(b) = self.balancer(&s.name) else {
+                warn!(balancer = %s.name, "the previous lb had a balancer this config lacks; its state is dropped");
+                continue;
+            };
+            b.restore_servers(&s.servers);
+            let label = BalancerLabel {
+                balancer: s.name.clone(),
+            };
+            m.connections_total
+                .get_or_create(&label)
+                .inc_by(s.connections_total);
+            m.copied_counter(&s.name, "client_to_server").inc_by(s.copied_up);
+            m.copied_counter(&s.name, "server_to_client").inc_by(s.copied_down);
+            for (server, reason, n) in &s.killed {
+                m.connections_killed
+                    .get_or_create(&KillLabels {
+                        balancer: s.name.clone(),
+                        server: server.clone(),
+                        reason: reason.clone(),
+                    })
+                    .inc_by(*n);
+            }
+        }
+        if first_checks_done {
+            self.first_checks_done
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Serve a handed-over connection once `go` fires. `raw` holds its unwritten bytes
+    /// (client→server first) and is advanced past them.
+    ///
+    /// # Errors
+    /// Its balancer is unknown here, a descriptor index or the raw bytes are out of range.
+    pub fn adopt_connection(
+        &self,
+        c: ConnSnapshot,
+        fds: &mut HashMap<usize, OwnedFd>,
+        raw: &mut &[u8],
+        go: &CancellationToken,
+    ) -> Result<(), String> {
+        let b = self
+            .balancer(&c.balancer)
+            .ok_or_else(|| format!("no balancer {} here", c.balancer))?;
+        let mut take_raw = |n: u64| -> Result<Vec<u8>, String> {
+            let n = usize::try_from(n).map_err(|e| e.to_string())?;
+            if n > raw.len() {
+                return Err("raw bytes short".into());
+            }
+            let (head, tail) = raw.split_at(n);
+            *raw = tail;
+            Ok(head.to_vec())
+        };
+        let up_bytes = take_raw(c.up.unwritten)?;
+        let down_bytes = take_raw(c.down.unwritten)?;
+        let client = fds
+            .remove(&c.client_fd)
+            .ok_or("client descriptor missing")?;
+        let server = match c.server {
+            None => None,
+            Some((spec, i)) => {
+                let fd = fds.remove(&i).ok_or("server descriptor missing")?;
+                let addr = b
+                    .server_specs()
+                    .into_iter()
+                    .find(|s| s.to_string() == spec)
+                    .or_else(|| spec.parse::<ServerAddr>().ok())
+                    .ok_or_else(|| format!("server {spec} unknown"))?;
+                Some((addr, fd))
+            }
+        };
+        let f = Frozen {
+            balancer: b,
+            peer: c.peer,
+            client,
+            server,
+            up: Dir::resumed(c.up.written, c.up.chunk, up_bytes),
+            down: Dir::resumed(c.down.written, c.down.chunk, down_bytes),
+            spliced: c.spliced,
+        };
+        proxy::adopt(&self.proxy, f, go.clone());
+        Ok(())
+    }
+}
