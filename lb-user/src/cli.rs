@@ -11,7 +11,10 @@ pub mod docs;
 pub mod run;
 pub mod servers;
 pub mod status;
+mod owner;
 mod table;
+pub mod takeover;
+pub mod upgrade;
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
@@ -80,6 +83,9 @@ pub enum Command {
     Servers(servers::ServersArgs),
     /// Run the health checks now; exit 0 when healthy, 1 when not.
     Check(check::CheckArgs),
+    /// Replace the running daemon with the binary now at its path without dropping a
+    /// connection; exit 0 once the new one serves, 1 (old one serving on) with the reason.
+    Upgrade(upgrade::UpgradeArgs),
     /// Configuration helpers.
     #[command(subcommand)]
     Config(ConfigCommand),

@@ -55,6 +55,9 @@ fn main() -> ExitCode {
         Command::Check(args) => {
             client_runtime().map_or(ExitCode::FAILURE, |rt| rt.block_on(cli::check::run(&args)))
         }
+        Command::Upgrade(args) => client_runtime().map_or(ExitCode::FAILURE, |rt| {
+            rt.block_on(cli::upgrade::run(&args))
+        }),
         Command::Run(args) => cli::run::run(&args),
     }
 }

@@ -9,9 +9,16 @@ use crate::{
     daemon::Daemon,
 };
 
-/// Run the daemon as `args` say: exit 0 after a clean shutdown, 2 for an invalid config, 1 when
-/// the data path, a listener or the admin API cannot start.
+/// Run the daemon as `args` say: exit 0 after a clean shutdown or a hand-over to a new lb
+/// (`lb upgrade`), 2 for an invalid config or when another process already serves one of its
+/// listeners or its admin address, 1 when the data path, a listener or the admin API cannot
+/// start. Started by `lb upgrade` (with `LB_UPGRADE_SOCKET`), it takes over instead.
 pub fn run(args: &RunArgs) -> ExitCode {
+    crate::daemon::upgrade::record_command();
+    if let Some(socket) = std::env::var_os(crate::handover::ENV_SOCKET) {
+        let socket = socket.to_string_lossy().into_owned();
+        return super::takeover::run(args, &socket);
+    }
     let overrides = args.overrides();
     let cfg = match Config::load(args.config.as_deref(), &overrides) {
         Ok(cfg) => cfg,
@@ -20,6 +27,10 @@ pub fn run(args: &RunArgs) -> ExitCode {
             return ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2));
         }
     };
+    if let Err(e) = preflight(&cfg) {
+        eprintln!("lb: {e}");
+        return ExitCode::from(super::EXIT_USAGE);
+    }
     raise_nofile_limit();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -32,12 +43,29 @@ pub fn run(args: &RunArgs) -> ExitCode {
         }
     };
     let config_path = args.config.clone();
-    let served = rt.block_on(async move {
+    let started = rt.block_on(async move {
         let daemon = Daemon::start(cfg, config_path, overrides).await?;
         crate::admin::start(daemon.handle()).await?;
-        daemon.run_until_signalled().await
+        anyhow::Ok(daemon)
     });
-    match served {
+    match started {
+        Ok(daemon) => {
+            sd_notify("READY=1");
+            serve(&rt, &daemon)
+        }
+        Err(e) => {
+            eprintln!("lb: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Serve until signalled. After a hand-over to a new lb the process exits at once, running no
+/// destructor: dropping the loaded programs would detach sk_msg from the client sockhash the
+/// new process now uses.
+pub(super) fn serve(rt: &tokio::runtime::Runtime, daemon: &std::sync::Arc<Daemon>) -> ExitCode {
+    match rt.block_on(daemon.run_until_signalled()) {
+        Ok(()) if daemon.handed_over() => std::process::exit(0),
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("lb: {e:#}");
@@ -46,9 +74,74 @@ pub fn run(args: &RunArgs) -> ExitCode {
     }
 }
 
+/// Tell systemd (`NOTIFY_SOCKET`, `Type=notify`) `state`; nothing without it.
+pub(super) fn sd_notify(state: &str) {
+    use std::os::linux::net::SocketAddrExt as _;
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let path = path.to_string_lossy().into_owned();
+    let addr = match path.strip_prefix('@') {
+        Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()),
+        None => std::os::unix::net::SocketAddr::from_pathname(&path),
+    };
+    let sent = addr.and_then(|a| {
+        let s = std::os::unix::net::UnixDatagram::unbound()?;
+        s.send_to_addr(state.as_bytes(), &a)
+    });
+    if let Err(e) = sent {
+        tracing::warn!(socket = %path, error = %e, "cannot notify systemd");
+    }
+}
+
+/// Refuse to start next to another process serving one of our listeners or our admin address
+/// (another lb): binding would fail half-way, after the programs are attached to the cgroup.
+///
+/// # Errors
+/// The address in use, with the process holding it when `/proc` tells.
+fn preflight(cfg: &Config) -> Result<(), String> {
+    let mut addrs: Vec<(std::net::SocketAddr, &str)> = cfg
+        .balancers
+        .iter()
+        .flat_map(|b| b.listen.iter().map(|a| (*a, b.name.as_str())))
+        .collect();
+    addrs.push((cfg.admin.listen, "the admin API"));
+    for (addr, what) in addrs {
+        if let Err(e) = try_bind(addr)
+            && e.kind() == std::io::ErrorKind::AddrInUse
+        {
+            let owner = super::owner::listening_process(addr)
+                .map(|(pid, comm)| format!(" by pid {pid} ({comm})"))
+                .unwrap_or_default();
+            return Err(format!(
+                "{addr} ({what}) is already served{owner}: is another lb running? `lb upgrade` replaces a running lb without dropping connections"
+            ));
+        }
+    }
+    if let Some(path) = &cfg.admin.unix_socket
+        && std::os::unix::net::UnixStream::connect(path).is_ok()
+    {
+        return Err(format!(
+            "the admin unix socket {} is already served: is another lb running?",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+fn try_bind(addr: std::net::SocketAddr) -> std::io::Result<()> {
+    let domain = socket2::Domain::for_address(addr);
+    let s = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.bind(&addr.into())
+}
+
 /// A node daemon holds two descriptors per connection: raise the soft open-files limit to the
 /// hard limit (as HAProxy does from its maxconn), and say what it is.
-fn raise_nofile_limit() {
+pub(super) fn raise_nofile_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {

@@ -1,0 +1,217 @@
+//! `lb run` started by `lb upgrade`: the new process's side of the hand-over (the old side is
+//! `daemon::upgrade`). It takes the listeners and the kernel data path, builds its balancers,
+//! answers Ready, takes the connections and the states, answers Done, and only then serves.
+//! Before Done it serves nothing, so a failure here leaves the old process in charge, whole.
+
+use std::{
+    collections::HashMap,
+    os::{
+        fd::OwnedFd,
+        linux::net::SocketAddrExt as _,
+        unix::net::{SocketAddr as UnixAddr, UnixStream},
+    },
+    process::ExitCode,
+};
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use super::RunArgs;
+use crate::{
+    config::{Config, DatapathMode},
+    daemon::{Daemon, Takeover},
+    datapath::Datapath,
+    handover::{self, Frame, Hello, ListenerKey, Message, VERSION},
+};
+
+/// Why this process refuses or fails the hand-over, with its exit code.
+struct Refusal {
+    reason: String,
+    code: u8,
+}
+
+fn refuse(reason: impl Into<String>) -> Refusal {
+    Refusal {
+        reason: reason.into(),
+        code: super::EXIT_FAILURE,
+    }
+}
+
+/// Take over from the lb listening on the abstract unix socket `socket`, then serve until
+/// signalled. Exit codes as `lb run`; 2 also for a config this process cannot load.
+pub fn run(args: &RunArgs, socket: &str) -> ExitCode {
+    let sock = match UnixAddr::from_abstract_name(socket.as_bytes())
+        .and_then(|a| UnixStream::connect_addr(&a))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lb: cannot reach the lb handing over ({socket}): {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let _ = sock.set_read_timeout(Some(crate::daemon::upgrade::STEP_TIMEOUT * 2));
+    match take_over(args, &sock) {
+        Ok(code) => code,
+        Err(r) => {
+            error!(reason = %r.reason, "not taking over; the running lb serves on");
+            eprintln!("lb: not taking over: {}", r.reason);
+            let _ = handover::send(&sock, &Message::Refused { reason: r.reason }, &[], &[]);
+            ExitCode::from(r.code)
+        }
+    }
+}
+
+fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
+    let Frame { message, fds, .. } =
+        handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
+    let hello = match message {
+        Message::Hello(h) => h,
+        other => return Err(refuse(other.unexpected().to_string())),
+    };
+    if hello.version != VERSION {
+        return Err(refuse(format!(
+            "incompatible hand-over version {} (lb {} pid {}); this lb {} speaks version {VERSION}: restart instead",
+            hello.version,
+            hello.lb_version,
+            hello.pid,
+            env!("CARGO_PKG_VERSION")
+        )));
+    }
+    let overrides = args.overrides();
+    let cfg = Config::load(args.config.as_deref(), &overrides).map_err(|e| Refusal {
+        reason: format!("invalid configuration: {e}"),
+        code: super::EXIT_USAGE,
+    })?;
+    compatible(&cfg, &hello).map_err(refuse)?;
+    info!(from_pid = hello.pid, from_version = %hello.lb_version, "taking over from the running lb");
+    let mut fds: HashMap<usize, OwnedFd> = fds.into_iter().enumerate().collect();
+    let mut take = |i: usize| {
+        fds.remove(&i)
+            .ok_or_else(|| refuse(format!("descriptor {i} missing from the hand-over")))
+    };
+    let mut listeners = HashMap::new();
+    for (addr, i) in &hello.listeners {
+        listeners.insert(*addr, take(*i)?);
+    }
+    if let Some((addr, i)) = &hello.admin_tcp {
+        handover::put_inherited(ListenerKey::AdminTcp(*addr), take(*i)?);
+    }
+    if let Some((path, i)) = &hello.admin_unix {
+        handover::put_inherited(ListenerKey::AdminUnix(path.clone()), take(*i)?);
+    }
+    let datapath = match &hello.datapath {
+        None => None,
+        Some(offer) => {
+            let mut maps = HashMap::new();
+            for (name, i) in &offer.maps {
+                maps.insert(name.clone(), take(*i)?);
+            }
+            let mut links = Vec::new();
+            for (name, i) in &offer.links {
+                links.push((name.clone(), take(*i)?));
+            }
+            let dp = Datapath::adopt(
+                &cfg.datapath,
+                maps,
+                links,
+                offer.cgroup.clone(),
+                offer.connect_missing.clone(),
+            )
+            .map_err(|e| refuse(format!("cannot adopt the kernel data path: {}", crate::errors::chain(&e))))?;
+            Some(dp)
+        }
+    };
+    super::run::raise_nofile_limit();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| refuse(format!("cannot start the runtime: {e}")))?;
+    let go = CancellationToken::new();
+    let config_path = args.config.clone();
+    let daemon = rt.block_on(async {
+        let takeover = Takeover {
+            datapath,
+            listeners,
+            go: go.clone(),
+        };
+        let d = Daemon::start_with(cfg, config_path, overrides, Some(takeover)).await?;
+        crate::admin::start(d.handle()).await?;
+        anyhow::Ok(d)
+    });
+    let daemon = daemon.map_err(|e| refuse(format!("{e:#}")))?;
+    handover::send(
+        sock,
+        &Message::Ready {
+            lb_version: env!("CARGO_PKG_VERSION").into(),
+        },
+        &[],
+        &[],
+    )
+    .map_err(|e| refuse(e.to_string()))?;
+    let mut adopted = 0;
+    loop {
+        let Frame { message, fds, raw } = handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
+        match message {
+            Message::Conns { conns } => {
+                let mut fds: HashMap<usize, OwnedFd> = fds.into_iter().enumerate().collect();
+                let mut raw = raw.as_slice();
+                let _rt = rt.enter();
+                for c in conns {
+                    daemon
+                        .adopt_connection(c, &mut fds, &mut raw, &go)
+                        .map_err(|e| refuse(format!("cannot take a connection: {e}")))?;
+                    adopted += 1;
+                }
+            }
+            Message::State {
+                balancers,
+                first_checks_done,
+            } => {
+                daemon.restore(&balancers, first_checks_done);
+                break;
+            }
+            other => return Err(refuse(other.unexpected().to_string())),
+        }
+    }
+    handover::send(sock, &Message::Done { conns: adopted }, &[], &[])
+        .map_err(|e| refuse(e.to_string()))?;
+    go.cancel();
+    info!(connections = adopted, "took over: serving");
+    super::run::sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
+    Ok(super::run::serve(&rt, &daemon))
+}
+
+/// What an upgrade cannot change: the listeners, the data path, the cgroup.
+fn compatible(cfg: &Config, hello: &Hello) -> Result<(), String> {
+    let mut want: Vec<_> = cfg.balancers.iter().flat_map(|b| b.listen.iter().copied()).collect();
+    let mut have: Vec<_> = hello.listeners.iter().map(|(a, _)| *a).collect();
+    want.sort();
+    have.sort();
+    if want != have {
+        let show = |v: &[std::net::SocketAddr]| {
+            v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+        };
+        return Err(format!(
+            "the listeners differ (running: {}; new config: {}): an upgrade keeps them, restart lb to change them",
+            show(&have),
+            show(&want)
+        ));
+    }
+    match (&hello.datapath, cfg.datapath.mode) {
+        (Some(_), DatapathMode::Userspace) => Err(
+            "the running lb has the kernel data path and the new config asks for userspace: restart lb to change it".into(),
+        ),
+        (None, DatapathMode::Bpf) => Err(
+            "the running lb copies in userspace and the new config asks for bpf: restart lb to change it".into(),
+        ),
+        (Some(offer), _) => match &cfg.datapath.cgroup {
+            Some(c) if *c != offer.cgroup => Err(format!(
+                "the running lb's programs are attached to {} and the new config names {}: restart lb to change it",
+                offer.cgroup.display(),
+                c.display()
+            )),
+            _ => Ok(()),
+        },
+        (None, _) => Ok(()),
+    }
+}
