@@ -24,6 +24,9 @@ use crate::{
     handover::{self, Frame, Hello, ListenerKey, Message, VERSION},
 };
 
+/// Test hook: `before_done` makes a taking-over process exit just before it would answer Done.
+pub const FAULT_ENV: &str = "LB_UPGRADE_FAULT";
+
 /// Why this process refuses or fails the hand-over, with its exit code.
 struct Refusal {
     reason: String,
@@ -172,6 +175,12 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
             }
             other => return Err(refuse(other.unexpected().to_string())),
         }
+    }
+    // For the tests: die where the old process has frozen everything and waits for Done, so
+    // that its way back (serving the connections again) is exercised. Never set in production.
+    if std::env::var_os(FAULT_ENV).is_some_and(|v| v == "before_done") {
+        error!("{FAULT_ENV}=before_done: exiting before Done");
+        std::process::exit(70);
     }
     handover::send(sock, &Message::Done { conns: adopted }, &[], &[])
         .map_err(|e| refuse(e.to_string()))?;

@@ -171,6 +171,13 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
     sock.set_read_timeout(Some(STEP_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let fail = |what: &str, e: handover::HandoverError, child: &mut NewProcess| {
+        // A closed socket usually means it died: give it a moment to be reaped, for the reason.
+        for _ in 0..20 {
+            if child.exited().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         match child.exited() {
             Some(st) => format!("the new lb exited ({st}) {what}: {e}"),
             None => format!("the new lb failed {what}: {e}"),
