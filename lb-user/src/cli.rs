@@ -8,10 +8,10 @@
 pub mod check;
 pub mod config;
 pub mod docs;
+mod owner;
 pub mod run;
 pub mod servers;
 pub mod status;
-mod owner;
 mod table;
 pub mod takeover;
 pub mod upgrade;

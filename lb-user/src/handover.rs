@@ -297,7 +297,8 @@ pub fn recv(sock: &UnixStream) -> Result<Frame, HandoverError> {
         }
         got += msg.bytes;
     }
-    let word = |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+    let word =
+        |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
     let (json_len, raw_len, nfds) = (word(0), word(4), word(8));
     if json_len > MAX_JSON || raw_len > MAX_RAW || nfds as usize != fds.len() {
         return Err(HandoverError::Corrupt(format!(
@@ -329,7 +330,10 @@ fn eof_closed(e: io::Error) -> HandoverError {
 fn owned(fd: RawFd) -> OwnedFd {
     // SAFETY: `fd` was installed in this process's table by the kernel for this `recvmsg`
     // (SCM_RIGHTS); nothing else knows of it, so this is its only owner.
-    #[expect(unsafe_code, reason = "descriptors received with SCM_RIGHTS arrive as raw numbers")]
+    #[expect(
+        unsafe_code,
+        reason = "descriptors received with SCM_RIGHTS arrive as raw numbers"
+    )]
     unsafe {
         OwnedFd::from_raw_fd(fd)
     }
@@ -409,7 +413,9 @@ mod tests {
         send(&a, &msg, &[p.as_fd(), q.as_fd()], b"unwritten").unwrap();
         send(&a, &Message::Done { conns: 3 }, &[], b"").unwrap();
         let f = recv(&b).unwrap();
-        assert!(matches!(f.message, Message::Refused { ref reason } if reason == "state version 9"));
+        assert!(
+            matches!(f.message, Message::Refused { ref reason } if reason == "state version 9")
+        );
         assert_eq!(f.fds.len(), 2);
         assert_eq!(f.raw, b"unwritten");
         // The received descriptor is the same socket: what goes in one end comes out of q.

@@ -97,9 +97,7 @@ impl Balancer {
                 s.last_error.clone_from(&old.last_error);
                 s.preferred_since = old.preferred_for_ms.map(ago);
                 s.has_failed = old.has_failed;
-                s.drain_deadline = old
-                    .drain_left_ms
-                    .map(|ms| now + Duration::from_millis(ms));
+                s.drain_deadline = old.drain_left_ms.map(|ms| now + Duration::from_millis(ms));
                 restored += 1;
             }
         }

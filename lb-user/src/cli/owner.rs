@@ -9,7 +9,11 @@ pub fn listening_process(addr: SocketAddr) -> Option<(u32, String)> {
     let inode = listening_inode(addr)?;
     let target = format!("socket:[{inode}]");
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
@@ -27,15 +31,23 @@ pub fn listening_process(addr: SocketAddr) -> Option<(u32, String)> {
 
 /// The inode of the socket in state LISTEN bound to `addr`.
 fn listening_inode(addr: SocketAddr) -> Option<u64> {
-    let file = if addr.is_ipv6() { "/proc/net/tcp6" } else { "/proc/net/tcp" };
+    let file = if addr.is_ipv6() {
+        "/proc/net/tcp6"
+    } else {
+        "/proc/net/tcp"
+    };
     let want = hex_addr(addr);
-    std::fs::read_to_string(file).ok()?.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
-        (f.get(1)? .eq_ignore_ascii_case(&want) && *f.get(3)? == "0A")
-            .then(|| f.get(9)?.parse().ok())
-            .flatten()
-    })
+    std::fs::read_to_string(file)
+        .ok()?
+        .lines()
+        .skip(1)
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
+            (f.get(1)?.eq_ignore_ascii_case(&want) && *f.get(3)? == "0A")
+                .then(|| f.get(9)?.parse().ok())
+                .flatten()
+        })
 }
 
 /// `addr` as `/proc/net/tcp*` writes it: the address as the kernel stores it, each 32-bit word

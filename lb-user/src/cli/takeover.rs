@@ -65,8 +65,7 @@ pub fn run(args: &RunArgs, socket: &str) -> ExitCode {
 }
 
 fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
-    let Frame { message, fds, .. } =
-        handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
+    let Frame { message, fds, .. } = handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
     let hello = match message {
         Message::Hello(h) => h,
         other => return Err(refuse(other.unexpected().to_string())),
@@ -120,7 +119,12 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
                 offer.cgroup.clone(),
                 offer.connect_missing.clone(),
             )
-            .map_err(|e| refuse(format!("cannot adopt the kernel data path: {}", crate::errors::chain(&e))))?;
+            .map_err(|e| {
+                refuse(format!(
+                    "cannot adopt the kernel data path: {}",
+                    crate::errors::chain(&e)
+                ))
+            })?;
             Some(dp)
         }
     };
@@ -153,7 +157,8 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     .map_err(|e| refuse(e.to_string()))?;
     let mut adopted = 0;
     loop {
-        let Frame { message, fds, raw } = handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
+        let Frame { message, fds, raw } =
+            handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
         match message {
             Message::Conns { conns } => {
                 let mut fds: HashMap<usize, OwnedFd> = fds.into_iter().enumerate().collect();
@@ -192,13 +197,20 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
 
 /// What an upgrade cannot change: the listeners, the data path, the cgroup.
 fn compatible(cfg: &Config, hello: &Hello) -> Result<(), String> {
-    let mut want: Vec<_> = cfg.balancers.iter().flat_map(|b| b.listen.iter().copied()).collect();
+    let mut want: Vec<_> = cfg
+        .balancers
+        .iter()
+        .flat_map(|b| b.listen.iter().copied())
+        .collect();
     let mut have: Vec<_> = hello.listeners.iter().map(|(a, _)| *a).collect();
     want.sort();
     have.sort();
     if want != have {
         let show = |v: &[std::net::SocketAddr]| {
-            v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+            v.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         };
         return Err(format!(
             "the listeners differ (running: {}; new config: {}): an upgrade keeps them, restart lb to change them",

@@ -508,8 +508,11 @@ impl Daemon {
         for b in &balancers {
             for addr in &b.config().listen {
                 let l = match inherited.remove(addr) {
-                    Some(fd) => tokio::net::TcpListener::from_std(fd.into())
-                        .with_context(|| format!("balancer {}: handed-over listener {addr}", b.name))?,
+                    Some(fd) => {
+                        tokio::net::TcpListener::from_std(fd.into()).with_context(|| {
+                            format!("balancer {}: handed-over listener {addr}", b.name)
+                        })?
+                    }
                     None => proxy::bind(*addr)
                         .with_context(|| format!("balancer {}: cannot listen on {addr}", b.name))?,
                 };
@@ -562,13 +565,18 @@ impl Daemon {
             }
             if taking_over {
                 // The old process reads the rings until it lets go.
-                let (dp, daemon2, go, want_passive) =
-                    (dp.clone(), daemon.clone(), go.clone(), !connect_ids.is_empty());
+                let (dp, daemon2, go, want_passive) = (
+                    dp.clone(),
+                    daemon.clone(),
+                    go.clone(),
+                    !connect_ids.is_empty(),
+                );
                 tasks.spawn(async move {
                     go.cancelled().await;
                     let mut started = dp.start_refresher(daemon2.shutdown.clone());
                     if want_passive && started.is_ok() {
-                        started = dp.start_passive(daemon2.shutdown.clone(), passive_sink(&daemon2));
+                        started =
+                            dp.start_passive(daemon2.shutdown.clone(), passive_sink(&daemon2));
                     }
                     if let Err(e) = started {
                         error!(error = %e, "cannot start the kernel data path's readers");
@@ -594,8 +602,7 @@ impl Daemon {
                 // A new process took the old one's results: the loops go on from them.
                 if !taking_over {
                     let looping = bs.iter().filter(|b| b.config().health.loop_enabled);
-                    futures::future::join_all(looping.map(|b| daemon.health.check_all(b)))
-                        .await;
+                    futures::future::join_all(looping.map(|b| daemon.health.check_all(b))).await;
                 }
                 daemon.first_checks_done.store(true, Ordering::Relaxed);
                 for b in bs.iter() {

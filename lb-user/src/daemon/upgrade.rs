@@ -106,7 +106,13 @@ pub async fn upgrade(d: &Arc<Daemon>) -> Result<Upgraded, String> {
         .map_err(|e| format!("hand-over task failed: {e}"))?;
     match &r {
         Ok(u) => {
-            info!(new_pid = u.new_pid, connections = u.connections, elapsed_ms = u.elapsed_ms, accept_pause_ms = u.accept_pause_ms, "handed over to the new lb; exiting");
+            info!(
+                new_pid = u.new_pid,
+                connections = u.connections,
+                elapsed_ms = u.elapsed_ms,
+                accept_pause_ms = u.accept_pause_ms,
+                "handed over to the new lb; exiting"
+            );
             d.handed_over.cancel();
         }
         Err(e) => error!(reason = %e, "upgrade failed; this lb keeps serving"),
@@ -172,13 +178,14 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
         .map_err(|e| e.to_string())?;
     let fail = |what: &str, e: handover::HandoverError, child: &mut NewProcess| {
         // A closed socket usually means it died: give it a moment to be reaped, for the reason.
-        for _ in 0..20 {
-            if child.exited().is_some() {
-                break;
+        let status = (0..20).find_map(|_| {
+            let st = child.exited();
+            if st.is_none() {
+                std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        match child.exited() {
+            st
+        });
+        match status {
             Some(st) => format!("the new lb exited ({st}) {what}: {e}"),
             None => format!("the new lb failed {what}: {e}"),
         }
@@ -264,10 +271,14 @@ fn accept_child(listener: &UnixListener, child: &mut NewProcess) -> Result<UnixS
     loop {
         match listener.accept() {
             Ok((s, _)) => {
-                let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
-                    .map_err(|e| format!("hand-over socket: {e}"))?;
+                let cred =
+                    nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+                        .map_err(|e| format!("hand-over socket: {e}"))?;
                 if u32::try_from(cred.pid()).ok() != Some(child.id()) {
-                    warn!(pid = cred.pid(), "upgrade: a stranger connected to the hand-over socket; ignored");
+                    warn!(
+                        pid = cred.pid(),
+                        "upgrade: a stranger connected to the hand-over socket; ignored"
+                    );
                     continue;
                 }
                 s.set_nonblocking(false).map_err(|e| e.to_string())?;
@@ -309,9 +320,12 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
     let datapath = match &d.datapath {
         None => None,
         Some(dp) => {
-            let ex = dp
-                .export()
-                .map_err(|e| format!("cannot hand over the kernel data path: {}", crate::errors::chain(&e)))?;
+            let ex = dp.export().map_err(|e| {
+                format!(
+                    "cannot hand over the kernel data path: {}",
+                    crate::errors::chain(&e)
+                )
+            })?;
             let maps = ex
                 .maps
                 .into_iter()
@@ -367,16 +381,18 @@ async fn freeze(d: &Daemon) -> Result<Vec<Frozen>, Failed> {
         out.push(f);
     }
     if ended.is_err() {
-        return Err((
-            "connection tasks did not stop within 10 s".into(),
-            out,
-        ));
+        return Err(("connection tasks did not stop within 10 s".into(), out));
     }
     Ok(out)
 }
 
 /// After a failed hand-over: serve the frozen connections and accept again.
-fn resume(d: &Arc<Daemon>, rt: &tokio::runtime::Handle, frozen: Vec<Frozen>, stopped: &[std::net::SocketAddr]) {
+fn resume(
+    d: &Arc<Daemon>,
+    rt: &tokio::runtime::Handle,
+    frozen: Vec<Frozen>,
+    stopped: &[std::net::SocketAddr],
+) {
     let _g = rt.enter();
     d.proxy.freezer.thaw();
     let n = frozen.len();
@@ -388,7 +404,9 @@ fn resume(d: &Arc<Daemon>, rt: &tokio::runtime::Handle, frozen: Vec<Frozen>, sto
     let own = handover::own_listeners().unwrap_or_default();
     for addr in stopped {
         let Some(fd) = own.iter().find_map(|(k, fd)| {
-            (k == &ListenerKey::Proxy(*addr)).then(|| fd.try_clone().ok()).flatten()
+            (k == &ListenerKey::Proxy(*addr))
+                .then(|| fd.try_clone().ok())
+                .flatten()
         }) else {
             error!(listen = %addr, "upgrade failed and this listener cannot be served again");
             continue;
@@ -414,7 +432,10 @@ fn resume(d: &Arc<Daemon>, rt: &tokio::runtime::Handle, frozen: Vec<Frozen>, sto
             Err(e) => error!(listen = %addr, error = %e, "cannot serve a listener again"),
         }
     }
-    warn!(connections = n, "upgrade failed: serving the connections and listeners again");
+    warn!(
+        connections = n,
+        "upgrade failed: serving the connections and listeners again"
+    );
 }
 
 fn dir_snapshot(dir: &Dir) -> DirSnapshot {
@@ -522,8 +543,10 @@ impl Daemon {
             m.connections_total
                 .get_or_create(&label)
                 .inc_by(s.connections_total);
-            m.copied_counter(&s.name, "client_to_server").inc_by(s.copied_up);
-            m.copied_counter(&s.name, "server_to_client").inc_by(s.copied_down);
+            m.copied_counter(&s.name, "client_to_server")
+                .inc_by(s.copied_up);
+            m.copied_counter(&s.name, "server_to_client")
+                .inc_by(s.copied_down);
             for (server, reason, n) in &s.killed {
                 m.connections_killed
                     .get_or_create(&KillLabels {

@@ -78,27 +78,81 @@ impl Maps {
         let dup = |fd: BorrowedFd<'_>| fd.try_clone_to_owned();
         let mut out = vec![
             (MAP_CLIENTS, dup(self.clients.0.fd().as_fd())?),
-            (MAP_SERVERS, dup(self.servers.0.lock().expect("poisoned").map().fd().as_fd())?),
-            (MAP_LISTENERS, dup(self.listeners.0.lock().expect("poisoned").map().fd().as_fd())?),
-            (MAP_NETNS, dup(self.netns.0.lock().expect("poisoned").map().fd().as_fd())?),
-            (MAP_FLOWS, dup(self.flows.0.lock().expect("poisoned").map().fd().as_fd())?),
-            (MAP_PAIRS, dup(self.pairs.0.lock().expect("poisoned").map().fd().as_fd())?),
-            (MAP_STATS, dup(self.stats.0.lock().expect("poisoned").map().fd().as_fd())?),
+            (
+                MAP_SERVERS,
+                dup(self.servers.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_LISTENERS,
+                dup(self
+                    .listeners
+                    .0
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
+            ),
+            (
+                MAP_NETNS,
+                dup(self.netns.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_FLOWS,
+                dup(self.flows.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_PAIRS,
+                dup(self.pairs.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_STATS,
+                dup(self.stats.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
             (
                 MAP_CONNECT_LISTENERS,
-                dup(self.connect.listeners.0.lock().expect("poisoned").map().fd().as_fd())?,
+                dup(self
+                    .connect
+                    .listeners
+                    .0
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
             ),
             (
                 MAP_CONNECT_TABLES,
-                dup(self.connect.tables.lock().expect("poisoned").map().fd().as_fd())?,
+                dup(self
+                    .connect
+                    .tables
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
             ),
             (
                 MAP_CONNECT_SOCKS,
-                dup(self.connect.socks.lock().expect("poisoned").map().fd().as_fd())?,
+                dup(self
+                    .connect
+                    .socks
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
             ),
             (
                 MAP_CONNECT_COUNTS,
-                dup(self.connect.counts.lock().expect("poisoned").map().fd().as_fd())?,
+                dup(self
+                    .connect
+                    .counts
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
             ),
         ];
         for (name, fd) in &self.rings {

@@ -87,7 +87,11 @@ fn to_fd(s: TcpStream) -> Option<OwnedFd> {
 }
 
 impl Frozen {
-    pub(super) fn undialed(balancer: Arc<Balancer>, peer: SocketAddr, client: TcpStream) -> Option<Frozen> {
+    pub(super) fn undialed(
+        balancer: Arc<Balancer>,
+        peer: SocketAddr,
+        client: TcpStream,
+    ) -> Option<Frozen> {
         Some(Frozen {
             balancer,
             peer,

@@ -1,0 +1,621 @@
+//! `lb upgrade`: a running lb hands its listeners, connections (with the bytes it holds for
+//! them), kernel data path and balancer states to a new lb started from the binary at its path,
+//! on real traffic: servers on test hosts in network namespaces, clients in a child cgroup
+//! (spliced by the kernel) and outside it (copied by lb), lb started from a copy of its binary
+//! in a directory of the test's own, so the test can replace that binary as a package upgrade
+//! would (a new file renamed over the old one).
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{
+    Holder, Host, Place, TempDir, TestCgroup, free_port, http_get, lb_bin, output_within,
+    run_client, skip_unless_root,
+};
+use serde_json::Value;
+
+const MIB: u64 = 1024 * 1024;
+/// Bound on any one client.
+const T: Duration = Duration::from_secs(240);
+
+/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
+/// how fast, and print the times.
+fn timed() -> bool {
+    std::env::var_os("LB_VM").is_none()
+}
+
+/// An lb started from its own copy of the binary, followed across upgrades (its pid changes);
+/// the serving process is terminated on drop, whichever it is.
+struct UpLb {
+    dir: TempDir,
+    admin: SocketAddr,
+    log: PathBuf,
+    first: Child,
+    pid: u32,
+}
+
+impl UpLb {
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Result<UpLb> {
+        // Orphaned lbs (the old one exits after a hand-over) come back to this process, which
+        // reaps them.
+        let _ = nix::sys::prctl::set_child_subreaper(true);
+        let dir = TempDir::new("lb-upgrade-test")?;
+        let bin = dir.join("lb");
+        std::fs::copy(lb_bin(), &bin).context("copying lb")?;
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let log = dir.join("lb.log");
+        let logf = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("run")
+            .args(args)
+            .args(["--admin-listen", &admin.to_string()])
+            .env("LB_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone()?)
+            .stderr(logf);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut first = cmd.spawn()?;
+        let pid = first.id();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = first.try_wait()? {
+                bail!("lb exited with {st}: {}", std::fs::read_to_string(&log)?);
+            }
+            if http_get(admin, "/livez").is_ok_and(|(c, _)| c == 200) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "lb did not answer /livez: {}",
+                    std::fs::read_to_string(&log)?
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(UpLb {
+            dir,
+            admin,
+            log,
+            first,
+            pid,
+        })
+    }
+
+    fn bin(&self) -> PathBuf {
+        self.dir.join("lb")
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Run `lb upgrade` (the CLI of the binary now at lb's path); on success follow the new pid.
+    fn upgrade(&mut self) -> Result<Output> {
+        let mut cmd = Command::new(lb_bin());
+        cmd.args([
+            "upgrade",
+            "--admin",
+            &self.admin.to_string(),
+            "--output",
+            "json",
+        ]);
+        let out = output_within(cmd, Duration::from_secs(120))?;
+        if out.status.success() {
+            let v: Value = serde_json::from_slice(&out.stdout)
+                .with_context(|| format!("lb upgrade printed {:?}", out.stdout))?;
+            let new = u32::try_from(v["new_pid"].as_u64().context("new_pid")?)?;
+            ensure!(v["old_pid"] == self.pid, "upgraded another lb: {v}");
+            ensure!(new != self.pid, "the pid did not change: {v}");
+            println!(
+                "upgrade {} -> {new}: {} connections in {} ms, accepting paused {} ms",
+                self.pid, v["connections"], v["elapsed_ms"], v["accept_pause_ms"]
+            );
+            self.wait_gone(self.pid, Duration::from_secs(10))?;
+            self.pid = new;
+        }
+        Ok(out)
+    }
+
+    /// `lb upgrade` that must succeed.
+    fn upgrade_ok(&mut self) -> Result<Value> {
+        let out = self.upgrade()?;
+        ensure!(
+            out.status.success(),
+            "lb upgrade failed ({}): {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            self.log_text()
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Wait until process `pid` has exited (and reap it when it is our child).
+    fn wait_gone(&mut self, pid: u32, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            if pid == self.first.id() {
+                if self.first.try_wait()?.is_some() {
+                    return Ok(());
+                }
+            } else {
+                let p = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+                let _ = nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+                if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("pid {pid} still runs after {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn status(&self) -> Result<Value> {
+        let (code, body) = http_get(self.admin, "/status")?;
+        ensure!(code == 200, "/status {code}: {body}");
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    fn metric(&self, name: &str, label: &str) -> f64 {
+        let (_, body) = http_get(self.admin, "/metrics").unwrap_or_default();
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Every server's address, state, connections and consecutive failures.
+    fn servers(&self) -> Result<Vec<(String, String, u64, u64)>> {
+        let st = self.status()?;
+        let mut out = Vec::new();
+        for b in st["balancers"].as_array().context("balancers")? {
+            for s in b["servers"].as_array().context("servers")? {
+                out.push((
+                    format!("{}/{}", b["name"], s["address"]),
+                    s["state"].as_str().unwrap_or_default().to_string(),
+                    s["connections"].as_u64().unwrap_or(0),
+                    s["consecutive_failures"].as_u64().unwrap_or(0),
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replace the binary at lb's path as a package manager does (new file, rename).
+    fn replace_binary(&self, content: &[u8]) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = self.dir.join("lb.new");
+        std::fs::write(&tmp, content)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, self.bin())?;
+        Ok(())
+    }
+}
+
+impl Drop for UpLb {
+    fn drop(&mut self) {
+        let pid = self.pid;
+        if let Ok(p) = i32::try_from(pid).map(nix::unistd::Pid::from_raw) {
+            let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGTERM);
+            if self.wait_gone(pid, Duration::from_secs(5)).is_err() {
+                let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL);
+                let _ = self.wait_gone(pid, Duration::from_secs(5));
+            }
+        }
+        let _ = self.first.kill();
+        let _ = self.first.wait();
+    }
+}
+
+struct Setup {
+    _hosts: Vec<Host>,
+    cg: TestCgroup,
+    lb: UpLb,
+    listen: SocketAddr,
+}
+
+impl Setup {
+    /// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data
+    /// path attached to a child cgroup.
+    fn new(extra: &[&str], env: &[(&str, &str)]) -> Result<Setup> {
+        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+        let cg = TestCgroup::new()?;
+        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let mut args = vec![
+            "--listen".to_string(),
+            listen.to_string(),
+            "--datapath".into(),
+            "bpf".into(),
+            "--cgroup".into(),
+            cg.path.display().to_string(),
+        ];
+        for h in &hosts {
+            args.extend(["--server".to_string(), h.addr(9000).to_string()]);
+        }
+        args.extend(extra.iter().map(ToString::to_string));
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let lb = UpLb::start(&argv, env)?;
+        Ok(Setup {
+            _hosts: hosts,
+            cg,
+            lb,
+            listen,
+        })
+    }
+
+    /// Inside the cgroup (spliced) or outside (copied by lb).
+    fn place(&self, spliced: bool) -> Place<'_> {
+        if spliced {
+            Place::cgroup(&self.cg.path)
+        } else {
+            Place::default()
+        }
+    }
+
+    /// Start `action` as a client in a thread; join for its JSON result.
+    fn spawn(&self, spliced: bool, action: &[&str]) -> std::thread::JoinHandle<Result<Value>> {
+        let cg = self.cg.path.clone();
+        let listen = self.listen;
+        let action: Vec<String> = action.iter().map(ToString::to_string).collect();
+        std::thread::spawn(move || {
+            let place = if spliced {
+                Place::cgroup(&cg)
+            } else {
+                Place::default()
+            };
+            let a: Vec<&str> = action.iter().map(String::as_str).collect();
+            run_client(&place, listen, &a, T)
+        })
+    }
+}
+
+fn join_ok(name: &str, h: std::thread::JoinHandle<Result<Value>>) -> Result<Value> {
+    let v = h
+        .join()
+        .map_err(|_| anyhow::anyhow!("{name}: client thread panicked"))??;
+    ensure!(v["ok"] == true, "{name} failed: {v}");
+    Ok(v)
+}
+
+/// Wait until lb counts at least `n` connections.
+fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
+    lb_tests::wait_until(within, || {
+        Ok(lb.servers()?.iter().map(|s| s.2).sum::<u64>() >= n)
+    })
+    .with_context(|| format!("lb never had {n} connections: {:?}", lb.servers()))?;
+    Ok(())
+}
+
+/// 100 connections streaming both ways (round trips, bulk each way, two against a stalled
+/// server with bytes held for it, holders), half spliced by the kernel and half copied by lb,
+/// stay connected and byte-exact across two upgrades in a row; then, with only the holders left,
+/// `lb status` shows the same states and connection counts after a third, and the counters go
+/// on from where they were.
+#[test]
+fn connections_survive_upgrades() -> Result<()> {
+    if skip_unless_root("connections_survive_upgrades") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], &[])?;
+    wait_settled(&s.lb)?;
+    let mut streams = Vec::new();
+    // 80 echo streams: every byte goes both ways and is compared.
+    for i in 0..80 {
+        streams.push((
+            format!("rr{i}"),
+            s.spawn(i % 2 == 0, &["rr", "3000", "4096"]),
+        ));
+    }
+    // Bulk each way, spliced and copied.
+    let bulk = (256 * MIB).to_string();
+    for spliced in [true, false] {
+        streams.push((
+            "up".into(),
+            s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]),
+        ));
+        streams.push(("down".into(), s.spawn(spliced, &["down", &bulk])));
+    }
+    // A stalled server: lb (copy path) or the kernel (splice) holds bytes for it while the
+    // upgrades happen; every byte must still arrive once it reads again.
+    let stalled = (48 * MIB).to_string();
+    for spliced in [true, false] {
+        streams.push((
+            "stalled".into(),
+            s.spawn(
+                spliced,
+                &["up", &stalled, "--stall-ms", "4000", "--pause-ms", "200"],
+            ),
+        ));
+    }
+    let mut holders = Vec::new();
+    for i in 0..14 {
+        let h = Holder::start(&s.place(i % 2 == 0), s.listen, 0, 600_000)?;
+        h.wait_for("connected", Duration::from_secs(30))?;
+        holders.push(h);
+    }
+    wait_conns(&s.lb, 60, Duration::from_secs(30))?;
+    let before = s.lb.servers()?;
+    println!("before the upgrades: {before:?}");
+    let spliced_before = s.lb.metric("lb_spliced_connections", "");
+    ensure!(spliced_before > 0.0, "nothing spliced: {}", s.lb.log_text());
+    let u1 = s.lb.upgrade_ok()?;
+    ensure!(
+        u1["connections"].as_u64().unwrap_or(0) >= 60,
+        "few connections handed over: {u1}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let u2 = s.lb.upgrade_ok()?;
+    ensure!(
+        u2["connections"].as_u64().unwrap_or(0) >= 14,
+        "few connections handed over: {u2}"
+    );
+    for (name, h) in streams {
+        join_ok(&name, h).with_context(|| s.lb.log_text())?;
+    }
+    for h in &holders {
+        if let Ok(ev) = h.next(Duration::from_millis(10)) {
+            bail!("a held connection saw {ev} across the upgrades");
+        }
+    }
+    // Only the holders are left: states, counts and counters survive a third upgrade.
+    wait_conns(&s.lb, 14, Duration::from_secs(5))?;
+    let before = s.lb.servers()?;
+    let accepted = s.lb.metric("lb_connections_total", "");
+    let copied = s.lb.metric("lb_copied_bytes_total", "");
+    let spliced = s.lb.metric("lb_spliced_bytes_total", "");
+    ensure!(
+        accepted >= 100.0,
+        "lb_connections_total {accepted} after 100 connections"
+    );
+    s.lb.upgrade_ok()?;
+    let after = s.lb.servers()?;
+    ensure!(
+        before == after,
+        "status changed across the upgrade: {before:?} -> {after:?}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == accepted,
+        "lb_connections_total did not carry over"
+    );
+    ensure!(
+        s.lb.metric("lb_copied_bytes_total", "") >= copied,
+        "copied bytes reset"
+    );
+    ensure!(
+        s.lb.metric("lb_spliced_bytes_total", "") >= spliced,
+        "spliced bytes reset"
+    );
+    // The held connections still carry bytes: an echo round trip through a new connection
+    // beside them, and the holders are still there.
+    let v = run_client(&s.place(true), s.listen, &["rr", "10", "64"], T)?;
+    ensure!(
+        v["ok"] == true,
+        "a new connection after the upgrades failed: {v}"
+    );
+    for h in &holders {
+        if let Ok(ev) = h.next(Duration::from_millis(10)) {
+            bail!("a held connection saw {ev}");
+        }
+    }
+    Ok(())
+}
+
+fn wait_settled(lb: &UpLb) -> Result<()> {
+    lb_tests::wait_until(Duration::from_secs(20), || {
+        Ok(lb
+            .servers()?
+            .iter()
+            .all(|s| s.1 != "UNCHECKED" && s.1 != "RECOVERING"))
+    })?;
+    Ok(())
+}
+
+/// Clients connecting in a tight loop (a round trip each), spliced and copied, see no refused
+/// or reset connection across two upgrades.
+#[test]
+fn connect_loop_sees_no_refusal() -> Result<()> {
+    if skip_unless_root("connect_loop_sees_no_refusal") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], &[])?;
+    wait_settled(&s.lb)?;
+    let loops: Vec<_> = [true, false]
+        .into_iter()
+        .map(|spliced| s.spawn(spliced, &["cps", "6000", "--workers", "2"]))
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let u1 = s.lb.upgrade_ok()?;
+    std::thread::sleep(Duration::from_millis(1000));
+    let u2 = s.lb.upgrade_ok()?;
+    for h in loops {
+        let v = join_ok("connect loop", h).with_context(|| s.lb.log_text())?;
+        println!("connect loop: {v}");
+        ensure!(v["failed"] == 0, "connects failed during the upgrades: {v}");
+    }
+    let pause = |u: &Value| u["accept_pause_ms"].as_u64().unwrap_or(u64::MAX);
+    println!("accept paused {} and {} ms", pause(&u1), pause(&u2));
+    if timed() {
+        ensure!(
+            pause(&u1) < 2000 && pause(&u2) < 2000,
+            "accepting paused long: {u1} {u2}"
+        );
+    }
+    Ok(())
+}
+
+/// A new binary that exits at once, and one that dies after the old lb froze its connections
+/// (`LB_UPGRADE_FAULT=before_done`): `lb upgrade` exits 1 naming why, the old lb serves on,
+/// its held connection and a stream running through the failure are untouched; a good binary
+/// then takes over.
+#[test]
+fn failed_takeover_keeps_the_old_lb() -> Result<()> {
+    if skip_unless_root("failed_takeover_keeps_the_old_lb") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], &[])?;
+    wait_settled(&s.lb)?;
+    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    holder.wait_for("connected", Duration::from_secs(30))?;
+    let good = std::fs::read(s.lb.bin())?;
+    s.lb.replace_binary(b"#!/bin/sh\nexit 3\n")?;
+    let pid = s.lb.pid;
+    let before = s.lb.servers()?;
+    let out = s.lb.upgrade()?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    ensure!(
+        out.status.code() == Some(1),
+        "lb upgrade exited {}: {err}",
+        out.status
+    );
+    ensure!(
+        err.contains("exit status: 3"),
+        "the reason is not named: {err}"
+    );
+    ensure!(s.lb.pid == pid, "the pid changed");
+    ensure!(s.lb.servers()? == before, "the status changed");
+    ensure!(
+        s.lb.log_text()
+            .contains("upgrade failed; this lb keeps serving"),
+        "the old lb did not log why"
+    );
+    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    ensure!(v["ok"] == true, "the old lb does not serve: {v}");
+    if let Ok(ev) = holder.next(Duration::from_millis(10)) {
+        bail!("the held connection saw {ev}");
+    }
+    s.lb.replace_binary(&good)?;
+    s.lb.upgrade_ok()?;
+    if let Ok(ev) = holder.next(Duration::from_millis(10)) {
+        bail!("the held connection saw {ev}");
+    }
+    Ok(())
+}
+
+/// The new process dies after the old one froze its connections and sent them: the old lb
+/// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
+#[test]
+fn takeover_dying_midway_gives_everything_back() -> Result<()> {
+    if skip_unless_root("takeover_dying_midway_gives_everything_back") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
+    wait_settled(&s.lb)?;
+    let bulk = (256 * MIB).to_string();
+    let stalled = (32 * MIB).to_string();
+    let mut streams = Vec::new();
+    for spliced in [true, false] {
+        streams.push(s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]));
+        streams.push(s.spawn(spliced, &["down", &bulk]));
+        streams.push(s.spawn(
+            spliced,
+            &["up", &stalled, "--stall-ms", "3000", "--pause-ms", "200"],
+        ));
+    }
+    wait_conns(&s.lb, 6, Duration::from_secs(30))?;
+    let pid = s.lb.pid;
+    let out = s.lb.upgrade()?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    ensure!(
+        out.status.code() == Some(1),
+        "lb upgrade exited {}: {err}",
+        out.status
+    );
+    ensure!(
+        err.contains("exit status: 70"),
+        "the reason is not named: {err}\n{}",
+        s.lb.log_text()
+    );
+    ensure!(s.lb.pid == pid, "the pid changed");
+    ensure!(
+        s.lb.log_text()
+            .contains("serving the connections and listeners again"),
+        "no way back in the log: {}",
+        s.lb.log_text()
+    );
+    for h in streams {
+        join_ok("stream", h).with_context(|| s.lb.log_text())?;
+    }
+    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    ensure!(v["ok"] == true, "the old lb does not accept again: {v}");
+    Ok(())
+}
+
+/// A second `lb run` on the same listener, or on the same admin address, exits 2 naming the
+/// address and the process that has it; the running lb is untouched.
+#[test]
+fn second_lb_run_exits_2() -> Result<()> {
+    if skip_unless_root("second_lb_run_exits_2") {
+        return Ok(());
+    }
+    let s = Setup::new(&[], &[])?;
+    let other_admin = format!("127.0.0.1:{}", free_port()?);
+    let other_listen = format!("127.0.0.1:{}", free_port()?);
+    for (listen, admin) in [
+        (s.listen.to_string(), other_admin.clone()),
+        (other_listen, s.lb.admin.to_string()),
+    ] {
+        let mut cmd = Command::new(lb_bin());
+        cmd.args(["run", "--listen", &listen, "--server", "198.18.0.2:9000"])
+            .args([
+                "--datapath",
+                "bpf",
+                "--cgroup",
+                &s.cg.path.display().to_string(),
+            ])
+            .args(["--admin-listen", &admin]);
+        let out = output_within(cmd, Duration::from_secs(30))?;
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        ensure!(
+            out.status.code() == Some(2),
+            "second lb exited {}: {err}",
+            out.status
+        );
+        ensure!(
+            err.contains("already served") && err.contains(&format!("pid {}", s.lb.pid)),
+            "no clear reason: {err}"
+        );
+    }
+    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    ensure!(v["ok"] == true, "the running lb was disturbed: {v}");
+    Ok(())
+}
+
+/// With `forwarding = "connect"` the connect-time programs stay attached across the upgrade:
+/// a connect loop in the cgroup never fails and never reaches lb's listener (every connect was
+/// rewritten to a server by the kernel), and a direct connection made before outlives it.
+#[test]
+fn connect_time_forwarding_across_upgrade() -> Result<()> {
+    if skip_unless_root("connect_time_forwarding_across_upgrade") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
+    wait_settled(&s.lb)?;
+    // Wait for the table (the first dial makes the preferred server ACTIVE).
+    std::thread::sleep(Duration::from_millis(500));
+    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    holder.wait_for("connected", Duration::from_secs(30))?;
+    let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
+    std::thread::sleep(Duration::from_millis(1000));
+    s.lb.upgrade_ok()?;
+    let v = join_ok("connect loop", looping).with_context(|| s.lb.log_text())?;
+    println!("connect loop: {v}");
+    ensure!(v["failed"] == 0, "connects failed: {v}");
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "some connects reached lb's listener instead of being rewritten: {}",
+        s.lb.log_text()
+    );
+    if let Ok(ev) = holder.next(Duration::from_millis(10)) {
+        bail!("the direct connection saw {ev}");
+    }
+    Ok(())
+}
