@@ -29,6 +29,11 @@ fn timed() -> bool {
     std::env::var_os("LB_VM").is_none()
 }
 
+/// `n` on the host; a sixteenth of it in a TCG guest, which moves bytes many times slower.
+fn scaled(n: u64) -> String {
+    if timed() { n } else { (n / 16).max(1) }.to_string()
+}
+
 /// An lb started from its own copy of the binary, followed across upgrades (its pid changes);
 /// the serving process is terminated on drop, whichever it is.
 struct UpLb {
@@ -312,11 +317,11 @@ fn connections_survive_upgrades() -> Result<()> {
     for i in 0..80 {
         streams.push((
             format!("rr{i}"),
-            s.spawn(i % 2 == 0, &["rr", "3000", "4096"]),
+            s.spawn(i % 2 == 0, &["rr", &scaled(3000), "4096"]),
         ));
     }
     // Bulk each way, spliced and copied.
-    let bulk = (256 * MIB).to_string();
+    let bulk = scaled(256 * MIB);
     for spliced in [true, false] {
         streams.push((
             "up".into(),
@@ -326,7 +331,7 @@ fn connections_survive_upgrades() -> Result<()> {
     }
     // A stalled server: lb (copy path) or the kernel (splice) holds bytes for it while the
     // upgrades happen; every byte must still arrive once it reads again.
-    let stalled = (48 * MIB).to_string();
+    let stalled = scaled(48 * MIB);
     for spliced in [true, false] {
         streams.push((
             "stalled".into(),
@@ -509,8 +514,8 @@ fn takeover_dying_midway_gives_everything_back() -> Result<()> {
     }
     let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
     wait_settled(&s.lb)?;
-    let bulk = (256 * MIB).to_string();
-    let stalled = (32 * MIB).to_string();
+    let bulk = scaled(256 * MIB);
+    let stalled = scaled(32 * MIB);
     let mut streams = Vec::new();
     for spliced in [true, false] {
         streams.push(s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]));

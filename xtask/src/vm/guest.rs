@@ -15,7 +15,13 @@ use crate::util;
 const TARGET: &str = "x86_64-unknown-linux-musl";
 
 /// Integration test targets of `lb-tests` run in the guests.
-pub const TESTS: &[&str] = &["datapath", "new_connections", "kernel_log", "connect_time"];
+pub const TESTS: &[&str] = &[
+    "datapath",
+    "new_connections",
+    "kernel_log",
+    "connect_time",
+    "upgrade",
+];
 
 /// Modules the tests need (with their dependencies; those built in are skipped).
 const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag"];
