@@ -39,6 +39,9 @@ enum Cmd {
         /// Fewer, shorter runs (a smoke check; results go to bench/results/raw/quick/).
         #[arg(long)]
         quick: bool,
+        /// Run one scenario only (its table goes to bench/results/raw/<name>/, never latest).
+        #[arg(long, value_parser = ["upgrade"])]
+        only: Option<String>,
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.
     VmTest {
@@ -80,10 +83,10 @@ fn main() -> Result<()> {
             setup::run()?;
             test::run()
         }
-        Cmd::Bench { quick } => {
+        Cmd::Bench { quick, only } => {
             setup::run()?;
             util::build_release()?;
-            bench::run(quick)
+            bench::run(quick, only.as_deref())
         }
         Cmd::VmTest {
             kernel,

@@ -46,7 +46,7 @@ pub fn run() -> Result<()> {
     // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
     if result.is_ok() {
         if lb_tests::is_root() {
-            let bench = build_release().and_then(|()| bench::run(true));
+            let bench = build_release().and_then(|()| bench::run(true, None));
             match &bench {
                 Ok(()) => counts.passed += 1,
                 Err(_) => counts.failed += 1,

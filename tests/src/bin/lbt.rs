@@ -129,7 +129,8 @@ enum Action {
     /// `down`. Reports the total bytes and the wall time until the last one finished.
     Bulk { dir: String, conns: u32, n: u64 },
     /// New connections per second: `workers` threads each loop connect, one `size`-byte
-    /// request/response (`ONCE`), close, for `ms` milliseconds.
+    /// request/response (`ONCE`), close, for `ms` milliseconds; also reports failed ones and the
+    /// longest (`longest_ms`, from connect to the server's close).
     Cps {
         ms: u64,
         #[arg(long, default_value_t = 2)]
@@ -139,7 +140,8 @@ enum Action {
     },
     /// Open `conns` idle connections (each learns the server's name), print a `ready` event,
     /// then wait until every one is closed or reset and print `all_closed` (or `timeout` after
-    /// `max_ms`). Raises its own open-files limit to the hard limit.
+    /// `max_ms`); each time some end, a `closed` event says how many are still open. Raises its
+    /// own open-files limit to the hard limit.
     Idle {
         conns: u32,
         #[arg(long, default_value_t = 120_000)]
@@ -764,8 +766,12 @@ fn cps(addr: SocketAddr, ms: u64, workers: u32, size: usize) -> io::Result<serde
         .map(|_| {
             std::thread::spawn(move || {
                 let (mut done, mut failed, mut last_error) = (0u64, 0u64, String::new());
+                let mut longest = Duration::ZERO;
                 while Instant::now() < end {
-                    match one() {
+                    let began = Instant::now();
+                    let r = one();
+                    longest = longest.max(began.elapsed());
+                    match r {
                         Ok(()) => done += 1,
                         Err(e) => {
                             failed += 1;
@@ -774,15 +780,17 @@ fn cps(addr: SocketAddr, ms: u64, workers: u32, size: usize) -> io::Result<serde
                         }
                     }
                 }
-                (done, failed, last_error)
+                (done, failed, last_error, longest)
             })
         })
         .collect();
     let (mut done, mut failed, mut errors) = (0u64, 0u64, Vec::new());
+    let mut longest = Duration::ZERO;
     for h in handles {
-        let (d, f, e) = h.join().unwrap_or((0, 1, "panic".into()));
+        let (d, f, e, l) = h.join().unwrap_or((0, 1, "panic".into(), Duration::ZERO));
         done += d;
         failed += f;
+        longest = longest.max(l);
         if !e.is_empty() {
             errors.push(e);
         }
@@ -791,6 +799,7 @@ fn cps(addr: SocketAddr, ms: u64, workers: u32, size: usize) -> io::Result<serde
     Ok(json!({
         "ok": done > 0 && failed == 0, "conns": done, "failed": failed, "secs": secs,
         "per_s": done as f64 / secs, "errors": errors,
+        "longest_ms": longest.as_secs_f64() * 1e3,
     }))
 }
 
@@ -841,6 +850,7 @@ fn idle(addr: SocketAddr, conns: u32, max_ms: u64) -> io::Result<serde_json::Val
             .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
             .collect();
         drop(fds);
+        let socks_before = socks.len();
         let mut keep = Vec::with_capacity(socks.len());
         for (mut s, ended) in socks.into_iter().zip(ended) {
             if !ended {
@@ -861,6 +871,14 @@ fn idle(addr: SocketAddr, conns: u32, max_ms: u64) -> io::Result<serde_json::Val
                 Err(_) => others += 1,
             }
             first_ms.get_or_insert(ready_at.elapsed().as_secs_f64() * 1e3);
+        }
+        if keep.len() < socks_before {
+            println!(
+                "{}",
+                json!({"event": "closed", "open": keep.len(), "closed": socks_before - keep.len(),
+                    "ms": ready_at.elapsed().as_secs_f64() * 1e3})
+            );
+            let _ = io::stdout().flush();
         }
         socks = keep;
     }

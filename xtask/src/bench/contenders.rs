@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{Lb, free_port};
 use serde::Serialize;
 
@@ -112,6 +112,10 @@ pub struct Running {
     proc_: Proc,
     dir: Option<PathBuf>,
     primary: SocketAddr,
+    /// The lb serving after `lb upgrade` (not our child).
+    upgraded_lb: Option<u32>,
+    /// HAProxy processes a reload replaced (they serve their connections until these end).
+    replaced: Vec<Child>,
 }
 
 impl std::fmt::Debug for Running {
@@ -169,7 +173,7 @@ fn haproxy_config(dir: &Path, listen: SocketAddr, servers: &[SocketAddr]) -> Str
     let mut cfg = format!(
         "global
     maxconn {maxconn}
-    stats socket {sock} mode 600 level admin
+    stats socket {sock} mode 600 level admin expose-fd listeners
 
 defaults
     mode tcp
@@ -340,6 +344,8 @@ impl Running {
                 proc_: Proc::None,
                 dir: None,
                 primary,
+                upgraded_lb: None,
+                replaced: Vec::new(),
             });
         }
         let dir = temp_dir(kind)?;
@@ -402,13 +408,79 @@ impl Running {
             proc_,
             dir: Some(dir),
             primary,
+            upgraded_lb: None,
+            replaced: Vec::new(),
         })
+    }
+
+    /// Replace the running proxy without dropping connections: `lb upgrade` (lb hands its
+    /// listeners and connections to a new lb from the same binary), HAProxy's seamless reload
+    /// (a new process takes the listening sockets from the old one's stats socket, `-x`, and
+    /// tells it to finish, `-sf`). Returns how long the command took.
+    ///
+    /// # Errors
+    /// Not an lb or HAProxy contender, or the upgrade failed.
+    pub fn upgrade(&mut self) -> Result<Duration> {
+        let t = Instant::now();
+        match &mut self.proc_ {
+            Proc::Lb(lb) => {
+                let out = Command::new(lb_tests::lb_bin())
+                    .args([
+                        "upgrade",
+                        "--admin",
+                        &lb.admin.to_string(),
+                        "--output",
+                        "json",
+                    ])
+                    .output()?;
+                ensure!(
+                    out.status.success(),
+                    "lb upgrade failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+                let new = v["new_pid"].as_u64().context("new_pid")?;
+                if let Some(old) = self.upgraded_lb.replace(u32::try_from(new)?) {
+                    // It exits by itself once the new one has everything.
+                    wait_gone(old, false);
+                }
+            }
+            Proc::Child(old) if self.kind == Kind::Haproxy => {
+                let dir = self.dir.clone().context("no dir")?;
+                let old_pid = old.id().to_string();
+                let new = Command::new("haproxy")
+                    .args(["-db", "-f"])
+                    .arg(dir.join("haproxy.cfg"))
+                    .arg("-x")
+                    .arg(dir.join("admin.sock"))
+                    .args(["-sf", &old_pid])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(dir.join("haproxy-reload.err"))?)
+                    .spawn()
+                    .context("spawning haproxy -sf")?;
+                let old = std::mem::replace(&mut self.proc_, Proc::Child(new));
+                if let Proc::Child(old) = old {
+                    self.replaced.push(old);
+                }
+                // The new process serves once it has the listeners and its stats socket.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < deadline
+                    && std::os::unix::net::UnixStream::connect(dir.join("admin.sock")).is_err()
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            _ => bail!("{} has no upgrade", self.kind.name()),
+        }
+        Ok(t.elapsed())
     }
 
     /// Every process of the proxy: the main one and its children (nginx workers).
     pub fn pids(&self) -> Vec<u32> {
         let main = match &self.proc_ {
             Proc::None => return Vec::new(),
+            Proc::Lb(_) if self.upgraded_lb.is_some() => self.upgraded_lb.unwrap_or_default(),
             Proc::Lb(lb) => lb.pid(),
             Proc::Child(c) => c.id(),
         };
@@ -491,8 +563,31 @@ impl Running {
     }
 }
 
+/// With `term` SIGTERM `pid` (not our child); wait up to 10 s for it to be gone, then SIGKILL.
+fn wait_gone(pid: u32, term: bool) {
+    let Ok(p) = i32::try_from(pid).map(nix::unistd::Pid::from_raw) else {
+        return;
+    };
+    if term {
+        let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && Path::new(&format!("/proc/{pid}")).exists() {
+        let _ = nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL);
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
+        if let Some(pid) = self.upgraded_lb.take() {
+            wait_gone(pid, true);
+        }
+        for mut c in self.replaced.drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
         match std::mem::replace(&mut self.proc_, Proc::None) {
             Proc::None => {}
             Proc::Lb(mut lb) => {

@@ -165,7 +165,7 @@ fn timed(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
 /// # Errors
 /// Not root, a contender that does not start, a failing client, or (quick) a contender missing
 /// from the results.
-pub fn run(quick: bool) -> Result<()> {
+pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
     let started = Instant::now();
     lb_tests::set_bin_dir(root().join("target/release"));
     ensure!(
@@ -215,14 +215,20 @@ pub fn run(quick: bool) -> Result<()> {
         plain: lb_tests::TestCgroup::new()?,
     };
     let mut res = Results::default();
-    timed("scenarios 1-4", || {
-        scenarios::steady(&opts, &hosts, &cgroups, &mut res, &mut raw)
-    })?;
-    timed("scenarios 5+7", || {
-        scenarios::idle_and_kill(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
-    })?;
-    timed("scenario 6", || {
-        scenarios::failover(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
+    let all = only.is_none();
+    if all {
+        timed("scenarios 1-4", || {
+            scenarios::steady(&opts, &hosts, &cgroups, &mut res, &mut raw)
+        })?;
+        timed("scenarios 5+7", || {
+            scenarios::idle_and_kill(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
+        })?;
+        timed("scenario 6", || {
+            scenarios::failover(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
+        })?;
+    }
+    timed("scenario 8", || {
+        scenarios::upgrade(&opts, &hosts, &cgroups, &mut res, &mut raw)
     })?;
     drop(hosts);
     machine["load_end"] = json!(loadavg());
@@ -240,7 +246,9 @@ pub fn run(quick: bool) -> Result<()> {
     );
     let md = report::markdown(&res, &machine, &header, opts.idle_conns);
     let js = report::json(&res, &machine, &options, opts.idle_conns);
-    let dir: PathBuf = if quick {
+    let dir: PathBuf = if let Some(name) = only {
+        raw_dir.join(name)
+    } else if quick {
         raw_dir.join("quick")
     } else {
         out_dir
@@ -267,8 +275,13 @@ pub fn run(quick: bool) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     let seen = res.kinds_seen();
-    let missing = res.missing();
-    if seen.len() != Kind::ALL.len() || !missing.is_empty() {
+    let mut missing = res.missing();
+    if let Some(name) = only {
+        missing.retain(|m| m.starts_with(name));
+        if !missing.is_empty() {
+            bail!("bench: contenders without results: {missing:?}");
+        }
+    } else if seen.len() != Kind::ALL.len() || !missing.is_empty() {
         bail!("bench: contenders without results: {missing:?}");
     }
     if !quick && started.elapsed() > Duration::from_secs(15 * 60) {

@@ -195,6 +195,27 @@ pub const METRICS: &[MetricDef] = &[
         "ms",
         false,
     ),
+    m(
+        "upgrade_lost",
+        "upgrade",
+        "8 upgrade (lb upgrade, HAProxy -x -sf): idle connections lost (of 1,000)",
+        "conns",
+        false,
+    ),
+    m(
+        "upgrade_refused",
+        "upgrade",
+        "8 upgrade: connects of the loop refused or reset",
+        "conns",
+        false,
+    ),
+    m(
+        "upgrade_longest_ms",
+        "upgrade",
+        "8 upgrade: longest connection of the loop (connect to close)",
+        "ms",
+        false,
+    ),
 ];
 
 /// Median and range of a metric's samples.
@@ -271,6 +292,9 @@ impl Results {
                     "failover_ms" | "newcomer_wait_ms" | "newcomers_unserved" | "kill_total_ms"
                     | "kill_after_down_ms" => kind.kills_sessions(),
                     "splice_share_up" => kind == Kind::LbBpf,
+                    id if id.starts_with("upgrade_") => {
+                        matches!(kind, Kind::LbBpf | Kind::Haproxy)
+                    }
                     _ => true,
                 };
                 if applies && self.summary(def.id, kind).is_none() {

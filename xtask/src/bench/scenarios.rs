@@ -469,3 +469,80 @@ pub fn failover(
     }
     Ok(())
 }
+
+/// Idle connections of scenario 8.
+const UPGRADE_IDLE: u32 = 1_000;
+
+/// Scenario 8: [`UPGRADE_IDLE`] idle connections and a connect loop (two workers, one round trip
+/// per connection, 3 s) through the proxy while it is replaced 1 s into the loop: `lb upgrade`
+/// for lb (bpf data path), the seamless reload for HAProxy (`-x` takes the listeners from the
+/// old process's stats socket, `-sf` lets it finish). Reports the idle connections that ended,
+/// the loop's connects that failed (refused or reset), and its longest connection.
+///
+/// # Errors
+/// A contender fails to start or upgrade, or a client fails to run.
+pub fn upgrade(
+    opts: &Options,
+    hosts: &Hosts,
+    cgroups: &Cgroups,
+    res: &mut Results,
+    raw: &mut Raw,
+) -> Result<()> {
+    let kinds = [Kind::LbBpf, Kind::Haproxy];
+    let n = UPGRADE_IDLE.min(opts.idle_conns);
+    eprintln!("bench: scenario 8 upgrade with {n} idle connections and a connect loop");
+    for run in 0..opts.heavy_runs {
+        for kind in order(&kinds, run) {
+            let mut r = Running::start(kind, &hosts.servers(), cgroups)?;
+            let cg = cgroups.for_kind(kind);
+            let ev = Events::start(cg, r.addr, &["idle", &n.to_string(), "--max-ms", "120000"])?;
+            ev.wait_for("ready", Duration::from_secs(90))?;
+            let looping = {
+                let (cg, addr) = (cg.to_path_buf(), r.addr);
+                std::thread::spawn(move || {
+                    run_client(
+                        &place(&cg),
+                        addr,
+                        &["cps", "3000", "--workers", "2"],
+                        Duration::from_secs(60),
+                    )
+                })
+            };
+            std::thread::sleep(Duration::from_millis(1000));
+            let took = r.upgrade()?;
+            let v = looping
+                .join()
+                .map_err(|_| anyhow::anyhow!("connect loop panicked"))??;
+            // Give ended connections time to show.
+            std::thread::sleep(Duration::from_millis(500));
+            let mut open = u64::from(n);
+            while let Ok((_, e)) = ev.rx.try_recv() {
+                match e["event"].as_str() {
+                    Some("closed") => open = open.min(e["open"].as_u64().unwrap_or(0)),
+                    Some("all_closed" | "timeout") => open = 0,
+                    _ => {}
+                }
+            }
+            let lost = u64::from(n) - open;
+            raw.log(
+                kind,
+                &["upgrade"],
+                &serde_json::json!({"loop": v, "lost": lost, "upgrade_ms": took.as_secs_f64() * 1e3}),
+            );
+            res.add("upgrade_lost", kind, lost as f64);
+            res.add(
+                "upgrade_refused",
+                kind,
+                v["failed"].as_f64().unwrap_or(f64::NAN),
+            );
+            res.add(
+                "upgrade_longest_ms",
+                kind,
+                v["longest_ms"].as_f64().unwrap_or(f64::NAN),
+            );
+            drop(ev);
+            drop(r);
+        }
+    }
+    Ok(())
+}
