@@ -106,3 +106,61 @@ impl Balancer {
         restored
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        addr::ServerAddr,
+        config::{Config, Overrides},
+    };
+
+    fn balancer() -> std::sync::Arc<Balancer> {
+        let o = Overrides {
+            listen: vec!["127.0.0.1:6444".parse().unwrap()],
+            servers: ["198.18.0.2:1", "198.18.0.3:1", "198.18.0.4:1"]
+                .iter()
+                .map(|s| ServerAddr::parse(s).unwrap())
+                .collect(),
+            ..Overrides::default()
+        };
+        Balancer::new(0, Config::load(None, &o).unwrap().balancers.remove(0))
+    }
+
+    /// A new balancer takes every state and count the old one had: a RECOVERING server stays one
+    /// pass short of `rise`, a FAILED one keeps its failures and error.
+    #[test]
+    fn states_and_counts_carry_over() {
+        let old = balancer();
+        let s = |a: &str| ServerAddr::parse(a).unwrap();
+        for _ in 0..2 {
+            old.record_check(&s("198.18.0.2:1"), Ok(()));
+        }
+        old.record_dial(&s("198.18.0.2:1"), Ok(()));
+        old.record_check(&s("198.18.0.3:1"), Err("refused".into()));
+        old.record_check(&s("198.18.0.4:1"), Ok(()));
+        let snap = old.snapshot_servers();
+        let new = balancer();
+        assert_eq!(new.restore_servers(&snap), 3);
+        let view = |b: &Balancer| {
+            b.status()
+                .into_iter()
+                .map(|s| {
+                    (
+                        s.address.to_string(),
+                        s.state,
+                        s.consecutive_failures,
+                        s.last_error,
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(view(&old), view(&new));
+        assert_eq!(new.status()[0].state, ServerState::Active);
+        assert_eq!(new.status()[1].state, ServerState::Failed);
+        assert_eq!(new.status()[2].state, ServerState::Recovering);
+        // One more pass: the RECOVERING server reaches `rise` (2) in the new balancer too.
+        new.record_check(&s("198.18.0.4:1"), Ok(()));
+        assert_eq!(new.status()[2].state, ServerState::Preferred);
+    }
+}
