@@ -317,7 +317,7 @@ fn connections_survive_upgrades() -> Result<()> {
     for i in 0..80 {
         streams.push((
             format!("rr{i}"),
-            s.spawn(i % 2 == 0, &["rr", &scaled(3000), "4096"]),
+            s.spawn(i % 2 == 0, &["rr", "3000", "4096"]),
         ));
     }
     // Bulk each way, spliced and copied.
