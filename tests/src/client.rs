@@ -147,7 +147,20 @@ impl Holder {
     ) -> Result<Holder> {
         let r = reconnect.to_string();
         let m = max_ms.to_string();
-        let mut child = client_command(place, addr, &["hold", "--reconnect", &r, "--max-ms", &m])
+        Holder::spawn(
+            place,
+            addr,
+            &["hold", "--reconnect", &r, "--max-ms", &m],
+        )
+    }
+
+    /// Start any long-running `lbt client` action (`idle`, `hold`) whose JSON lines are read
+    /// as events.
+    ///
+    /// # Errors
+    /// Spawn failure.
+    pub fn spawn(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Result<Holder> {
+        let mut child = client_command(place, addr, action)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()?;
@@ -181,12 +194,17 @@ impl Holder {
     /// None within `timeout`.
     pub fn wait_for(&self, kind: &str, timeout: Duration) -> Result<serde_json::Value> {
         let deadline = Instant::now() + timeout;
+        let mut last = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let ev = self.next(left)?;
+            let ev = self.next(left).with_context(|| match &last {
+                Some(ev) => format!("waiting for {kind}; the last event was {ev}"),
+                None => format!("waiting for {kind}; no event yet"),
+            })?;
             if ev["event"] == kind {
                 return Ok(ev);
             }
+            last = Some(ev);
         }
     }
 }
