@@ -147,11 +147,7 @@ impl Holder {
     ) -> Result<Holder> {
         let r = reconnect.to_string();
         let m = max_ms.to_string();
-        Holder::spawn(
-            place,
-            addr,
-            &["hold", "--reconnect", &r, "--max-ms", &m],
-        )
+        Holder::spawn(place, addr, &["hold", "--reconnect", &r, "--max-ms", &m])
     }
 
     /// Start any long-running `lbt client` action (`idle`, `hold`) whose JSON lines are read

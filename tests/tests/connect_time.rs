@@ -972,7 +972,10 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
         .replace("{interval}", &INTERVAL_MS.to_string())
         .replace("{timeout}", &TIMEOUT_MS.to_string())
         .replace("{fall}", &FALL.to_string());
-    ensure!(text.contains(&gateway.to_string()), "config template changed");
+    ensure!(
+        text.contains(&gateway.to_string()),
+        "config template changed"
+    );
     let s = Setup::with_config(hosts, &text)?;
     let ns = s.hosts[0].ns.clone();
     let place = Place {
@@ -1000,12 +1003,14 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
     let t = Instant::now();
     s.kill_server(0)?;
-    let closed = h.wait_for("closed", Duration::from_secs(5)).with_context(|| {
-        format!(
-            "the client in namespace {ns} was not killed: {}",
-            s.lb.log_text()
-        )
-    })?;
+    let closed = h
+        .wait_for("closed", Duration::from_secs(5))
+        .with_context(|| {
+            format!(
+                "the client in namespace {ns} was not killed: {}",
+                s.lb.log_text()
+            )
+        })?;
     eprintln!(
         "lb servers kill in namespace {ns}: client {} after {:.3} s",
         closed["how"],
@@ -1095,5 +1100,74 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
     );
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))
         .with_context(|| format!("s0 should count 0 after the kill: {:?}", s.server_status(0)))?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<()> {
+    if skip("connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    // Another program owns cgroup/connect4 exclusively: the kernel refuses lb's.
+    cg.occupy_connect4()?;
+    let port = free_port()?;
+    let text = CONFIG
+        .replace("{port}", &port.to_string())
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", &INTERVAL_MS.to_string())
+        .replace("{timeout}", &TIMEOUT_MS.to_string())
+        .replace("{fall}", &FALL.to_string());
+    let config = std::env::temp_dir().join(format!(
+        "lb-connect-refused-{}-{port}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&config, &text)?;
+    let lb = Lb::start(&[
+        "--config",
+        &config.display().to_string(),
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ]);
+    let _ = std::fs::remove_file(&config);
+    let lb = lb?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    let st = lb.status()?;
+    let b = &st["balancers"][0];
+    eprintln!(
+        "forwarding {} ({}); datapath {}",
+        b["forwarding"], b["forwarding_fallback"], st["datapath"]
+    );
+    ensure!(b["forwarding"] == "splice", "{st}");
+    let why = b["forwarding_fallback"].as_str().unwrap_or("");
+    ensure!(
+        why.contains("lb_connect4"),
+        "the reason should name the refused program: {st}"
+    );
+    let log = lb.log_text();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("forwarding = connect unavailable"))
+        .collect();
+    ensure!(
+        warnings.len() == 1 && warnings[0].contains("lb_connect4"),
+        "one warning naming the refused program: {log}"
+    );
+    // The balancer still serves its clients in the cgroup, through lb's splice.
+    let listen: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    ensure!(v["ok"] == true && v["server"] == "s0", "{v}");
+    ensure!(
+        v["server_sees"] != v["local"],
+        "the server should see lb's socket, not the client's: {v}"
+    );
+    ensure!(
+        lb.metric("lb_connections_total", "") >= 1.0,
+        "the connection should go through lb"
+    );
+    drop(lb);
+    drop(hosts);
     Ok(())
 }

@@ -387,11 +387,7 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
 
 /// Read until EOF and answer with the count and digest; with `pause = (after, ms)`, stop
 /// reading for ms once `after` bytes have arrived.
-fn sink(
-    reader: &mut impl Read,
-    w: &TcpStream,
-    mut pause: Option<(u64, u64)>,
-) -> io::Result<()> {
+fn sink(reader: &mut impl Read, w: &TcpStream, mut pause: Option<(u64, u64)>) -> io::Result<()> {
     let mut d = Digest::default();
     let mut buf = vec![0u8; 256 * 1024];
     loop {
