@@ -135,7 +135,12 @@ pub fn destroy_connecting_with_cookies(
 }
 
 /// A network namespace's identity: device and inode of its `/proc/*/ns/net` file.
-fn netns_id(path: &str) -> Option<(u64, u64)> {
+type NetnsId = (u64, u64);
+
+/// One process in a network namespace, and the cookies of the sockets to end there.
+type NetnsGroup = (u32, std::collections::HashSet<u64>);
+
+fn netns_id(path: &str) -> Option<NetnsId> {
     use std::os::unix::fs::MetadataExt as _;
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
@@ -148,7 +153,7 @@ fn destroy_cookies(
     use std::collections::{HashMap, HashSet};
     let own = netns_id("/proc/self/ns/net");
     // Per foreign namespace (None: lb's own), one process in it and the cookies it holds.
-    let mut groups: HashMap<Option<(u64, u64)>, (u32, HashSet<u64>)> = HashMap::new();
+    let mut groups: HashMap<Option<NetnsId>, NetnsGroup> = HashMap::new();
     for (&cookie, &tgid) in cookies {
         let ns = netns_id(&format!("/proc/{tgid}/ns/net")).filter(|ns| Some(*ns) != own);
         groups
