@@ -36,10 +36,11 @@ impl<'a> Place<'a> {
 pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
     let lbt = lbt_bin();
     // `ip netns exec` mounts a fresh /sys, hiding the cgroup tree: join the cgroup first, then
-    // enter the namespace.
+    // enter the namespace. iproute2 by full path: the guests' busybox sh has an `ip` applet of
+    // its own, without `netns`.
     let netns = place
         .netns
-        .map(|ns| format!("ip netns exec {ns} "))
+        .map(|ns| format!("/usr/sbin/ip netns exec {ns} "))
         .unwrap_or_default();
     let mut inner = format!("exec {netns}{} client --connect {addr}", lbt.display());
     for a in action {
@@ -61,7 +62,7 @@ pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> C
 pub fn placed_command(place: &Place<'_>, program: &Path, args: &[&str]) -> Command {
     let netns = place
         .netns
-        .map(|ns| format!("ip netns exec {} ", sh_quote(ns)))
+        .map(|ns| format!("/usr/sbin/ip netns exec {} ", sh_quote(ns)))
         .unwrap_or_default();
     let mut inner = format!("exec {netns}{}", sh_quote(&program.to_string_lossy()));
     for a in args {

@@ -162,6 +162,17 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         () = guard.cancel.cancelled() => Outcome::Killed,
         r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name) => r,
     };
+    // A kill ends thousands of connections at once: reset the client first, then let the other
+    // killed connections reset theirs before this one cleans its map entries (the server socket
+    // stays open until its pair is out of the maps, as always).
+    let client = if let Outcome::Killed = outcome {
+        abort(&client);
+        drop(client);
+        tokio::task::yield_now().await;
+        None
+    } else {
+        Some(client)
+    };
     if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
         dp.unpair(p);
         dp.forget(&p.key());
@@ -179,7 +190,9 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         }
         Outcome::Reset(e, side) => {
             debug!(balancer = %balancer.name, server = %spec, error = %e, ?side, "connection reset; resetting both sides");
-            abort(&client);
+            if let Some(client) = &client {
+                abort(client);
+            }
             abort(&server);
             if side == Side::Server && e.kind() == io::ErrorKind::ConnectionReset {
                 balancer.record_server_reset(&spec);
@@ -190,7 +203,6 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
             // One line per kill would cost more than the kill itself with thousands of connections;
             // the balancer logs one summary per server and reason.
             debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
-            abort(&client);
             abort(&server);
         }
     }
