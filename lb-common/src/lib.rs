@@ -203,8 +203,9 @@ pub struct ConnectOrig {
     /// Events already reported for this socket ([`REPORTED_RTO`]), so each kind is sent at
     /// most once per socket.
     pub reported: u32,
-    /// Explicit padding, always 0.
-    pub _pad: u32,
+    /// The process (tgid) that called `connect()`: lb finds the socket's network namespace
+    /// through `/proc/<tgid>/ns/net` when it kills it.
+    pub tgid: u32,
 }
 const _: () = assert!(size_of::<ConnectOrig>() == 64);
 

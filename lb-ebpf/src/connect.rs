@@ -166,7 +166,8 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     }
     // SAFETY: reading a global lb set at load time.
     let own = unsafe { core::ptr::read_volatile(&LB_OWN_TGID) };
-    if (bpf_get_current_pid_tgid() >> 32) as u32 == own {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if tgid == own {
         return Ok(());
     }
     let ip = if v6 {
@@ -251,7 +252,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
             _pad: 0,
         },
         reported: 0,
-        _pad: 0,
+        tgid,
     };
     if LB_CONNECT_SOCKS
         .insert(&cookie, &orig, u64::from(BPF_ANY))

@@ -69,6 +69,16 @@ pub enum KillError {
     /// A dump reply whose payload does not decode as an `inet_diag_msg`.
     #[error("malformed netlink reply")]
     Malformed,
+    /// The network namespace of the process that made a connect-time socket could not be
+    /// entered (`setns` needs `CAP_SYS_ADMIN`).
+    #[error("entering the network namespace of process {tgid}: {source}")]
+    Netns {
+        /// The process whose namespace it is.
+        tgid: u32,
+        /// Why.
+        #[source]
+        source: Errno,
+    },
 }
 
 /// What one node-wide kill did.
@@ -91,36 +101,114 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
     destroy_matching(peer, LIVE_STATES, |_| true)
 }
 
-/// Destroy the TCP sockets in this network namespace whose peer is `peer` and whose socket
-/// cookie is in `cookies` (the connect-time sockets lb's programs sent to a server; other
-/// sockets to it are left alone). Blocking, as [`destroy_peer_sockets`].
+/// Connect-time sockets to end: socket cookie → the process (tgid) that called `connect()`,
+/// as the connect programs recorded it.
+pub type CookieOwners = std::collections::HashMap<u64, u32>;
+
+/// Destroy the TCP sockets whose peer is `peer` and whose socket cookie is in `cookies` (the
+/// connect-time sockets lb's programs sent to a server; other sockets to it are left alone),
+/// in every network namespace that holds one: a socket's namespace is its connecting
+/// process's (`/proc/<tgid>/ns/net`), entered with `setns` on a short-lived thread. A socket
+/// whose process has exited is looked for in lb's own namespace. Blocking, as
+/// [`destroy_peer_sockets`].
 ///
 /// # Errors
-/// As [`destroy_peer_sockets`].
+/// As [`destroy_peer_sockets`], plus [`KillError::Netns`] when another namespace cannot be
+/// entered; the first error is returned only when nothing was destroyed.
 pub fn destroy_sockets_with_cookies(
     peer: SocketAddr,
-    cookies: &std::collections::HashSet<u64>,
+    cookies: &CookieOwners,
 ) -> Result<NodeKill, KillError> {
-    if cookies.is_empty() {
-        return Ok(NodeKill::default());
-    }
-    destroy_matching(peer, LIVE_STATES, |id| cookies.contains(&cookie_of(id)))
+    destroy_cookies(peer, LIVE_STATES, cookies)
 }
 
 /// As [`destroy_sockets_with_cookies`], for the sockets still in `SYN_SENT` only: connects
 /// that have not reached the server, aborted without touching its established connections.
 ///
 /// # Errors
-/// As [`destroy_peer_sockets`].
+/// As [`destroy_sockets_with_cookies`].
 pub fn destroy_connecting_with_cookies(
     peer: SocketAddr,
-    cookies: &std::collections::HashSet<u64>,
+    cookies: &CookieOwners,
 ) -> Result<NodeKill, KillError> {
-    if cookies.is_empty() {
-        return Ok(NodeKill::default());
+    destroy_cookies(peer, StateFlags::SYN_SENT, cookies)
+}
+
+/// A network namespace's identity: device and inode of its `/proc/*/ns/net` file.
+type NetnsId = (u64, u64);
+
+/// One process in a network namespace, and the cookies of the sockets to end there.
+type NetnsGroup = (u32, std::collections::HashSet<u64>);
+
+fn netns_id(path: &str) -> Option<NetnsId> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+fn destroy_cookies(
+    peer: SocketAddr,
+    states: StateFlags,
+    cookies: &CookieOwners,
+) -> Result<NodeKill, KillError> {
+    use std::collections::{HashMap, HashSet};
+    let own = netns_id("/proc/self/ns/net");
+    // Per foreign namespace (None: lb's own), one process in it and the cookies it holds.
+    let mut groups: HashMap<Option<NetnsId>, NetnsGroup> = HashMap::new();
+    for (&cookie, &tgid) in cookies {
+        let ns = netns_id(&format!("/proc/{tgid}/ns/net")).filter(|ns| Some(*ns) != own);
+        groups
+            .entry(ns)
+            .or_insert_with(|| (tgid, HashSet::new()))
+            .1
+            .insert(cookie);
     }
-    destroy_matching(peer, StateFlags::SYN_SENT, |id| {
-        cookies.contains(&cookie_of(id))
+    let mut done = NodeKill::default();
+    let mut first_error = None;
+    for (ns, (tgid, set)) in groups {
+        let kill = || destroy_matching(peer, states.clone(), |id| set.contains(&cookie_of(id)));
+        let r = match ns {
+            None => kill(),
+            Some(_) => in_netns_of(tgid, kill),
+        };
+        match r {
+            Ok(k) => {
+                done.found += k.found;
+                done.destroyed += k.destroyed;
+            }
+            Err(KillError::Unsupported) => return Err(KillError::Unsupported),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) if done.destroyed == 0 => Err(e),
+        _ => Ok(done),
+    }
+}
+
+/// Run `f` on a new thread that first joins the network namespace of process `tgid` (the
+/// thread ends with `f`, so lb's own threads never change namespace).
+fn in_netns_of<T: Send>(
+    tgid: u32,
+    f: impl FnOnce() -> Result<T, KillError> + Send,
+) -> Result<T, KillError> {
+    let ns = std::fs::File::open(format!("/proc/{tgid}/ns/net")).map_err(|e| KillError::Netns {
+        tgid,
+        source: errno(&e),
+    })?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(|source| KillError::Netns { tgid, source })?;
+                f()
+            })
+            .join()
+            .unwrap_or(Err(KillError::Netns {
+                tgid,
+                source: Errno::EIO,
+            }))
     })
 }
 

@@ -58,6 +58,58 @@ impl TestCgroup {
     }
 }
 
+/// `bpf(2)` commands and constants from `<linux/bpf.h>`.
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_ATTACH: libc::c_long = 8;
+const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+/// Bytes of `union bpf_attr` passed (the kernel wants every byte past the fields it knows zero).
+const ATTR_BYTES: usize = 128;
+
+/// Issue `bpf(cmd, attr)`; the returned descriptor or the errno.
+fn bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_BYTES]) -> std::io::Result<i32> {
+    // SAFETY: `attr` is a zero-padded `union bpf_attr` of ATTR_BYTES bytes whose pointers
+    // (instructions, license) outlive the call.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), ATTR_BYTES) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(i32::try_from(r).unwrap_or(-1))
+    }
+}
+
+impl TestCgroup {
+    /// Attach a do-nothing `connect4` program (`r0 = 1; exit`: allow, no rewrite) to this
+    /// cgroup in exclusive mode (no `BPF_F_ALLOW_MULTI`), so the kernel refuses any other
+    /// `connect4` program here: what lb meets on a node where another tool owns the hook. The
+    /// attachment lasts until the cgroup is removed.
+    ///
+    /// # Errors
+    /// The kernel refused the load or the attach (errno in the message).
+    pub fn occupy_connect4(&self) -> Result<()> {
+        use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+        // BPF_ALU64 | BPF_MOV | BPF_K, dst r0, imm 1; then BPF_JMP | BPF_EXIT.
+        let insns: [u8; 16] = [0xb7, 0, 0, 0, 1, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0];
+        let license = b"GPL\0";
+        let mut attr = [0u8; ATTR_BYTES];
+        attr[0..4].copy_from_slice(&BPF_PROG_TYPE_CGROUP_SOCK_ADDR.to_ne_bytes());
+        attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
+        attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+        attr[68..72].copy_from_slice(&BPF_CGROUP_INET4_CONNECT.to_ne_bytes());
+        let prog = bpf(BPF_PROG_LOAD, &mut attr).context("BPF_PROG_LOAD of a connect4 program")?;
+        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        let prog = unsafe { OwnedFd::from_raw_fd(prog) };
+        let cg = std::fs::File::open(&self.path)?;
+        let mut attr = [0u8; ATTR_BYTES];
+        attr[0..4].copy_from_slice(&(cg.as_raw_fd() as u32).to_ne_bytes());
+        attr[4..8].copy_from_slice(&(prog.as_raw_fd() as u32).to_ne_bytes());
+        attr[8..12].copy_from_slice(&BPF_CGROUP_INET4_CONNECT.to_ne_bytes());
+        bpf(BPF_PROG_ATTACH, &mut attr).context("BPF_PROG_ATTACH to cgroup/connect4")?;
+        Ok(())
+    }
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
         // Processes still inside (a failed test's clients) are killed first.

@@ -36,10 +36,11 @@ impl<'a> Place<'a> {
 pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Command {
     let lbt = lbt_bin();
     // `ip netns exec` mounts a fresh /sys, hiding the cgroup tree: join the cgroup first, then
-    // enter the namespace.
+    // enter the namespace. iproute2 by full path: the guests' busybox sh has an `ip` applet of
+    // its own, without `netns`.
     let netns = place
         .netns
-        .map(|ns| format!("ip netns exec {ns} "))
+        .map(|ns| format!("/usr/sbin/ip netns exec {ns} "))
         .unwrap_or_default();
     let mut inner = format!("exec {netns}{} client --connect {addr}", lbt.display());
     for a in action {
@@ -61,7 +62,7 @@ pub fn client_command(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> C
 pub fn placed_command(place: &Place<'_>, program: &Path, args: &[&str]) -> Command {
     let netns = place
         .netns
-        .map(|ns| format!("ip netns exec {} ", sh_quote(ns)))
+        .map(|ns| format!("/usr/sbin/ip netns exec {} ", sh_quote(ns)))
         .unwrap_or_default();
     let mut inner = format!("exec {netns}{}", sh_quote(&program.to_string_lossy()));
     for a in args {
@@ -147,7 +148,16 @@ impl Holder {
     ) -> Result<Holder> {
         let r = reconnect.to_string();
         let m = max_ms.to_string();
-        let mut child = client_command(place, addr, &["hold", "--reconnect", &r, "--max-ms", &m])
+        Holder::spawn(place, addr, &["hold", "--reconnect", &r, "--max-ms", &m])
+    }
+
+    /// Start any long-running `lbt client` action (`idle`, `hold`) whose JSON lines are read
+    /// as events.
+    ///
+    /// # Errors
+    /// Spawn failure.
+    pub fn spawn(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Result<Holder> {
+        let mut child = client_command(place, addr, action)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()?;
@@ -181,12 +191,17 @@ impl Holder {
     /// None within `timeout`.
     pub fn wait_for(&self, kind: &str, timeout: Duration) -> Result<serde_json::Value> {
         let deadline = Instant::now() + timeout;
+        let mut last = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let ev = self.next(left)?;
+            let ev = self.next(left).with_context(|| match &last {
+                Some(ev) => format!("waiting for {kind}; the last event was {ev}"),
+                None => format!("waiting for {kind}; no event yet"),
+            })?;
             if ev["event"] == kind {
                 return Ok(ev);
             }
+            last = Some(ev);
         }
     }
 }

@@ -187,6 +187,23 @@ impl Setup {
         ))
     }
 
+    /// `lb servers kill` server `i` through the CLI.
+    fn kill_server(&self, i: usize) -> Result<()> {
+        let out = std::process::Command::new(lb_tests::lb_bin())
+            .args([
+                "servers",
+                "--balancer",
+                "api",
+                "kill",
+                &self.server(i),
+                "--admin",
+                &self.lb.admin.to_string(),
+            ])
+            .output()?;
+        ensure!(out.status.success(), "lb servers kill: {out:?}");
+        Ok(())
+    }
+
     fn peer(&self, place: &Place<'_>) -> Result<Value> {
         let v = run_client(place, self.listen, &["peer"], T)?;
         ensure!(v["ok"] == true, "peer client failed: {v}");
@@ -358,18 +375,7 @@ fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
     ensure!(ev["server"] == "s0", "{ev}");
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
     let t = Instant::now();
-    let out = std::process::Command::new(lb_tests::lb_bin())
-        .args([
-            "servers",
-            "--balancer",
-            "api",
-            "kill",
-            &s.server(0),
-            "--admin",
-            &s.lb.admin.to_string(),
-        ])
-        .output()?;
-    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    s.kill_server(0)?;
     let closed = h.wait_for("closed", Duration::from_secs(5))?;
     eprintln!(
         "lb servers kill: client {} after {:.3} s",
@@ -861,7 +867,15 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
         });
         // Under TCG the client alone can take seconds to start.
         let start_bound = Duration::from_secs(if timed() { 5 } else { 30 });
-        lb_tests::wait_until(start_bound, || Ok(s.server_status(0)?.1 == 1))?;
+        lb_tests::wait_until(start_bound, || Ok(s.server_status(0)?.1 == 1)).with_context(
+            || {
+                format!(
+                    "the echo client's connection should count on s0: {:?}; metrics: {}",
+                    s.server_status(0),
+                    s.lb.get("/metrics").map(|r| r.1).unwrap_or_default()
+                )
+            },
+        )?;
         let t0 = Instant::now();
         s.hosts[0].blackhole(true)?;
         let failed = s.wait_s0_failed(t0, Duration::from_secs(if timed() { 10 } else { 60 }))?;
@@ -944,5 +958,228 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
         "s0 should still count the held connection: {held}"
     );
     s.hosts[0].blackhole(false)?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() -> Result<()> {
+    if skip("connect_time_clients_in_another_network_namespace_are_rewritten_and_killed") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    // A second listener on the root side of s0's link, which a client inside s0's namespace
+    // reaches; its connects are rewritten to s0 itself, in that namespace.
+    let gateway = hosts[0].gateway;
+    let text = CONFIG
+        .replace(
+            "listen = [\"127.0.0.1:{port}\"]",
+            &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
+        )
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", &INTERVAL_MS.to_string())
+        .replace("{timeout}", &TIMEOUT_MS.to_string())
+        .replace("{fall}", &FALL.to_string());
+    ensure!(
+        text.contains(&gateway.to_string()),
+        "config template changed"
+    );
+    let s = Setup::with_config(hosts, &text)?;
+    let ns = s.hosts[0].ns.clone();
+    let place = Place {
+        cgroup: Some(&s.cg.path),
+        netns: Some(&ns),
+    };
+    let dialed: SocketAddr = SocketAddr::new(gateway.into(), s.listen.port());
+    let v = run_client(&place, dialed, &["peer"], T)?;
+    eprintln!("client in namespace {ns}: {v}");
+    ensure!(v["ok"] == true, "{v}");
+    ensure!(v["peer"] == dialed.to_string(), "getpeername: {v}");
+    ensure!(v["server"] == "s0", "{v}");
+    ensure!(
+        v["server_sees"] == v["local"],
+        "the server should see the client's own socket: {v}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "nothing should go through lb"
+    );
+
+    let h = Holder::spawn(&place, dialed, &["hold", "--max-ms", "60000"])?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    s.kill_server(0)?;
+    let closed = h
+        .wait_for("closed", Duration::from_secs(5))
+        .with_context(|| {
+            format!(
+                "the client in namespace {ns} was not killed: {}",
+                s.lb.log_text()
+            )
+        })?;
+    eprintln!(
+        "lb servers kill in namespace {ns}: client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_killed_total", "") >= 1.0,
+        "the kill should be counted"
+    );
+    Ok(())
+}
+
+/// Connect-time sockets the kill test holds open (the issue asks for 10,000; each needs a file
+/// in the client and one in the server, both under the machine's open-files limit). The qemu
+/// guests have too little memory for 10,000 server threads: they hold 1,000.
+fn many() -> u32 {
+    if timed() { 10_000 } else { 1_000 }
+}
+
+#[test]
+fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
+    if skip("connect_time_ten_thousand_sockets_are_killed") {
+        return Ok(());
+    }
+    let many = many();
+    let hard = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)?.1;
+    if hard < u64::from(many) + 1024 {
+        eprintln!(
+            "skipped connect_time_ten_thousand_sockets_are_killed: the open-files hard limit is {hard}, below {many} + 1024"
+        );
+        return Ok(());
+    }
+    // Checks that a server busy accepting 10,000 connections passes in time.
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", "1000")
+        .replace("{timeout}", "1000")
+        .replace("{fall}", "5");
+    let s = Setup::with_config(hosts, &text)?;
+    let max_ms = if timed() { "120000" } else { "600000" };
+    let idle = Holder::spawn(
+        &s.place(),
+        s.listen,
+        &["idle", &many.to_string(), "--max-ms", max_ms],
+    )?;
+    let ready_within = if timed() { 60 } else { 500 };
+    let ready = idle
+        .wait_for("ready", Duration::from_secs(ready_within))
+        .with_context(|| s.lb.log_text())?;
+    eprintln!("{many} connect-time connections open in {} ms", ready["ms"]);
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        Ok(s.server_status(0)?.1 == u64::from(many))
+    })
+    .with_context(|| format!("s0 should count {many}: {:?}", s.server_status(0)))?;
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "nothing should go through lb"
+    );
+    let t = Instant::now();
+    s.kill_server(0)?;
+    let done = idle.wait_for("all_closed", Duration::from_secs(ready_within))?;
+    let took = t.elapsed();
+    eprintln!(
+        "lb servers kill of {many} connect-time sockets: all closed after {:.3} s (first {:.1} ms, last {:.1} ms after ready; resets {}, eofs {}, others {})",
+        took.as_secs_f64(),
+        done["first_ms"],
+        done["last_ms"],
+        done["resets"],
+        done["eofs"],
+        done["others"]
+    );
+    ensure!(done["ok"] == true, "{done}");
+    ensure!(
+        done["eofs"] == 0,
+        "every socket should be reset or aborted, none closed cleanly: {done}"
+    );
+    ensure!(
+        !timed() || took < Duration::from_secs(5),
+        "killing {many} took {took:?}"
+    );
+    let killed = s.lb.metric("lb_connections_killed_total", "");
+    ensure!(
+        killed == f64::from(many),
+        "lb_connections_killed_total {killed}, want {many}"
+    );
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))
+        .with_context(|| format!("s0 should count 0 after the kill: {:?}", s.server_status(0)))?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<()> {
+    if skip("connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    // Another program owns cgroup/connect4 exclusively: the kernel refuses lb's.
+    cg.occupy_connect4()?;
+    let port = free_port()?;
+    let text = CONFIG
+        .replace("{port}", &port.to_string())
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{policy}", "failover")
+        .replace("{interval}", &INTERVAL_MS.to_string())
+        .replace("{timeout}", &TIMEOUT_MS.to_string())
+        .replace("{fall}", &FALL.to_string());
+    let config = std::env::temp_dir().join(format!(
+        "lb-connect-refused-{}-{port}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&config, &text)?;
+    let lb = Lb::start(&[
+        "--config",
+        &config.display().to_string(),
+        "--cgroup",
+        &cg.path.display().to_string(),
+    ]);
+    let _ = std::fs::remove_file(&config);
+    let lb = lb?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    let st = lb.status()?;
+    let b = &st["balancers"][0];
+    eprintln!(
+        "forwarding {} ({}); datapath {}",
+        b["forwarding"], b["forwarding_fallback"], st["datapath"]
+    );
+    ensure!(b["forwarding"] == "splice", "{st}");
+    let why = b["forwarding_fallback"].as_str().unwrap_or("");
+    ensure!(
+        why.contains("lb_connect4"),
+        "the reason should name the refused program: {st}"
+    );
+    let log = lb.log_text();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("forwarding = connect unavailable"))
+        .collect();
+    ensure!(
+        warnings.len() == 1 && warnings[0].contains("lb_connect4"),
+        "one warning naming the refused program: {log}"
+    );
+    // The balancer still serves its clients in the cgroup, through lb's splice.
+    let listen: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let v = run_client(&Place::cgroup(&cg.path), listen, &["peer"], T)?;
+    ensure!(v["ok"] == true && v["server"] == "s0", "{v}");
+    ensure!(
+        v["server_sees"] != v["local"],
+        "the server should see lb's socket, not the client's: {v}"
+    );
+    ensure!(
+        lb.metric("lb_connections_total", "") >= 1.0,
+        "the connection should go through lb"
+    );
+    drop(lb);
+    drop(hosts);
     Ok(())
 }

@@ -238,7 +238,7 @@ async fn sync_connect_table(
 }
 
 /// Destroy the connect-time sockets balancer `id`'s programs sent to `server` (netlink
-/// `SOCK_DESTROY`, lb's network namespace only) and count them in
+/// `SOCK_DESTROY`, in each socket's own network namespace) and count them in
 /// `lb_connections_killed_total`. Blocking.
 fn kill_direct(
     dp: &Datapath,

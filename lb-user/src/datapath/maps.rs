@@ -310,14 +310,15 @@ impl ConnectMaps {
             .collect()
     }
 
-    /// Cookies of the sockets the connect programs sent to `server` for balancer `id`.
-    pub(super) fn cookies(&self, id: u32, server: &ConnectServer) -> Vec<u64> {
+    /// Cookies of the sockets the connect programs sent to `server` for balancer `id`, each
+    /// with the process (tgid) that connected it.
+    pub(super) fn cookies(&self, id: u32, server: &ConnectServer) -> Vec<(u64, u32)> {
         let socks = self.socks.lock().expect("poisoned");
         socks
             .iter()
             .filter_map(Result::ok)
             .filter(|(_, o)| o.count.balancer == id && o.count.server == *server)
-            .map(|(cookie, _)| cookie)
+            .map(|(cookie, o)| (cookie, o.tgid))
             .collect()
     }
 }

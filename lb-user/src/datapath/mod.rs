@@ -377,8 +377,9 @@ impl Datapath {
         out
     }
 
-    /// Socket cookies of the connect-time sockets balancer `id`'s programs sent to `server`.
-    pub fn connect_cookies(&self, id: u32, server: SocketAddr) -> std::collections::HashSet<u64> {
+    /// Socket cookies of the connect-time sockets balancer `id`'s programs sent to `server`,
+    /// each with the process (tgid) that connected it.
+    pub fn connect_cookies(&self, id: u32, server: SocketAddr) -> crate::kill::CookieOwners {
         self.maps
             .connect
             .cookies(id, &maps::connect_server(server))

@@ -56,11 +56,11 @@ pub type PassiveSink = Arc<dyn Fn(u32, SocketAddr, PassiveKind) + Send + Sync>;
 impl Datapath {
     /// Remember `cookies` as sockets lb is about to destroy: their failures are not the
     /// server's. Call before destroying them.
-    pub fn ignore_events_of(&self, cookies: &std::collections::HashSet<u64>) {
+    pub fn ignore_events_of(&self, cookies: &crate::kill::CookieOwners) {
         let mut ignored = self.ignored.lock().expect("poisoned");
         let now = Instant::now();
         ignored.retain(|_, t| now.duration_since(*t) < IGNORE_FOR);
-        ignored.extend(cookies.iter().map(|c| (*c, now)));
+        ignored.extend(cookies.keys().map(|c| (*c, now)));
     }
 
     /// Read connect-time events on a dedicated thread (`lb-passive`) until `cancel` fires,

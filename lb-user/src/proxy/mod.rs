@@ -255,6 +255,17 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
         ctx.freezer.frozen(frozen);
         return;
     }
+    // A kill ends thousands of connections at once: reset the client first, then let the other
+    // killed connections reset theirs before this one cleans its map entries (the server socket
+    // stays open until its pair is out of the maps, as always).
+    let client = if let Outcome::Killed = outcome {
+        abort(&client);
+        drop(client);
+        tokio::task::yield_now().await;
+        None
+    } else {
+        Some(client)
+    };
     if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
         dp.unpair(p);
         dp.forget(&p.key());
@@ -272,7 +283,9 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
         }
         Outcome::Reset(e, side) => {
             debug!(balancer = %balancer.name, server = %spec, error = %e, ?side, "connection reset; resetting both sides");
-            abort(&client);
+            if let Some(client) = &client {
+                abort(client);
+            }
             abort(&server);
             if side == Side::Server && e.kind() == io::ErrorKind::ConnectionReset {
                 balancer.record_server_reset(&spec);
@@ -283,7 +296,6 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
             // One line per kill would cost more than the kill itself with thousands of connections;
             // the balancer logs one summary per server and reason.
             debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
-            abort(&client);
             abort(&server);
         }
     }

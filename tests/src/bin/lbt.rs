@@ -166,7 +166,12 @@ fn main() {
     }
 }
 
+/// Stack of one connection's thread (bytes).
+const SERVE_STACK_BYTES: usize = 256 * 1024;
+
 fn serve(listen: &[SocketAddr], name: &str) {
+    // Thousands of idle connections in the kill tests.
+    raise_nofile();
     let mut handles = Vec::new();
     for addr in listen {
         let l = match listen_on(*addr) {
@@ -180,9 +185,16 @@ fn serve(listen: &[SocketAddr], name: &str) {
         handles.push(std::thread::spawn(move || {
             for conn in l.incoming().flatten() {
                 let name = name.clone();
-                std::thread::spawn(move || {
-                    let _ = serve_conn(conn, &name);
-                });
+                // A small stack: the kill tests hold 10,000 connections, a thread each. A
+                // connection that gets no thread is dropped; the server keeps accepting.
+                let spawned = std::thread::Builder::new()
+                    .stack_size(SERVE_STACK_BYTES)
+                    .spawn(move || {
+                        let _ = serve_conn(conn, &name);
+                    });
+                if let Err(e) = spawned {
+                    eprintln!("lbt serve: no thread for a connection: {e}");
+                }
             }
         }));
     }
@@ -284,20 +296,22 @@ fn write_retry(s: &mut impl Write, mut buf: &[u8]) -> io::Result<()> {
 
 fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
     let _ = conn.set_nodelay(true);
-    let mut reader = BufReader::with_capacity(256 * 1024, conn.try_clone()?);
-    let mut w = conn;
+    // Both halves borrow the one socket (no second descriptor: the kill tests hold 10,000
+    // connections under a 20,000 open-files limit).
+    let mut reader = BufReader::with_capacity(256 * 1024, &conn);
+    let mut w = &conn;
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let words: Vec<&str> = line.split_whitespace().collect();
     match words.as_slice() {
-        ["UP"] => sink(&mut reader, &mut w, None),
+        ["UP"] => sink(&mut reader, w, None),
         ["STALL", ms] => {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
-            sink(&mut reader, &mut w, None)
+            sink(&mut reader, w, None)
         }
         ["STALL", ms, after] => {
             let pause = (after.parse().unwrap_or(0), ms.parse().unwrap_or(0));
-            sink(&mut reader, &mut w, Some(pause))
+            sink(&mut reader, w, Some(pause))
         }
         ["DOWN", n, seed] => {
             let n: u64 = n.parse().unwrap_or(0);
@@ -375,11 +389,7 @@ fn serve_conn(conn: TcpStream, name: &str) -> io::Result<()> {
 
 /// Read until EOF and answer with the count and digest; with `pause = (after, ms)`, stop
 /// reading for ms once `after` bytes have arrived.
-fn sink(
-    reader: &mut impl Read,
-    w: &mut TcpStream,
-    mut pause: Option<(u64, u64)>,
-) -> io::Result<()> {
+fn sink(reader: &mut impl Read, w: &TcpStream, mut pause: Option<(u64, u64)>) -> io::Result<()> {
     let mut d = Digest::default();
     let mut buf = vec![0u8; 256 * 1024];
     loop {
@@ -402,7 +412,7 @@ fn sink(
         d.update(&buf[..n]);
     }
     write_retry(
-        w,
+        &mut { w },
         format!("OK {} {:016x}\n", d.count(), d.finish()).as_bytes(),
     )?;
     w.shutdown(Shutdown::Write)
