@@ -306,18 +306,20 @@ fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
 /// `lb status` shows the same states and connection counts after a third, and the counters go
 /// on from where they were.
 #[test]
-fn connections_survive_upgrades() -> Result<()> {
-    if skip_unless_root("connections_survive_upgrades") {
+fn upgrade_keeps_every_connection() -> Result<()> {
+    if skip_unless_root("upgrade_keeps_every_connection") {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
     wait_settled(&s.lb)?;
     let mut streams = Vec::new();
-    // 80 echo streams: every byte goes both ways and is compared.
+    // 80 echo streams: every byte goes both ways and is compared. Under TCG a round trip
+    // takes some 70 times longer (and the holders below start slower too).
+    let rr_count = if timed() { "3000" } else { "200" };
     for i in 0..80 {
         streams.push((
             format!("rr{i}"),
-            s.spawn(i % 2 == 0, &["rr", "3000", "4096"]),
+            s.spawn(i % 2 == 0, &["rr", rr_count, "4096"]),
         ));
     }
     // Bulk each way, spliced and copied.
@@ -427,15 +429,17 @@ fn wait_settled(lb: &UpLb) -> Result<()> {
 /// Clients connecting in a tight loop (a round trip each), spliced and copied, see no refused
 /// or reset connection across two upgrades.
 #[test]
-fn connect_loop_sees_no_refusal() -> Result<()> {
-    if skip_unless_root("connect_loop_sees_no_refusal") {
+fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
+    if skip_unless_root("upgrade_connect_loop_sees_no_refusal") {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
     wait_settled(&s.lb)?;
+    // Long enough for both upgrades, which take seconds each under TCG.
+    let loop_ms = if timed() { "6000" } else { "15000" };
     let loops: Vec<_> = [true, false]
         .into_iter()
-        .map(|spliced| s.spawn(spliced, &["cps", "6000", "--workers", "2"]))
+        .map(|spliced| s.spawn(spliced, &["cps", loop_ms, "--workers", "2"]))
         .collect();
     std::thread::sleep(Duration::from_millis(1500));
     let u1 = s.lb.upgrade_ok()?;
@@ -462,8 +466,8 @@ fn connect_loop_sees_no_refusal() -> Result<()> {
 /// its held connection and a stream running through the failure are untouched; a good binary
 /// then takes over.
 #[test]
-fn failed_takeover_keeps_the_old_lb() -> Result<()> {
-    if skip_unless_root("failed_takeover_keeps_the_old_lb") {
+fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
+    if skip_unless_root("upgrade_failed_takeover_keeps_the_old_lb") {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
@@ -508,8 +512,8 @@ fn failed_takeover_keeps_the_old_lb() -> Result<()> {
 /// The new process dies after the old one froze its connections and sent them: the old lb
 /// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
 #[test]
-fn takeover_dying_midway_gives_everything_back() -> Result<()> {
-    if skip_unless_root("takeover_dying_midway_gives_everything_back") {
+fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
+    if skip_unless_root("upgrade_takeover_dying_midway_gives_everything_back") {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
@@ -557,8 +561,8 @@ fn takeover_dying_midway_gives_everything_back() -> Result<()> {
 /// A second `lb run` on the same listener, or on the same admin address, exits 2 naming the
 /// address and the process that has it; the running lb is untouched.
 #[test]
-fn second_lb_run_exits_2() -> Result<()> {
-    if skip_unless_root("second_lb_run_exits_2") {
+fn upgrade_second_lb_run_exits_2() -> Result<()> {
+    if skip_unless_root("upgrade_second_lb_run_exits_2") {
         return Ok(());
     }
     let s = Setup::new(&[], &[])?;
@@ -598,8 +602,8 @@ fn second_lb_run_exits_2() -> Result<()> {
 /// a connect loop in the cgroup never fails and never reaches lb's listener (every connect was
 /// rewritten to a server by the kernel), and a direct connection made before outlives it.
 #[test]
-fn connect_time_forwarding_across_upgrade() -> Result<()> {
-    if skip_unless_root("connect_time_forwarding_across_upgrade") {
+fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
+    if skip_unless_root("upgrade_keeps_connect_time_forwarding") {
         return Ok(());
     }
     let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
