@@ -373,14 +373,17 @@ type Failed = (String, Vec<Frozen>);
 /// Freeze every connection task and collect them.
 async fn freeze(d: &Daemon) -> Result<Vec<Frozen>, Failed> {
     let mut rx = d.proxy.freezer.freeze();
-    d.proxy.tasks.close();
-    let ended = tokio::time::timeout(Duration::from_secs(10), d.proxy.tasks.wait()).await;
-    d.proxy.tasks.reopen();
+    // Not `close()` + `wait()`: a closed tracker reads as "shutting down" to /readyz. Nothing
+    // spawns connection tasks now (the accept loops are stopped).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !d.proxy.tasks.is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let mut out = Vec::new();
     while let Ok(f) = rx.try_recv() {
         out.push(f);
     }
-    if ended.is_err() {
+    if !d.proxy.tasks.is_empty() {
         return Err(("connection tasks did not stop within 10 s".into(), out));
     }
     Ok(out)
