@@ -385,6 +385,12 @@ pub fn remember(key: ListenerKey, fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// Close this process's copies of its proxy listeners (shutdown: once the accept loops stop,
+/// the listening sockets must close, so new connects are refused rather than queued).
+pub fn forget_proxy_listeners() {
+    with_registry(|r| r.own.retain(|k, _| !matches!(k, ListenerKey::Proxy(_))));
+}
+
 /// Copies of every listening socket this process serves (for a hand-over or to serve them
 /// again after a failed one).
 ///

@@ -692,6 +692,7 @@ impl Daemon {
         {
             stop.cancel();
         }
+        crate::handover::forget_proxy_listeners();
         self.proxy.tasks.close();
         let start = Instant::now();
         if tokio::time::timeout(grace, self.proxy.tasks.wait())
