@@ -9,7 +9,8 @@
 //!    descriptors). This process goes on serving; the new one builds its balancers and
 //!    answers Ready, or Refused with the reason (another hand-over version, a config it cannot
 //!    load, a listener or data path change that needs a restart).
-//! 2. This process stops accepting (new connects wait in the shared listen backlog) and freezes
+//! 2. The checks in flight record their results; this process stops accepting (new connects
+//!    wait in the shared listen backlog) and freezes
 //!    every connection task between two awaits of its copy loop; a client still being dialed
 //!    goes over undialed.
 //! 3. Conns (sockets, unwritten bytes, counts) in batches, then State (servers' states and
@@ -207,6 +208,23 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
         Err(e) => return Err(fail("before it was ready", e, &mut child)),
     };
     info!(new_pid = child.id(), new_version = %new_version, "upgrade: the new lb is ready; handing over the connections");
+
+    // The checks in flight record their results first, so the states handed over include them
+    // (bounded by the longest check timeout; one that starts in the milliseconds before the
+    // snapshot is abandoned, and the new process checks that server again within an interval).
+    let bound = d
+        .balancers
+        .load()
+        .iter()
+        .map(|b| b.config().health.timeout.0)
+        .max()
+        .unwrap_or_default()
+        .min(Duration::from_secs(5))
+        + Duration::from_millis(100);
+    let waiting = Instant::now();
+    while d.metrics.inflight_checks.get() > 0 && waiting.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(2));
+    }
 
     // 2. Stop accepting, freeze.
     let paused = Instant::now();
