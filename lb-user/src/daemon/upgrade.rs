@@ -10,9 +10,8 @@
 //!    answers Ready, or Refused with the reason (another hand-over version, a config it cannot
 //!    load, a listener or data path change that needs a restart).
 //! 2. The checks in flight record their results; this process stops accepting (new connects
-//!    wait in the shared listen backlog) and freezes
-//!    every connection task between two awaits of its copy loop; a client still being dialed
-//!    goes over undialed.
+//!    wait in the shared listen backlog) and freezes every connection task between two awaits
+//!    of its copy loop; a client still being dialed goes over undialed.
 //! 3. Conns (sockets, unwritten bytes, counts) in batches, then State (servers' states and
 //!    counters, taken after the freeze so nothing moves afterwards).
 //! 4. The new process answers Done, starts accepting and serving, and this one exits 0 without
