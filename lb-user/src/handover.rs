@@ -134,6 +134,9 @@ pub struct BalancerSnapshot {
     pub copied_down: u64,
     /// `lb_connections_killed_total`: server, reason, count.
     pub killed: Vec<(String, String, u64)>,
+    /// `lb_health_checks_total`: server, result, count.
+    #[serde(default)]
+    pub checks: Vec<(String, String, u64)>,
 }
 
 /// One direction of a connection at the moment it was frozen.

@@ -379,6 +379,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     let accepted = s.lb.metric("lb_connections_total", "");
     let copied = s.lb.metric("lb_copied_bytes_total", "");
     let spliced = s.lb.metric("lb_spliced_bytes_total", "");
+    let checks = s.lb.metric("lb_health_checks_total", "");
     ensure!(
         accepted >= 100.0,
         "lb_connections_total {accepted} after 100 connections"
@@ -400,6 +401,10 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     ensure!(
         s.lb.metric("lb_spliced_bytes_total", "") >= spliced,
         "spliced bytes reset"
+    );
+    ensure!(
+        s.lb.metric("lb_health_checks_total", "") >= checks,
+        "health check counts reset"
     );
     // The held connections still carry bytes: an echo round trip through a new connection
     // beside them, and the holders are still there.

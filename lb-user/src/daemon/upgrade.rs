@@ -44,7 +44,7 @@ use crate::{
         self, BalancerSnapshot, ConnSnapshot, DatapathOffer, DirSnapshot, Hello, ListenerKey,
         Message, VERSION,
     },
-    metrics::{BalancerLabel, DirectionLabels, KillLabels},
+    metrics::{BalancerLabel, CheckLabels, DirectionLabels, KillLabels},
     proxy::{self, Dir, Frozen},
 };
 
@@ -513,7 +513,18 @@ fn snapshot(d: &Daemon) -> Vec<BalancerSnapshot> {
                     .map_or(0, |c| c.get())
             };
             let mut killed = Vec::new();
+            let mut checks = Vec::new();
             for server in b.server_specs() {
+                for result in ["success", "failure"] {
+                    let labels = CheckLabels {
+                        balancer: name.clone(),
+                        server: server.to_string(),
+                        result: result.into(),
+                    };
+                    if let Some(c) = m.health_checks.get(&labels) {
+                        checks.push((labels.server, labels.result, c.get()));
+                    }
+                }
                 for reason in crate::balancer::KillReason::ALL {
                     let labels = KillLabels {
                         balancer: name.clone(),
@@ -536,6 +547,7 @@ fn snapshot(d: &Daemon) -> Vec<BalancerSnapshot> {
                 copied_up: copied("client_to_server"),
                 copied_down: copied("server_to_client"),
                 killed,
+                checks,
                 name,
             }
         })
@@ -567,6 +579,15 @@ impl Daemon {
                 .inc_by(s.copied_up);
             m.copied_counter(&s.name, "server_to_client")
                 .inc_by(s.copied_down);
+            for (server, result, n) in &s.checks {
+                m.health_checks
+                    .get_or_create(&CheckLabels {
+                        balancer: s.name.clone(),
+                        server: server.clone(),
+                        result: result.clone(),
+                    })
+                    .inc_by(*n);
+            }
             for (server, reason, n) in &s.killed {
                 m.connections_killed
                     .get_or_create(&KillLabels {
