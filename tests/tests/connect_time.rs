@@ -80,17 +80,23 @@ impl Drop for Setup {
     }
 }
 
+/// [`CONFIG`] for `hosts` on :9000 with `policy` and these check settings (milliseconds); its
+/// `{port}` is left for [`Setup::with_config`].
+fn config(hosts: &[Host], policy: &str, interval_ms: u64, timeout_ms: u64, fall: u64) -> String {
+    CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(hosts, 9000))
+        .replace("{policy}", policy)
+        .replace("{interval}", &interval_ms.to_string())
+        .replace("{timeout}", &timeout_ms.to_string())
+        .replace("{fall}", &fall.to_string())
+}
+
 impl Setup {
     /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
     /// forwarding; returns once no server is UNCHECKED and the table was written.
     fn new(policy: &str) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let text = CONFIG
-            .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-            .replace("{policy}", policy)
-            .replace("{interval}", &INTERVAL_MS.to_string())
-            .replace("{timeout}", &TIMEOUT_MS.to_string())
-            .replace("{fall}", &FALL.to_string());
+        let text = config(&hosts, policy, INTERVAL_MS, TIMEOUT_MS, FALL);
         Setup::with_config(hosts, &text)
     }
 
@@ -917,12 +923,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string())
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
         .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
     ensure!(text.contains("\"keep\""), "config template changed");
     let s = Setup::with_config(hosts, &text)?;
@@ -971,16 +972,10 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     // A second listener on the root side of s0's link, which a client inside s0's namespace
     // reaches; its connects are rewritten to s0 itself, in that namespace.
     let gateway = hosts[0].gateway;
-    let text = CONFIG
-        .replace(
-            "listen = [\"127.0.0.1:{port}\"]",
-            &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
-        )
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string());
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL).replace(
+        "listen = [\"127.0.0.1:{port}\"]",
+        &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
+    );
     ensure!(
         text.contains(&gateway.to_string()),
         "config template changed"
@@ -1058,12 +1053,7 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
     }
     // Checks that a server busy accepting 10,000 connections passes in time.
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", "1000")
-        .replace("{timeout}", "1000")
-        .replace("{fall}", "5");
+    let text = config(&hosts, "failover", 1000, 1000, 5);
     let s = Setup::with_config(hosts, &text)?;
     let max_ms = if timed() { "120000" } else { "600000" };
     let idle = Holder::spawn(
@@ -1126,13 +1116,8 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     // Another program owns cgroup/connect4 exclusively: the kernel refuses lb's.
     cg.occupy_connect4()?;
     let port = free_port()?;
-    let text = CONFIG
-        .replace("{port}", &port.to_string())
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string());
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
+        .replace("{port}", &port.to_string());
     let config = std::env::temp_dir().join(format!(
         "lb-connect-refused-{}-{port}.toml",
         std::process::id()
