@@ -193,21 +193,28 @@ impl Setup {
         ))
     }
 
-    /// `lb servers kill` server `i` through the CLI.
-    fn kill_server(&self, i: usize) -> Result<()> {
+    /// `lb servers --balancer api <args>` through the CLI (the admin API).
+    fn servers_cmd(&self, args: &[&str]) -> Result<()> {
         let out = std::process::Command::new(lb_tests::lb_bin())
-            .args([
-                "servers",
-                "--balancer",
-                "api",
-                "kill",
-                &self.server(i),
-                "--admin",
-                &self.lb.admin.to_string(),
-            ])
+            .args(["servers", "--balancer", "api"])
+            .args(args)
+            .args(["--admin", &self.lb.admin.to_string()])
             .output()?;
-        ensure!(out.status.success(), "lb servers kill: {out:?}");
+        ensure!(out.status.success(), "lb servers {args:?}: {out:?}");
         Ok(())
+    }
+
+    /// `lb servers kill` server `i`.
+    fn kill_server(&self, i: usize) -> Result<()> {
+        self.servers_cmd(&["kill", &self.server(i)])
+    }
+
+    /// `lb_connections_killed_total` for `reason`.
+    fn killed(&self, reason: &str) -> f64 {
+        self.lb.metric(
+            "lb_connections_killed_total",
+            &format!("reason=\"{reason}\""),
+        )
     }
 
     fn peer(&self, place: &Place<'_>) -> Result<Value> {
@@ -1167,5 +1174,91 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     );
     drop(lb);
     drop(hosts);
+    Ok(())
+}
+
+#[test]
+fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<()> {
+    if skip("connect_time_failback_moves_clients_back_to_the_recovered_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let holders = (0..3)
+        .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
+        .collect::<Result<Vec<_>>>()?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "{ev}");
+    }
+    s.hosts[0].blackhole(true)?;
+    s.wait_s0_failed(Instant::now(), Duration::from_secs(10))?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s1", "after the failover: {ev}");
+    }
+    let t = Instant::now();
+    s.hosts[0].blackhole(false)?;
+    // s0 passes its next check (rise 1) and wins fail-back: the clients on s1 are reset and
+    // their reconnects go to s0.
+    for h in &holders {
+        let closed = h.wait_for("closed", Duration::from_secs(10))?;
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "{closed}"
+        );
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "after the fail-back: {ev}");
+    }
+    eprintln!(
+        "fail-back: three connect-time clients back on s0 {:.3} s after the blackhole ended",
+        t.elapsed().as_secs_f64()
+    );
+    let failback = s.killed("failback");
+    ensure!(failback == 3.0, "killed for fail-back: {failback}, want 3");
+    Ok(())
+}
+
+#[test]
+fn connect_time_server_removed_through_the_api_resets_its_clients() -> Result<()> {
+    if skip("connect_time_server_removed_through_the_api_resets_its_clients") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    s.servers_cmd(&["remove", &s.server(0)])?;
+    let closed = h.wait_for("closed", Duration::from_secs(5))?;
+    eprintln!(
+        "server removed: its connect-time client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    let ev = h.wait_for("connected", Duration::from_secs(5))?;
+    ensure!(ev["server"] == "s1", "the reconnect should go to s1: {ev}");
+    ensure!(
+        s.killed("removed") == 1.0,
+        "killed for removal: {}",
+        s.killed("removed")
+    );
+    let st = s.lb.status()?;
+    let servers = st["balancers"][0]["servers"]
+        .as_array()
+        .context("servers")?;
+    ensure!(
+        servers.len() == 1 && servers[0]["address"] == s.server(1).as_str(),
+        "s0 should be gone: {st}"
+    );
+    // Later connects never reach s0 again.
+    for _ in 0..5 {
+        let v = s.peer(&s.place())?;
+        ensure!(v["server"] == "s1", "{v}");
+    }
     Ok(())
 }
