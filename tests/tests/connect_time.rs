@@ -80,17 +80,23 @@ impl Drop for Setup {
     }
 }
 
+/// [`CONFIG`] for `hosts` on :9000 with `policy` and these check settings (milliseconds); its
+/// `{port}` is left for [`Setup::with_config`].
+fn config(hosts: &[Host], policy: &str, interval_ms: u64, timeout_ms: u64, fall: u64) -> String {
+    CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(hosts, 9000))
+        .replace("{policy}", policy)
+        .replace("{interval}", &interval_ms.to_string())
+        .replace("{timeout}", &timeout_ms.to_string())
+        .replace("{fall}", &fall.to_string())
+}
+
 impl Setup {
     /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
     /// forwarding; returns once no server is UNCHECKED and the table was written.
     fn new(policy: &str) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let text = CONFIG
-            .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-            .replace("{policy}", policy)
-            .replace("{interval}", &INTERVAL_MS.to_string())
-            .replace("{timeout}", &TIMEOUT_MS.to_string())
-            .replace("{fall}", &FALL.to_string());
+        let text = config(&hosts, policy, INTERVAL_MS, TIMEOUT_MS, FALL);
         Setup::with_config(hosts, &text)
     }
 
@@ -187,21 +193,28 @@ impl Setup {
         ))
     }
 
-    /// `lb servers kill` server `i` through the CLI.
-    fn kill_server(&self, i: usize) -> Result<()> {
+    /// `lb servers --balancer api <args>` through the CLI (the admin API).
+    fn servers_cmd(&self, args: &[&str]) -> Result<()> {
         let out = std::process::Command::new(lb_tests::lb_bin())
-            .args([
-                "servers",
-                "--balancer",
-                "api",
-                "kill",
-                &self.server(i),
-                "--admin",
-                &self.lb.admin.to_string(),
-            ])
+            .args(["servers", "--balancer", "api"])
+            .args(args)
+            .args(["--admin", &self.lb.admin.to_string()])
             .output()?;
-        ensure!(out.status.success(), "lb servers kill: {out:?}");
+        ensure!(out.status.success(), "lb servers {args:?}: {out:?}");
         Ok(())
+    }
+
+    /// `lb servers kill` server `i`.
+    fn kill_server(&self, i: usize) -> Result<()> {
+        self.servers_cmd(&["kill", &self.server(i)])
+    }
+
+    /// `lb_connections_killed_total` for `reason`.
+    fn killed(&self, reason: &str) -> f64 {
+        self.lb.metric(
+            "lb_connections_killed_total",
+            &format!("reason=\"{reason}\""),
+        )
     }
 
     fn peer(&self, place: &Place<'_>) -> Result<Value> {
@@ -834,13 +847,14 @@ on_unhealthy = "kill"
 
 #[test]
 fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
-    // Seen on 6.18; in the Debian 6.1 guest no RTO event reached lb and the server was never
-    // FAILED (an open question of issue 16; the health check still fails such a server).
+    // Seen on the 6.18 host; in the Debian 6.1 and 6.12 guests the connection was counted
+    // (established) but no RTO event reached lb within 60 s and the server was never FAILED
+    // (not understood yet; the health check still fails such a server).
     if skip("connect_time_retransmission_timeout_counts_as_a_reset")
         || lb_tests::skip_unless_kernel(
             "connect_time_retransmission_timeout_counts_as_a_reset",
-            (6, 12),
-            "RTO events of connect-time sockets reaching lb (not seen on 6.1)",
+            (6, 13),
+            "RTO events of connect-time sockets reaching lb (seen on 6.18, not on 6.1 or 6.12)",
         )
     {
         return Ok(());
@@ -916,12 +930,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string())
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
         .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
     ensure!(text.contains("\"keep\""), "config template changed");
     let s = Setup::with_config(hosts, &text)?;
@@ -970,16 +979,10 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     // A second listener on the root side of s0's link, which a client inside s0's namespace
     // reaches; its connects are rewritten to s0 itself, in that namespace.
     let gateway = hosts[0].gateway;
-    let text = CONFIG
-        .replace(
-            "listen = [\"127.0.0.1:{port}\"]",
-            &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
-        )
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string());
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL).replace(
+        "listen = [\"127.0.0.1:{port}\"]",
+        &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
+    );
     ensure!(
         text.contains(&gateway.to_string()),
         "config template changed"
@@ -1057,12 +1060,7 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
     }
     // Checks that a server busy accepting 10,000 connections passes in time.
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", "1000")
-        .replace("{timeout}", "1000")
-        .replace("{fall}", "5");
+    let text = config(&hosts, "failover", 1000, 1000, 5);
     let s = Setup::with_config(hosts, &text)?;
     let max_ms = if timed() { "120000" } else { "600000" };
     let idle = Holder::spawn(
@@ -1125,13 +1123,8 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     // Another program owns cgroup/connect4 exclusively: the kernel refuses lb's.
     cg.occupy_connect4()?;
     let port = free_port()?;
-    let text = CONFIG
-        .replace("{port}", &port.to_string())
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{policy}", "failover")
-        .replace("{interval}", &INTERVAL_MS.to_string())
-        .replace("{timeout}", &TIMEOUT_MS.to_string())
-        .replace("{fall}", &FALL.to_string());
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
+        .replace("{port}", &port.to_string());
     let config = std::env::temp_dir().join(format!(
         "lb-connect-refused-{}-{port}.toml",
         std::process::id()
@@ -1181,5 +1174,91 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     );
     drop(lb);
     drop(hosts);
+    Ok(())
+}
+
+#[test]
+fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<()> {
+    if skip("connect_time_failback_moves_clients_back_to_the_recovered_server") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let holders = (0..3)
+        .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
+        .collect::<Result<Vec<_>>>()?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "{ev}");
+    }
+    s.hosts[0].blackhole(true)?;
+    s.wait_s0_failed(Instant::now(), Duration::from_secs(10))?;
+    for h in &holders {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s1", "after the failover: {ev}");
+    }
+    let t = Instant::now();
+    s.hosts[0].blackhole(false)?;
+    // s0 passes its next check (rise 1) and wins fail-back: the clients on s1 are reset and
+    // their reconnects go to s0.
+    for h in &holders {
+        let closed = h.wait_for("closed", Duration::from_secs(10))?;
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "{closed}"
+        );
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "after the fail-back: {ev}");
+    }
+    eprintln!(
+        "fail-back: three connect-time clients back on s0 {:.3} s after the blackhole ended",
+        t.elapsed().as_secs_f64()
+    );
+    let failback = s.killed("failback");
+    ensure!(failback == 3.0, "killed for fail-back: {failback}, want 3");
+    Ok(())
+}
+
+#[test]
+fn connect_time_server_removed_through_the_api_resets_its_clients() -> Result<()> {
+    if skip("connect_time_server_removed_through_the_api_resets_its_clients") {
+        return Ok(());
+    }
+    let s = Setup::new("failover")?;
+    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    s.servers_cmd(&["remove", &s.server(0)])?;
+    let closed = h.wait_for("closed", Duration::from_secs(5))?;
+    eprintln!(
+        "server removed: its connect-time client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    let ev = h.wait_for("connected", Duration::from_secs(5))?;
+    ensure!(ev["server"] == "s1", "the reconnect should go to s1: {ev}");
+    ensure!(
+        s.killed("removed") == 1.0,
+        "killed for removal: {}",
+        s.killed("removed")
+    );
+    let st = s.lb.status()?;
+    let servers = st["balancers"][0]["servers"]
+        .as_array()
+        .context("servers")?;
+    ensure!(
+        servers.len() == 1 && servers[0]["address"] == s.server(1).as_str(),
+        "s0 should be gone: {st}"
+    );
+    // Later connects never reach s0 again.
+    for _ in 0..5 {
+        let v = s.peer(&s.place())?;
+        ensure!(v["server"] == "s1", "{v}");
+    }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy, the unit and integration tests
-//! on the host kernel, the quick bench, and the integration tests in the kernel 6.1 guest; it
-//! closes with one line of counts.
+//! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest and the
+//! connect-time tests in the 6.12 guest; it closes with one line of counts.
 
 use anyhow::Result;
 
@@ -63,32 +63,38 @@ pub fn run() -> Result<()> {
         }
     }
     // The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG
-    // here, plus the musl build). `LB_VM_TEST=0` leaves it out, saying so.
-    let vm_result = if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
-        eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 VM run is left out");
-        Ok(())
+    // here, plus the musl build), and the connect-time tests on 6.12 as well (about 3 min).
+    // `LB_VM_TEST=0` leaves them out, saying so.
+    let mut vm_result = Ok(());
+    if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
+        eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 and 6.12 VM runs are left out");
     } else {
-        let vm_start = std::time::Instant::now();
-        let r = vm::run(&["6.1"], vm::DEFAULT_TIMEOUT, &[]).and_then(|outcomes| {
-            for o in &outcomes {
-                counts.add(&o.counts);
-                // A guest that never reported still counts as a failure in the closing line.
-                if !o.ok() && o.counts.failed == 0 {
-                    counts.failed += 1;
+        for (kernel, filter) in [("6.1", None), ("6.12", Some("connect_time"))] {
+            let vm_start = std::time::Instant::now();
+            let args: Vec<String> = filter.into_iter().map(str::to_string).collect();
+            let failed_before = counts.failed;
+            let r = vm::run(&[kernel], vm::DEFAULT_TIMEOUT, &args).and_then(|outcomes| {
+                for o in &outcomes {
+                    counts.add(&o.counts);
+                    // A guest that never reported still counts as a failure in the closing line.
+                    if !o.ok() && o.counts.failed == 0 {
+                        counts.failed += 1;
+                    }
                 }
+                vm::verdict(&outcomes)
+            });
+            eprintln!(
+                "xtask: kernel {kernel} VM run{} took {:.0} s",
+                filter.map(|f| format!(" ({f} tests)")).unwrap_or_default(),
+                vm_start.elapsed().as_secs_f64()
+            );
+            if r.is_err() && counts.failed == failed_before {
+                // The build or the run itself failed before any count.
+                counts.failed += 1;
             }
-            vm::verdict(&outcomes)
-        });
-        eprintln!(
-            "xtask: kernel 6.1 VM run took {:.0} s",
-            vm_start.elapsed().as_secs_f64()
-        );
-        if r.is_err() && counts.failed == 0 {
-            // The build or the run itself failed before any count.
-            counts.failed += 1;
+            vm_result = vm_result.and(r);
         }
-        r
-    };
+    }
     eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
     let privilege = close(&counts);
     result.and(vm_result).and(privilege)
