@@ -75,6 +75,10 @@ pub struct Hello {
     pub admin_unix: Option<(PathBuf, usize)>,
     /// The kernel data path, when the old process runs it.
     pub datapath: Option<DatapathOffer>,
+    /// The forwarding each of the old process's balancers asked for (`splice`, `connect`), by
+    /// balancer name: an upgrade cannot change it (the connect-time programs and tables belong
+    /// to the running data path).
+    pub forwarding: Vec<(String, String)>,
 }
 
 /// The kernel data path as handed over: maps and cgroup links by descriptor.
@@ -175,7 +179,7 @@ pub struct ConnSnapshot {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Message {
     /// old → new: the listeners and the kernel data path.
-    Hello(Hello),
+    Hello(Box<Hello>),
     /// new → old: ready to take the connections (it serves nothing yet).
     Ready {
         /// The new process's version string.
@@ -376,6 +380,15 @@ pub fn put_inherited(key: ListenerKey, fd: OwnedFd) {
 /// The inherited listening socket for `key`, once.
 pub fn take_inherited(key: &ListenerKey) -> Option<OwnedFd> {
     with_registry(|r| r.inherited.remove(key))
+}
+
+/// Close the inherited listening sockets nobody took (an admin address the new config no
+/// longer names): otherwise they would accept connections nobody serves once the old process
+/// is gone. Returns what was closed; a unix socket's file is the caller's to remove once the
+/// hand-over is done (the old process serves it until then, and again if the hand-over fails).
+pub fn close_unused_inherited() -> Vec<ListenerKey> {
+    let left: Vec<(ListenerKey, OwnedFd)> = with_registry(|r| r.inherited.drain().collect());
+    left.into_iter().map(|(key, _fd)| key).collect()
 }
 
 /// Keep a copy of a listening socket this process serves, to hand it over later.

@@ -637,3 +637,109 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     }
     Ok(())
 }
+
+/// `lb upgrade` twice back to back: both succeed, the second answered by the first one's new
+/// lb, and an admin change made at once lands in the lb that serves on (the old lb stops
+/// accepting on the admin API when a hand-over starts, the new one starts once it has the
+/// state). Then an upgrade whose config changes a balancer's forwarding is refused, naming it,
+/// and the running lb serves on.
+#[test]
+fn upgrade_back_to_back_admin_follows_and_forwarding_is_kept() -> Result<()> {
+    if skip_unless_root("upgrade_back_to_back_admin_follows_and_forwarding_is_kept") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let port = free_port()?;
+    let text = format!(
+        "[datapath]\nmode = \"bpf\"\ncgroup = \"{}\"\nforwarding = \"splice\"\n\n\
+         [[balancer]]\nname = \"api\"\nlisten = [\"127.0.0.1:{port}\"]\nservers = [{}]\n",
+        cg.path.display(),
+        lb_tests::toml_addrs(&hosts, 9000)
+    );
+    let config = std::env::temp_dir().join(format!(
+        "lb-upgrade-forwarding-{}-{port}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&config, &text)?;
+    let started = UpLb::start(&["--config", &config.display().to_string()], &[]);
+    let mut lb = match started {
+        Ok(lb) => lb,
+        Err(e) => {
+            let _ = std::fs::remove_file(&config);
+            return Err(e);
+        }
+    };
+    let r = (|| -> Result<()> {
+        wait_settled(&lb)?;
+        let raw_upgrade = |admin: SocketAddr| -> Result<Value> {
+            let mut cmd = Command::new(lb_bin());
+            cmd.args(["upgrade", "--admin", &admin.to_string(), "--output", "json"]);
+            let out = output_within(cmd, Duration::from_secs(120))?;
+            ensure!(
+                out.status.success(),
+                "lb upgrade failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(serde_json::from_slice(&out.stdout)?)
+        };
+        let first = raw_upgrade(lb.admin)?;
+        let second = raw_upgrade(lb.admin)?;
+        let s1 = hosts[1].addr(9000).to_string();
+        let out = Command::new(lb_bin())
+            .args(["servers", "--balancer", "api", "drain", &s1, "--admin"])
+            .arg(lb.admin.to_string())
+            .output()?;
+        ensure!(out.status.success(), "lb servers drain: {out:?}");
+        println!("back to back: {first} then {second}");
+        ensure!(
+            second["old_pid"] == first["new_pid"],
+            "the second upgrade should be answered by the first one's new lb: {first} {second}"
+        );
+        for old in [&first["old_pid"], &second["old_pid"]] {
+            let old = u32::try_from(old.as_u64().context("old_pid")?)?;
+            lb.wait_gone(old, Duration::from_secs(10))?;
+        }
+        lb.pid = u32::try_from(second["new_pid"].as_u64().context("new_pid")?)?;
+        let st = lb.status()?;
+        let held = st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .find(|s| s["address"] == s1.as_str())
+            .map(|s| s["hold"].clone());
+        ensure!(
+            held == Some(Value::from("drain")),
+            "the drain made right after the upgrades should be in the serving lb: {st}"
+        );
+
+        std::fs::write(&config, text.replace("\"splice\"", "\"connect\""))?;
+        let pid = lb.pid;
+        let out = lb.upgrade()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        println!("forwarding change: {err}");
+        ensure!(
+            out.status.code() == Some(1),
+            "lb upgrade exited {}: {err}",
+            out.status
+        );
+        ensure!(
+            err.contains(
+                "balancer api: forwarding splice in the running lb, connect in the new config"
+            ),
+            "the refusal should name the change: {err}"
+        );
+        ensure!(lb.pid == pid, "the running lb should serve on");
+        let v = run_client(
+            &Place::cgroup(&cg.path),
+            format!("127.0.0.1:{port}").parse()?,
+            &["rr", "10", "64"],
+            T,
+        )?;
+        ensure!(v["ok"] == true, "the running lb should still serve: {v}");
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&config);
+    r
+}

@@ -405,10 +405,21 @@ async fn accept_loop(
     shutdown: CancellationToken,
     conns: TaskTracker,
     limit: Arc<tokio::sync::Semaphore>,
+    mut gate: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
+        // Closed during a hand-over: connections wait in the backlog for whichever process
+        // serves on.
+        if !*gate.borrow_and_update() {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                r = gate.wait_for(|open| *open) => if r.is_err() { break },
+            }
+            continue;
+        }
         let io = tokio::select! {
             () = shutdown.cancelled() => break,
+            r = gate.changed() => if r.is_err() { break } else { continue },
             r = listener.accept() => match r {
                 Ok(io) => io,
                 Err(e) => {
@@ -565,6 +576,7 @@ async fn serve(
             shutdown.clone(),
             conns.clone(),
             limit.clone(),
+            daemon.admin_gate(),
         ))),
         Err(e) => error!(error = %e, "admin listener"),
     }
@@ -576,6 +588,7 @@ async fn serve(
                 shutdown.clone(),
                 conns.clone(),
                 limit.clone(),
+                daemon.admin_gate(),
             ))),
             Err(e) => error!(error = %e, "admin unix listener"),
         }

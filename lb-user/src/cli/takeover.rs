@@ -143,9 +143,13 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
         };
         let d = Daemon::start_with(cfg, config_path, overrides, Some(takeover)).await?;
         crate::admin::start(d.handle()).await?;
-        anyhow::Ok(d)
+        let unused = handover::close_unused_inherited();
+        for key in &unused {
+            info!(listener = ?key, "closed an inherited listener the new config does not name");
+        }
+        anyhow::Ok((d, unused))
     });
-    let daemon = daemon.map_err(|e| refuse(format!("{e:#}")))?;
+    let (daemon, unused) = daemon.map_err(|e| refuse(format!("{e:#}")))?;
     handover::send(
         sock,
         &Message::Ready {
@@ -190,13 +194,46 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     handover::send(sock, &Message::Done { conns: adopted }, &[], &[])
         .map_err(|e| refuse(e.to_string()))?;
     go.cancel();
+    // The old admin unix socket this config no longer names: its file goes with the old lb.
+    for key in unused {
+        if let handover::ListenerKey::AdminUnix(path) = key {
+            let _ = std::fs::remove_file(path);
+        }
+    }
     info!(connections = adopted, "took over: serving");
     super::run::sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
     Ok(super::run::serve(&rt, &daemon))
 }
 
-/// What an upgrade cannot change: the listeners, the data path, the cgroup.
+/// What an upgrade cannot change: the listeners, the data path, the cgroup, a balancer's
+/// forwarding (and no new balancer may ask for `connect` when the running lb has none).
 fn compatible(cfg: &Config, hello: &Hello) -> Result<(), String> {
+    compatible_listeners(cfg, hello)?;
+    compatible_datapath(cfg, hello)?;
+    let running_connect = hello.forwarding.iter().any(|(_, f)| f == "connect");
+    for b in &cfg.balancers {
+        let want = cfg.forwarding_of(b).to_string();
+        match hello.forwarding.iter().find(|(name, _)| *name == b.name) {
+            Some((_, had)) if *had != want => {
+                return Err(format!(
+                    "balancer {}: forwarding {had} in the running lb, {want} in the new config: an upgrade keeps the connect-time programs and tables as they are, restart lb to change it",
+                    b.name
+                ));
+            }
+            None if want == "connect" && !running_connect => {
+                return Err(format!(
+                    "balancer {}: forwarding = \"connect\" but the running lb has no connect-time programs attached (none of its balancers asked for them): restart lb to turn it on",
+                    b.name
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The listeners must be the running lb's.
+fn compatible_listeners(cfg: &Config, hello: &Hello) -> Result<(), String> {
     let mut want: Vec<_> = cfg
         .balancers
         .iter()
@@ -218,6 +255,11 @@ fn compatible(cfg: &Config, hello: &Hello) -> Result<(), String> {
             show(&want)
         ));
     }
+    Ok(())
+}
+
+/// The data path mode and cgroup must be the running lb's.
+fn compatible_datapath(cfg: &Config, hello: &Hello) -> Result<(), String> {
     match (&hello.datapath, cfg.datapath.mode) {
         (Some(_), DatapathMode::Userspace) => Err(
             "the running lb has the kernel data path and the new config asks for userspace: restart lb to change it".into(),

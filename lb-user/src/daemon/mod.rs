@@ -60,6 +60,11 @@ pub struct Daemon {
     runtime: tokio::runtime::Handle,
     /// Fired once this process handed everything to a new lb (`lb upgrade`): it must exit.
     handed_over: CancellationToken,
+    /// Whether the admin API accepts connections: closed while a hand-over is in flight (in
+    /// both processes) and, after one, for good in the old process, so every admin request is
+    /// answered by the process whose state it reads or changes. Connections wait in the shared
+    /// listen backlog meanwhile.
+    admin_gate: tokio::sync::watch::Sender<bool>,
 }
 
 /// What a new process takes over from the lb it replaces (see [`upgrade`]).
@@ -501,7 +506,16 @@ impl Daemon {
             listeners: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
             handed_over: CancellationToken::new(),
+            admin_gate: tokio::sync::watch::Sender::new(!taking_over),
         });
+        if taking_over {
+            // The new process's admin API opens once the state is taken over (Done).
+            let (d, go) = (daemon.clone(), go.clone());
+            tokio::spawn(async move {
+                go.cancelled().await;
+                d.admin_gate.send_replace(true);
+            });
+        }
 
         // Listeners first: a bind failure is fatal and nothing else has started.
         let mut bound = Vec::new();
@@ -793,6 +807,11 @@ impl Handle {
     /// Fired when the daemon stops.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.0.shutdown.clone()
+    }
+
+    /// Whether the admin API may accept now (see the hand-over in [`upgrade`]).
+    pub fn admin_gate(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.0.admin_gate.subscribe()
     }
 
     /// Hand everything to a new lb started from lb's binary (`lb upgrade`); this process

@@ -59,11 +59,30 @@ const CONNS_PER_FRAME: usize = handover::MAX_FDS_PER_FRAME / 2;
 /// upgrade `/proc/self/exe` names a deleted file).
 static COMMAND: OnceLock<(PathBuf, Vec<std::ffi::OsString>)> = OnceLock::new();
 
-/// Record the binary and arguments an upgrade restarts. Call once, at start.
+/// Record the binary and arguments an upgrade restarts. Call once, at start. The binary is the
+/// path lb was started by (`argv[0]`, made absolute against the working directory, or found in
+/// `PATH` when it has no `/`), symlinks left unresolved, so a symlink switched to a new version
+/// (alternatives, a versioned directory) starts that version; `/proc/self/exe` only when
+/// neither names a file.
 pub fn record_command() {
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    let exe = invoked_path().unwrap_or_else(|| {
+        std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"))
+    });
     let args = std::env::args_os().skip(1).collect();
     let _ = COMMAND.set((exe, args));
+}
+
+/// The path this process was started by, as an absolute path, if it names a file.
+fn invoked_path() -> Option<PathBuf> {
+    let arg0 = PathBuf::from(std::env::args_os().next()?);
+    let found = if arg0.as_os_str().as_encoded_bytes().contains(&b'/') {
+        std::env::current_dir().ok()?.join(arg0)
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|dir| dir.join(&arg0))
+            .find(|p| p.is_file())?
+    };
+    found.is_file().then_some(found)
 }
 
 /// A finished hand-over.
@@ -194,7 +213,7 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
     // 1. Hello.
     let (hello, fds) = hello(d)?;
     let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
-    handover::send(&sock, &Message::Hello(hello), &borrowed, &[])
+    handover::send(&sock, &Message::Hello(Box::new(hello)), &borrowed, &[])
         .map_err(|e| fail("while taking the listeners", e, &mut child))?;
     drop(borrowed);
     drop(fds);
@@ -339,7 +358,7 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
         Some(dp) => {
             let ex = dp.export().map_err(|e| {
                 format!(
-                    "cannot hand over the kernel data path: {}",
+                    "cannot hand over the kernel data path (copying BPF map and link descriptors needs CAP_SYS_ADMIN): {}",
                     crate::errors::chain(&e)
                 )
             })?;
@@ -369,6 +388,13 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
         admin_tcp,
         admin_unix,
         datapath,
+        forwarding: {
+            let cfg = d.config.load_full();
+            cfg.balancers
+                .iter()
+                .map(|b| (b.name.clone(), cfg.forwarding_of(b).to_string()))
+                .collect()
+        },
     };
     Ok((hello, fds))
 }
@@ -376,6 +402,8 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
 /// Stop every accept loop (the listening sockets stay open: the new process has them, and
 /// this one keeps copies to serve again if the hand-over fails). Returns their addresses.
 fn stop_accepting(d: &Daemon) -> Vec<std::net::SocketAddr> {
+    // The admin API too: a request now would read or change state that is being handed over.
+    d.admin_gate.send_replace(false);
     let mut l = d.listeners.lock().unwrap_or_else(|p| p.into_inner());
     l.drain(..)
         .map(|(addr, stop)| {
@@ -414,6 +442,7 @@ fn resume(
     stopped: &[std::net::SocketAddr],
 ) {
     let _g = rt.enter();
+    d.admin_gate.send_replace(true);
     d.proxy.freezer.thaw();
     let n = frozen.len();
     let go = CancellationToken::new();
