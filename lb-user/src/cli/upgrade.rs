@@ -1,7 +1,8 @@
 //! `lb upgrade`: ask the running daemon (`POST /upgrade`) to hand everything to a new lb started
 //! from the binary now at its path, without dropping a connection. Exit 0 once the new process
 //! serves (the old one exits), 1 with the reason when it did not take over (the old one serves
-//! on unchanged), 2 for a bad request.
+//! on unchanged) or the admin API refused or could not be reached, 2 when the command itself
+//! cannot run (a bad flag, an unreadable token file).
 
 use std::process::ExitCode;
 
