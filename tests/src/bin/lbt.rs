@@ -112,6 +112,10 @@ enum Action {
         /// Each connection sends a pseudo-random size in 0..=bytes (so they end in random order).
         #[arg(long)]
         random: bool,
+        /// Each connection waits this long after its head line before the data (lets lb pair
+        /// it first, so the data starts on the splice).
+        #[arg(long, default_value_t = 0)]
+        pause_ms: u64,
     },
     /// Upload n bytes from a non-blocking (epoll) client; reports CPU time used.
     EpollUp {
@@ -652,6 +656,7 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             conns,
             bytes,
             random,
+            pause_ms,
         } => {
             let handles: Vec<_> = (0..conns)
                 .map(|i| {
@@ -677,7 +682,7 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
                                 seed,
                                 stall_ms: None,
                                 stall_after: 0,
-                                pause_ms: 0,
+                                pause_ms,
                             },
                         )
                     })
