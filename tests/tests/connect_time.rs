@@ -224,6 +224,22 @@ impl Setup {
     }
 }
 
+/// Wait (at most 5 s) for holder `h`'s connection to end, print how and when (`what`, timed from
+/// `t`), and require a reset or an abort, not a clean close.
+fn expect_reset(h: &Holder, what: &str, t: Instant) -> Result<()> {
+    let closed = h.wait_for("closed", Duration::from_secs(5))?;
+    eprintln!(
+        "{what}: client {} after {:.3} s",
+        closed["how"],
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    Ok(())
+}
+
 /// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
 fn skip(name: &str) -> bool {
     skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
@@ -389,16 +405,7 @@ fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
     let t = Instant::now();
     s.kill_server(0)?;
-    let closed = h.wait_for("closed", Duration::from_secs(5))?;
-    eprintln!(
-        "lb servers kill: client {} after {:.3} s",
-        closed["how"],
-        t.elapsed().as_secs_f64()
-    );
-    ensure!(
-        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
-        "{closed}"
-    );
+    expect_reset(&h, "lb servers kill", t)?;
     // A kill is not a failure: the client reconnects to s0 again.
     let ev = h.wait_for("connected", Duration::from_secs(5))?;
     ensure!(ev["server"] == "s0", "{ev}");
@@ -1230,16 +1237,7 @@ fn connect_time_server_removed_through_the_api_resets_its_clients() -> Result<()
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
     let t = Instant::now();
     s.servers_cmd(&["remove", &s.server(0)])?;
-    let closed = h.wait_for("closed", Duration::from_secs(5))?;
-    eprintln!(
-        "server removed: its connect-time client {} after {:.3} s",
-        closed["how"],
-        t.elapsed().as_secs_f64()
-    );
-    ensure!(
-        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
-        "{closed}"
-    );
+    expect_reset(&h, "server removed, its connect-time", t)?;
     let ev = h.wait_for("connected", Duration::from_secs(5))?;
     ensure!(ev["server"] == "s1", "the reconnect should go to s1: {ev}");
     ensure!(
