@@ -126,7 +126,7 @@ fn run(policy: Policy, seed: u64, steps: usize) {
             3 => {
                 if let Some(first) = b.dial_order().first() {
                     b.record_dial(first, Ok(()));
-                    guards.push(b.register(first));
+                    guards.push(b.register(first, None));
                 }
             }
             4 => {

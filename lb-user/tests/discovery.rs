@@ -89,7 +89,7 @@ discovery = {{ kind = "file", path = "{}", interval = "100ms" }}
     assert!(st.last_error.is_none() && st.last_success.is_some());
 
     // A connection to .1002, which then leaves the list: it is closed as removed.
-    let guard = b.register(&ServerAddr::parse("127.0.0.1:1002").unwrap());
+    let guard = b.register(&ServerAddr::parse("127.0.0.1:1002").unwrap(), None);
     assert!(!guard.cancel.is_cancelled());
     write(
         &list,

@@ -1014,7 +1014,7 @@ fn node_kill_destroys_a_loopback_connection() {
 async fn failing_check_kills_ten_thousand_connections_quickly() {
     let down = closed_port().await.to_string();
     let b = balancer(std::slice::from_ref(&down), cfg(CheckKind::Tcp));
-    let guards: Vec<_> = (0..10_000).map(|_| b.register(&sa(&down))).collect();
+    let guards: Vec<_> = (0..10_000).map(|_| b.register(&sa(&down), None)).collect();
     assert_eq!(b.connection_count(), 10_000);
     let svc = HealthService::new(Arc::new(Metrics::new()), TaskTracker::new());
     let start = Instant::now();

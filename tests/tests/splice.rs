@@ -565,3 +565,51 @@ fn blocking_splice_off_sends_a_blocking_client_to_the_copy_path() -> Result<()> 
     );
     Ok(())
 }
+
+/// A kill resets the clients of a thousand proxied connections in the kernel (`SOCK_DESTROY`
+/// of lb's accepted sockets, a batch per system call) before their tasks run: every client
+/// sees a reset, none a clean close, and lb's log says how many the kernel reset.
+#[test]
+fn kill_resets_a_thousand_clients_in_the_kernel() -> Result<()> {
+    if skip_unless_root("kill_resets_a_thousand_clients_in_the_kernel") {
+        return Ok(());
+    }
+    const MANY: u64 = 1000;
+    let f = Fixture::new("127.0.0.1")?;
+    let idle = lb_tests::Holder::spawn(
+        &f.place(),
+        f.listen.parse()?,
+        &["idle", &MANY.to_string(), "--max-ms", "120000"],
+    )?;
+    idle.wait_for("ready", Duration::from_secs(60))
+        .with_context(|| f.lb.log_text())?;
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        Ok(f.lb.status()?["balancers"][0]["servers"][0]["connections"] == MANY)
+    })
+    .with_context(|| format!("lb should hold {MANY} connections: {:?}", f.lb.status()))?;
+    let server = f.host.addr(9000).to_string();
+    let t = Instant::now();
+    let (code, body) = lb_tests::http_request(
+        f.lb.admin,
+        "POST",
+        &format!("/balancers/default/servers/{server}/kill"),
+        None,
+    )?;
+    ensure!(code == 200, "kill answered {code}: {body}");
+    let done = idle.wait_for("all_closed", Duration::from_secs(30))?;
+    eprintln!(
+        "kill of {MANY} proxied connections: all closed after {:.3} s: {done}",
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(done["ok"] == true, "{done}");
+    ensure!(
+        done["resets"] == MANY,
+        "every client should see a reset: {done}"
+    );
+    let log = f.lb.log_text();
+    ensure!(
+        log.contains(&format!("reset_in_kernel={MANY}")),
+        "lb should say the kernel reset all {MANY} clients:\n{log}"
+    );
+    Ok(())
+}

@@ -39,6 +39,7 @@ pub use crate::addr::{MAX_SERVERS, SetError};
 use crate::{
     addr::{ServerAddr, validate_set},
     config::{BalancerConfig, KillScope, Policy},
+    kill::OwnSocket,
 };
 
 /// What a balancer reports as it works; the daemon counts kills in metrics and runs the
@@ -134,6 +135,36 @@ pub struct CheckOutcome {
     pub to: Option<ServerState>,
     /// Connections killed.
     pub killed: usize,
+}
+
+/// Set once the kernel refused `SOCK_DESTROY` for lb's own sockets, so it is logged once.
+static OWN_DESTROY_REFUSED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Reset the clients of connections being killed: destroy lb's accepted sockets in the kernel
+/// (`SOCK_DESTROY`, a batch per system call), which sends each client its RST at once instead
+/// of when its connection's task next runs. Without `SOCK_DESTROY` the tasks do it alone.
+/// Returns how many were destroyed.
+fn destroy_clients(balancer: &str, server: &ServerAddr, clients: &[OwnSocket]) -> usize {
+    use std::sync::atomic::Ordering;
+    if OWN_DESTROY_REFUSED.load(Ordering::Relaxed) {
+        return 0;
+    }
+    match crate::kill::destroy_own_sockets(clients) {
+        Ok(k) => k.destroyed,
+        Err(crate::kill::KillError::Unsupported) => {
+            if !OWN_DESTROY_REFUSED.swap(true, Ordering::Relaxed) {
+                info!(
+                    "the kernel refuses SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY): killed connections are reset by their own tasks"
+                );
+            }
+            0
+        }
+        Err(e) => {
+            debug!(balancer, %server, error = %e, "cannot reset the clients in the kernel; their tasks will");
+            0
+        }
+    }
 }
 
 /// One balancer: name, listeners, server set, policy and the connection registry.
@@ -540,6 +571,17 @@ impl Balancer {
         reason: KillReason,
     ) -> usize {
         let n = conns.len();
+        // Reset the clients first, all at once in the kernel; each connection's task then
+        // cleans up after its own.
+        let clients: Vec<_> = conns.iter().filter_map(|c| c.client).collect();
+        for c in &conns {
+            c.set_reason(reason);
+        }
+        let reset_in_kernel = if clients.is_empty() {
+            0
+        } else {
+            destroy_clients(&self.name, server, &clients)
+        };
         for c in conns {
             c.kill(reason);
         }
@@ -548,7 +590,7 @@ impl Balancer {
                 .server_killed(&self.name, self.id, server, reason);
         }
         if n > 0 {
-            warn!(balancer = %self.name, %server, connections = n, reason = reason.label(), "killed connections");
+            warn!(balancer = %self.name, %server, connections = n, reset_in_kernel, reason = reason.label(), "killed connections");
             self.observer.killed(&self.name, server, reason, n);
         }
         n
@@ -650,13 +692,15 @@ impl Balancer {
         self.lock().set().default
     }
 
-    /// Register a new connection to `server`; the guard unregisters on drop. A server no longer
-    /// in the balancer gets a guard that is already cancelled.
-    pub fn register(self: &Arc<Self>, server: &ServerAddr) -> ConnGuard {
+    /// Register a new connection to `server`; `client` is lb's accepted socket of it, by its
+    /// addresses (local, peer), which a kill destroys in the kernel (`None`: the connection's
+    /// task ends it alone). The guard unregisters on drop. A server no longer in the balancer
+    /// gets a guard that is already cancelled.
+    pub fn register(self: &Arc<Self>, server: &ServerAddr, client: Option<OwnSocket>) -> ConnGuard {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let mut inner = self.lock();
         let (cancel, reason) = if inner.index(server).is_some() {
-            inner.conns.insert(server, id)
+            inner.conns.insert(server, id, client)
         } else {
             let c = tokio_util::sync::CancellationToken::new();
             c.cancel();

@@ -10,19 +10,26 @@ use std::{
 use tokio_util::sync::CancellationToken;
 
 use super::{Balancer, state::KillReason};
-use crate::addr::ServerAddr;
+use crate::{addr::ServerAddr, kill::OwnSocket};
 
 /// One live connection's entry.
 #[derive(Debug)]
 pub(super) struct ConnEntry {
     cancel: CancellationToken,
     reason: Arc<Mutex<Option<KillReason>>>,
+    /// lb's accepted socket of the connection, by its addresses (local, peer), when known.
+    pub(super) client: Option<OwnSocket>,
 }
 
 impl ConnEntry {
+    /// Record why the connection is killed (before [`ConnEntry::kill`]).
+    pub(super) fn set_reason(&self, reason: KillReason) {
+        *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+    }
+
     /// Fire the kill switch, recording why.
     pub(super) fn kill(self, reason: KillReason) {
-        *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+        self.set_reason(reason);
         self.cancel.cancel();
     }
 }
@@ -34,11 +41,13 @@ pub(super) struct Registry {
 }
 
 impl Registry {
-    /// Record connection `id` to `server`; returns its kill switch and reason slot.
+    /// Record connection `id` to `server` (`client`: lb's accepted socket); returns its kill
+    /// switch and reason slot.
     pub(super) fn insert(
         &mut self,
         server: &ServerAddr,
         id: u64,
+        client: Option<OwnSocket>,
     ) -> (CancellationToken, Arc<Mutex<Option<KillReason>>>) {
         let cancel = CancellationToken::new();
         let reason = Arc::new(Mutex::new(None));
@@ -47,6 +56,7 @@ impl Registry {
             ConnEntry {
                 cancel: cancel.clone(),
                 reason: reason.clone(),
+                client,
             },
         );
         (cancel, reason)

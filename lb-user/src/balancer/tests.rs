@@ -33,7 +33,7 @@ fn k3s_transitions() {
     assert_eq!(states(&b)[0], Preferred);
     b.record_dial(&a("198.18.0.2:1"), Ok(()));
     assert_eq!(states(&b)[0], Active);
-    let g = b.register(&a("198.18.0.2:1"));
+    let g = b.register(&a("198.18.0.2:1"), None);
     let out = b.record_check(&a("198.18.0.2:1"), Err("refused".into()));
     assert_eq!(
         (out.from, out.to, out.killed),
@@ -57,7 +57,7 @@ fn failback_kills_less_preferred_active() {
     }
     b.record_check(&a("198.18.0.2:1"), Err("down".into()));
     b.record_dial(&a("198.18.0.3:1"), Ok(()));
-    let g = b.register(&a("198.18.0.3:1"));
+    let g = b.register(&a("198.18.0.3:1"), None);
     b.record_check(&a("198.18.0.2:1"), Ok(()));
     assert!(!g.cancel.is_cancelled());
     b.record_check(&a("198.18.0.2:1"), Ok(()));
@@ -71,7 +71,7 @@ fn first_checks_do_not_fail_back() {
     b.record_check(&a("198.18.0.3:1"), Ok(()));
     b.record_check(&a("198.18.0.3:1"), Ok(()));
     b.record_dial(&a("198.18.0.3:1"), Ok(()));
-    let g = b.register(&a("198.18.0.3:1"));
+    let g = b.register(&a("198.18.0.3:1"), None);
     b.record_check(&a("198.18.0.2:1"), Ok(()));
     b.record_check(&a("198.18.0.2:1"), Ok(()));
     assert!(
@@ -225,10 +225,10 @@ fn kills_are_reported_under_the_normalised_address() {
             seed: Some(1),
         },
     );
-    let _g1 = b.register(&a("[::1]:7"));
-    let _g2 = b.register(&a("[::1]:7"));
+    let _g1 = b.register(&a("[::1]:7"), None);
+    let _g2 = b.register(&a("[::1]:7"), None);
     assert_eq!(b.kill_server("[0:0::1]:7", KillReason::Admin), Ok(2));
-    let _g3 = b.register(&a("[::1]:7"));
+    let _g3 = b.register(&a("[::1]:7"), None);
     assert_eq!(b.set_hold("[0::1]:7", Hold::Disabled), Ok(1));
     assert_eq!(
         *rec.0.lock().unwrap(),

@@ -187,14 +187,14 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
         spec,
         server,
     } = conn;
-    let guard = balancer.register(&spec);
+    let local = client.local_addr().ok();
+    let guard = balancer.register(&spec, local.map(|l| (l, peer)));
     // Until the connection ends cleanly, closing the server socket resets it. Should lb die
     // (SIGKILL, a crash), the kernel's close then wakes a blocking client asleep in a redirected
     // send with an error; a plain close would orphan the socket, and that client would sleep on
     // it forever (found by hand: the client hung after lb was killed). The server also learns
     // that the stream broke instead of seeing a FIN.
     abort(&server);
-    let local = client.local_addr().ok();
     let key = match (&ctx.datapath, local) {
         (Some(dp), Some(local)) => dp.client_key(peer, local),
         _ => None,
@@ -227,9 +227,15 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
     }
     let freeze = ctx.freezer.token();
     let outcome = tokio::select! {
+        // A kill resets the client in the kernel first: the relay may see that error too.
+        biased;
         () = guard.cancel.cancelled() => Outcome::Killed,
         () = freeze.cancelled() => Outcome::Frozen,
         r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name, &mut up, &mut down) => r,
+    };
+    let outcome = match outcome {
+        Outcome::Reset(..) if guard.reason().is_some() => Outcome::Killed,
+        o => o,
     };
     if let Outcome::Frozen = outcome {
         // Handed over as it stands: the kernel keeps the pair (sockhash entry, counts), the
