@@ -17,7 +17,7 @@
 
 use aya_ebpf::{
     bindings::{
-        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
+        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB_FLAG,
         BPF_TCP_SYN_SENT,
     },
     helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie},
@@ -427,18 +427,16 @@ pub(crate) fn on_rto(ctx: &SockOpsContext) {
     }
 }
 
-/// Sockops `STATE_CB` (only sockets [`on_connect`] or [`on_established`] asked for it): on
-/// close, report a connect that never got established, uncount the socket and forget it.
+/// Sockops `STATE_CB` to `TCP_CLOSE` (only sockets [`on_connect`] or [`on_established`] asked
+/// for it, and lb's registered clients): for a connect-time socket, report a connect that never
+/// got established, uncount the socket and forget it. Returns whether it was one.
 #[inline(always)]
-pub(crate) fn on_state(ctx: &SockOpsContext) {
-    if ctx.arg(1) != BPF_TCP_CLOSE {
-        return;
-    }
+pub(crate) fn on_state(ctx: &SockOpsContext) -> bool {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     // SAFETY: copied out at once.
     let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
-        return;
+        return false;
     };
     if orig.established == 1 {
         count_add(&orig.count, u64::MAX);
@@ -446,4 +444,5 @@ pub(crate) fn on_state(ctx: &SockOpsContext) {
         report(&orig, EVENT_CONNECT_FAILED, cookie);
     }
     let _ = LB_CONNECT_SOCKS.remove(&cookie);
+    true
 }

@@ -2,7 +2,8 @@
 //!
 //! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
-//!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`.
+//!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`;
+//!   when the socket closes (`STATE_CB`), it removes both entries again.
 //!   A socket the connect programs sent straight to a server is counted instead (and, through
 //!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
 //!   connect and its first retransmission timeout to lb (passive health); see [`connect`].
@@ -43,7 +44,7 @@
 use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_STATE_CB,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, sk_action,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, sk_action,
     },
     cty::c_void,
     helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
@@ -170,7 +171,9 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     match ctx.op() {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_STATE_CB => {
-            connect::on_state(ctx);
+            if ctx.arg(1) == BPF_TCP_CLOSE && !connect::on_state(ctx) {
+                forget_client(ctx);
+            }
             return Ok(1);
         }
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
@@ -187,22 +190,10 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     if connect::on_established(ctx) {
         return Ok(1);
     }
-    let family = ctx.family();
-    let mut key = SockKey {
-        client_port: ctx.local_port(),
-        lb_port: remote_port_host(ctx.remote_port()),
-        family,
-        ..SockKey::default()
-    };
-    if family == AF_INET {
-        key.client_ip_be[0] = ctx.local_ip4();
-        key.lb_ip_be[0] = ctx.remote_ip4();
-    } else if family == AF_INET6 {
-        key.client_ip_be = ctx_ip6!(ctx.ops, local_ip6);
-        key.lb_ip_be = ctx_ip6!(ctx.ops, remote_ip6);
-    } else {
+    let Some(mut key) = client_tuple(ctx) else {
         return Ok(1);
-    }
+    };
+    let family = key.family;
     let listener = ListenerKey {
         ip_be: key.lb_ip_be,
         port: key.lb_port,
@@ -244,11 +235,58 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     if LB_CLIENTS.update(key, ops, u64::from(BPF_ANY)).is_err() {
         return Err(1);
     }
+    // Its close then forgets the flow and namespace entries (forget_client).
+    let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
     if let Some(stats) = LB_STATS.get_ptr_mut(balancer) {
         // SAFETY: per-CPU slot, no other writer on this CPU while we run.
         unsafe { (*stats).registered += 1 };
     }
     Ok(1)
+}
+
+/// The tuple of a client socket: its own address as `client`, the address it connected to as
+/// `lb`, no namespace cookie; `None` for a family other than IPv4 and IPv6.
+#[inline(always)]
+fn client_tuple(ctx: &SockOpsContext) -> Option<SockKey> {
+    let family = ctx.family();
+    let mut key = SockKey {
+        client_port: ctx.local_port(),
+        lb_port: remote_port_host(ctx.remote_port()),
+        family,
+        ..SockKey::default()
+    };
+    if family == AF_INET {
+        key.client_ip_be[0] = ctx.local_ip4();
+        key.lb_ip_be[0] = ctx.remote_ip4();
+    } else if family == AF_INET6 {
+        key.client_ip_be = ctx_ip6!(ctx.ops, local_ip6);
+        key.lb_ip_be = ctx_ip6!(ctx.ops, remote_ip6);
+    } else {
+        return None;
+    }
+    Some(key)
+}
+
+/// A registered client socket closed (`STATE_CB` to `TCP_CLOSE`): remove its `LB_FLOWS`
+/// entry, and its `LB_NETNS` entry when that still names this socket's namespace, so lb
+/// spends no system call on either. Both maps are LRU, so an entry missed here is evicted
+/// when the map fills.
+#[inline(always)]
+fn forget_client(ctx: &SockOpsContext) {
+    let Some(tuple) = client_tuple(ctx) else {
+        return;
+    };
+    // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
+    let cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    let key = SockKey {
+        netns_cookie: cookie,
+        ..tuple
+    };
+    let _ = LB_FLOWS.remove(&key);
+    // SAFETY: the value is a plain u64 copied out.
+    if unsafe { LB_NETNS.get(&tuple) }.copied() == Some(cookie) {
+        let _ = LB_NETNS.remove(&tuple);
+    }
 }
 
 #[sk_msg]

@@ -31,11 +31,12 @@ pub struct Pair {
 
 impl Pair {
     /// A new pair of client `key` and the server socket `server_fd`, whose send buffer is
-    /// `limit` bytes: redirecting (once lb has caught up), with the whole cap as credit and the
-    /// first refresh a quarter of the buffer in.
-    pub(super) fn new(key: SockKey, server_fd: RawFd, limit: u64) -> Pair {
+    /// `limit` bytes, after lb copied `copied` bytes of the client's stream: redirecting (once
+    /// lb has caught up), with the whole cap as credit and the first refresh a quarter of the
+    /// buffer in.
+    pub(super) fn new(key: SockKey, server_fd: RawFd, limit: u64, copied: u64) -> Pair {
         let ctl = PairCtl {
-            copied: 0,
+            copied,
             credit_end: credit_cap(limit),
             refresh_at: limit / 4,
             mode: MODE_REDIRECT,
@@ -194,7 +195,7 @@ mod tests {
         // Small bounds never ask for less than a quarter.
         assert_eq!(sndbuf_request(64 * 1024), 16 * 1024);
         let limit = 4 * MIB - 64 * 1024;
-        let first = Pair::new(SockKey::default(), -1, limit).ctl();
+        let first = Pair::new(SockKey::default(), -1, limit, 0).ctl();
         assert_eq!(first.credit_end, credit_cap(limit));
         assert_eq!(first.credit_end, limit / 4 * 3);
         assert_eq!(first.refresh_at, limit / 4);

@@ -154,7 +154,7 @@ impl Datapath {
         copied: u64,
     ) -> Arc<credit::Pair> {
         let limit = credit::size_server_socket(server, self.max_buffered);
-        let pair = Arc::new(credit::Pair::new(key, server.as_raw_fd(), limit));
+        let pair = Arc::new(credit::Pair::new(key, server.as_raw_fd(), limit, copied));
         self.pairs
             .lock()
             .expect("poisoned")

@@ -357,15 +357,6 @@ impl Netns {
     pub(super) fn get(&self, tuple: &SockKey) -> Option<u64> {
         self.0.lock().expect("poisoned").get(tuple, 0).ok()
     }
-
-    /// Remove `tuple`'s entry if it still holds `cookie` (a newer connection from another
-    /// namespace may have taken it over).
-    pub(super) fn remove_if(&self, tuple: &SockKey, cookie: u64) {
-        let mut netns = self.0.lock().expect("poisoned");
-        if netns.get(tuple, 0).ok() == Some(cookie) {
-            let _ = netns.remove(tuple);
-        }
-    }
 }
 
 /// `LB_FLOWS`: per-connection byte counts, written by the kernel.
@@ -375,11 +366,6 @@ impl Flows {
     /// The counts of `key`.
     pub(super) fn get(&self, key: &SockKey) -> Option<FlowState> {
         self.0.lock().expect("poisoned").get(key, 0).ok()
-    }
-
-    /// Forget `key`; absent is fine.
-    pub(super) fn remove(&self, key: &SockKey) {
-        let _ = self.0.lock().expect("poisoned").remove(key);
     }
 }
 

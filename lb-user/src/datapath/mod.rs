@@ -416,9 +416,10 @@ impl Datapath {
         })
     }
 
-    /// Pair a client (by key) with its server socket and start redirecting once lb has copied
-    /// every byte that took the copy path (the counting rule). Sizes the server socket's send
-    /// buffer for `max_buffered_bytes` first (see [`credit`]).
+    /// Pair a client (by key) with its server socket, after lb copied `copied` bytes of the
+    /// client's stream, and start redirecting once lb has copied every byte that took the copy
+    /// path (the counting rule). Sizes the server socket's send buffer for
+    /// `max_buffered_bytes` first (see [`credit`]).
     ///
     /// # Errors
     /// [`DatapathError::Map`]; the caller then copies in userspace.
@@ -426,9 +427,10 @@ impl Datapath {
         &self,
         key: SockKey,
         server: &(impl AsRawFd + AsFd),
+        copied: u64,
     ) -> Result<Arc<Pair>, DatapathError> {
         let limit = credit::size_server_socket(server, self.max_buffered);
-        let pair = Arc::new(Pair::new(key, server.as_raw_fd(), limit));
+        let pair = Arc::new(Pair::new(key, server.as_raw_fd(), limit, copied));
         self.maps.servers.insert_pair(&key, server)?;
         self.pairs
             .lock()
@@ -454,16 +456,6 @@ impl Datapath {
         self.maps.pairs.remove(&key);
         self.maps.servers.remove(&key);
         self.pairs.lock().expect("poisoned").remove(&key);
-    }
-
-    /// Forget a connection's flow and namespace entries (after it ended).
-    pub fn forget(&self, key: &SockKey) {
-        self.maps.flows.remove(key);
-        let tuple = SockKey {
-            netns_cookie: 0,
-            ..*key
-        };
-        self.maps.netns.remove_if(&tuple, key.netns_cookie);
     }
 
     /// Splice counters of balancer `id`, summed over CPUs.

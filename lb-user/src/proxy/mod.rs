@@ -14,7 +14,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, warn};
 
-use std::cell::RefCell;
+use std::{
+    cell::RefCell,
+    sync::{
+        OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use crate::{
     addr::ServerAddr,
@@ -195,59 +201,49 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
     // it forever (found by hand: the client hung after lb was killed). The server also learns
     // that the stream broke instead of seeing a FIN.
     abort(&server);
-    let key = match (&ctx.datapath, local) {
-        (Some(dp), Some(local)) => dp.client_key(peer, local),
-        _ => None,
+    let splice = Splice {
+        peer,
+        local,
+        pair: OnceLock::new(),
+        tried: AtomicBool::new(true),
     };
-    let (mut up, mut down, pair) = match (resume, &ctx.datapath, key) {
-        (Resume::Fresh, Some(dp), Some(key)) => {
-            let pair = match dp.pair(key, &server) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    warn!(error = %e, "cannot pair; copying in userspace");
-                    None
-                }
-            };
-            (Dir::default(), Dir::default(), pair)
+    let (mut up, mut down) = match resume {
+        Resume::Fresh => {
+            splice
+                .tried
+                .store(ctx.datapath.is_none(), Ordering::Relaxed);
+            (Dir::default(), Dir::default())
         }
-        (Resume::Adopted { up, down, spliced }, Some(dp), Some(key)) if spliced => {
-            let pair = dp.adopt_pair(key, &server, up.written);
-            (up, down, Some(pair))
+        Resume::Adopted { up, down, spliced } => {
+            if spliced
+                && let (Some(dp), Some(local)) = (&ctx.datapath, local)
+                && let Some(key) = dp.client_key(peer, local)
+            {
+                let _ = splice.pair.set(dp.adopt_pair(key, &server, up.written));
+                spliced_gauge(&ctx, &balancer.name).inc();
+            }
+            (up, down)
         }
-        (Resume::Adopted { up, down, .. }, _, _) => (up, down, None),
-        (Resume::Fresh, _, _) => (Dir::default(), Dir::default(), None),
     };
-    if pair.is_some() {
-        ctx.metrics
-            .spliced_connections
-            .get_or_create(&BalancerLabel {
-                balancer: balancer.name.clone(),
-            })
-            .inc();
-    }
     let freeze = ctx.freezer.token();
     let outcome = tokio::select! {
         // A kill resets the client in the kernel first: the relay may see that error too.
         biased;
         () = guard.cancel.cancelled() => Outcome::Killed,
         () = freeze.cancelled() => Outcome::Frozen,
-        r = relay(&client, &server, pair.as_deref(), &ctx, &balancer.name, &mut up, &mut down) => r,
+        r = relay(&client, &server, &splice, &ctx, &balancer.name, &mut up, &mut down) => r,
     };
     let outcome = match outcome {
         Outcome::Reset(..) if guard.reason().is_some() => Outcome::Killed,
         o => o,
     };
+    let pair = splice.pair.get();
     if let Outcome::Frozen = outcome {
         // Handed over as it stands: the kernel keeps the pair (sockhash entry, counts), the
         // next process takes the sockets and the unwritten bytes.
-        if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
+        if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
             dp.release(p);
-            ctx.metrics
-                .spliced_connections
-                .get_or_create(&BalancerLabel {
-                    balancer: balancer.name.clone(),
-                })
-                .dec();
+            spliced_gauge(&ctx, &balancer.name).dec();
         }
         drop(guard);
         let frozen = Frozen::established(
@@ -272,15 +268,11 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
     } else {
         Some(client)
     };
-    if let (Some(dp), Some(p)) = (&ctx.datapath, &pair) {
+    // The kernel forgets the client's flow and namespace entries itself when the client's
+    // socket closes (sockops `STATE_CB`).
+    if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
         dp.unpair(p);
-        dp.forget(&p.key());
-        ctx.metrics
-            .spliced_connections
-            .get_or_create(&BalancerLabel {
-                balancer: balancer.name.clone(),
-            })
-            .dec();
+        spliced_gauge(&ctx, &balancer.name).dec();
     }
     match outcome {
         Outcome::Closed | Outcome::Frozen => {
@@ -307,6 +299,72 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
     }
 }
 
+/// How long a client may stay silent, with all it sent copied, before lb pairs it.
+const PAIR_WHEN_QUIET: Duration = Duration::from_millis(10);
+
+/// A connection's kernel splice. A new connection is paired when its client stays quiet for
+/// [`PAIR_WHEN_QUIET`] with everything it sent copied (after connecting, or between two
+/// sends), or once it has sent a second chunk or one that filled the copy buffer: one that
+/// sends a single request at once and ends (a health probe, a short HTTP exchange) never pays
+/// for the map updates, and the bytes copied before pairing are what the counting rule already
+/// handles.
+struct Splice {
+    peer: SocketAddr,
+    /// lb's end of the client connection; `None` when unknown (never paired).
+    local: Option<SocketAddr>,
+    pair: OnceLock<Arc<Pair>>,
+    /// Pairing was tried (or is not to be): never again.
+    tried: AtomicBool,
+}
+
+impl Splice {
+    /// Pair the client with `server` after lb copied `copied` bytes; returns whether it did.
+    /// A client the kernel did not register (outside the cgroup, an ambiguous tuple) or a map
+    /// error leaves the connection on the copy path.
+    fn try_pair(
+        &self,
+        dp: &Datapath,
+        server: &TcpStream,
+        copied: u64,
+        ctx: &ProxyCtx,
+        balancer: &str,
+    ) -> bool {
+        self.tried.store(true, Ordering::Relaxed);
+        let Some(key) = self.local.and_then(|local| dp.client_key(self.peer, local)) else {
+            return false;
+        };
+        match dp.pair(key, server, copied) {
+            Ok(p) => {
+                let _ = self.pair.set(p);
+                spliced_gauge(ctx, balancer).inc();
+                true
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot pair; copying in userspace");
+                false
+            }
+        }
+    }
+}
+
+/// What the upstream pump needs to pair a quiet client (see [`PAIR_WHEN_QUIET`]).
+struct Quiet<'a> {
+    splice: &'a Splice,
+    dp: &'a Datapath,
+    server: &'a TcpStream,
+    balancer: &'a str,
+}
+
+/// `lb_spliced_connections` of `balancer`.
+fn spliced_gauge(ctx: &ProxyCtx, balancer: &str) -> prometheus_client::metrics::gauge::Gauge {
+    ctx.metrics
+        .spliced_connections
+        .get_or_create(&BalancerLabel {
+            balancer: balancer.to_string(),
+        })
+        .clone()
+}
+
 enum Outcome {
     Closed,
     /// Stopped for a hand-over; the sockets go to the next process as they are.
@@ -331,7 +389,7 @@ fn abort(s: &TcpStream) {
 async fn relay(
     client: &TcpStream,
     server: &TcpStream,
-    pair: Option<&Pair>,
+    splice: &Splice,
     ctx: &ProxyCtx,
     balancer: &str,
     up_dir: &mut Dir,
@@ -342,9 +400,22 @@ async fn relay(
     let down_bytes = ctx.metrics.copied_counter(balancer, "server_to_client");
     let up = async {
         let mut last = up_dir.written;
-        pump(client, server, ctx, up_dir, |copied| {
-            if let (Some(dp), Some(p)) = (&ctx.datapath, pair) {
-                dp.set_copied(p, copied);
+        let mut chunks = 0u32;
+        let quiet = ctx.datapath.as_deref().map(|dp| Quiet {
+            splice,
+            dp,
+            server,
+            balancer,
+        });
+        pump(client, server, ctx, up_dir, quiet, |copied, full| {
+            chunks += 1;
+            if let Some(dp) = &ctx.datapath {
+                let paired_now = !splice.tried.load(Ordering::Relaxed)
+                    && (full || chunks >= 2)
+                    && splice.try_pair(dp, server, copied, ctx, balancer);
+                if !paired_now && let Some(p) = splice.pair.get() {
+                    dp.set_copied(p, copied);
+                }
             }
             up_bytes.inc_by(copied - last);
             last = copied;
@@ -358,7 +429,7 @@ async fn relay(
     };
     let down = async {
         let mut last = down_dir.written;
-        pump(server, client, ctx, down_dir, |copied| {
+        pump(server, client, ctx, down_dir, None, |copied, _| {
             down_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -400,7 +471,8 @@ fn read_draining(src: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
-/// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total)`. An error says
+/// Copy `src` to `dst` until EOF; once bytes are in `dst`, `on_copied(total, full)`, `full`
+/// when the chunk filled the copy buffer (more was likely waiting). An error says
 /// whether it came from `src` (`true`) or `dst`. `dir` holds what a hand-over needs at any
 /// await point: the bytes written so far and the chunk in flight with its unwritten part.
 async fn pump(
@@ -408,14 +480,29 @@ async fn pump(
     dst: &TcpStream,
     ctx: &ProxyCtx,
     dir: &mut Dir,
-    mut on_copied: impl FnMut(u64),
+    quiet: Option<Quiet<'_>>,
+    mut on_copied: impl FnMut(u64, bool),
 ) -> Result<u64, (io::Error, bool)> {
     // Reads land in a per-thread scratch buffer and are written on at once; only bytes the
     // destination cannot take right now are kept, in `dir.pending`, which is released as soon
     // as it is flushed. Idle and request/response connections therefore hold no buffer at all.
     loop {
         if dir.chunk == 0 {
-            src.readable().await.map_err(|e| (e, true))?;
+            match &quiet {
+                Some(q) if !q.splice.tried.load(Ordering::Relaxed) => {
+                    tokio::select! {
+                        biased;
+                        r = src.readable() => r.map_err(|e| (e, true))?,
+                        () = tokio::time::sleep(PAIR_WHEN_QUIET) => {
+                            // Everything the client sent so far is copied: pair now, and the
+                            // counting rule lets its next send through the kernel at once.
+                            q.splice.try_pair(q.dp, q.server, dir.written, ctx, q.balancer);
+                            continue;
+                        }
+                    }
+                }
+                _ => src.readable().await.map_err(|e| (e, true))?,
+            }
             let read = SCRATCH.with(|scratch| {
                 let mut scratch = scratch.borrow_mut();
                 if scratch.len() < ctx.copy_buffer_bytes {
@@ -452,7 +539,8 @@ async fn pump(
         }
         dir.pending = Vec::new();
         dir.off = 0;
-        dir.written += std::mem::take(&mut dir.chunk);
-        on_copied(dir.written);
+        let chunk = std::mem::take(&mut dir.chunk);
+        dir.written += chunk;
+        on_copied(dir.written, chunk >= ctx.copy_buffer_bytes as u64);
     }
 }
