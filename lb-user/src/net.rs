@@ -81,10 +81,22 @@ impl Route {
 /// The last connect error, `NotFound` when the name resolves to nothing, or the proxy's
 /// refusal (`ConnectionRefused` with its status line).
 pub async fn connect(server: &ServerAddr, route: &Route) -> io::Result<TcpStream> {
+    connect_to(server, route).await.map(|(s, _)| s)
+}
+
+/// As [`connect`], also returning the address the socket is connected to (the server's, or the
+/// proxy's), so the caller needs no `getpeername`.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_to(
+    server: &ServerAddr,
+    route: &Route,
+) -> io::Result<(TcpStream, std::net::SocketAddr)> {
     let Some(proxy) = route.proxy_for(server) else {
         return connect_direct(server).await;
     };
-    let mut s = connect_direct(proxy.addr()).await?;
+    let (mut s, peer) = connect_direct(proxy.addr()).await?;
     // A pinned name asks the proxy for its one address, not for whatever the name resolves to.
     let target = server
         .pin()
@@ -114,11 +126,12 @@ pub async fn connect(server: &ServerAddr, route: &Route) -> io::Result<TcpStream
             ),
         ));
     }
-    Ok(s)
+    Ok((s, peer))
 }
 
-/// Resolve `server` and connect to the first address that accepts, with `TCP_NODELAY`.
-async fn connect_direct(server: &ServerAddr) -> io::Result<TcpStream> {
+/// Resolve `server` and connect to the first address that accepts, with `TCP_NODELAY`;
+/// returns the socket and that address.
+async fn connect_direct(server: &ServerAddr) -> io::Result<(TcpStream, std::net::SocketAddr)> {
     let mut last = io::Error::new(
         io::ErrorKind::NotFound,
         format!("{server} resolved to no address"),
@@ -131,7 +144,7 @@ async fn connect_direct(server: &ServerAddr) -> io::Result<TcpStream> {
         match TcpStream::connect(addr).await {
             Ok(s) => {
                 s.set_nodelay(true)?;
-                return Ok(s);
+                return Ok((s, addr));
             }
             Err(e) => last = e,
         }

@@ -175,7 +175,7 @@ async fn dial_one(
 ) -> Result<TcpStream, Failed> {
     let start = Instant::now();
     let result = tokio::select! {
-        r = tokio::time::timeout(budget, net::connect(spec, route)) => {
+        r = tokio::time::timeout(budget, net::connect_to(spec, route)) => {
             r.unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "dial timed out")))
         }
         () = turned_unusable(balancer, spec) => {
@@ -192,7 +192,7 @@ async fn dial_one(
         })
         .observe(start.elapsed().as_secs_f64());
     match result {
-        Ok(stream) if stream.peer_addr().is_ok_and(crate::net::is_own_listener) => {
+        Ok((stream, peer)) if crate::net::is_own_listener(peer) => {
             // A host name that resolves to lb itself: refuse instead of dialing in a loop.
             let e = format!("{spec} is one of lb's own listeners (a loop)");
             warn!(balancer = %balancer.name, server = %spec, "dial reached lb's own listener; refusing the loop");
@@ -200,7 +200,7 @@ async fn dial_one(
             balancer.record_dial(spec, Err(e.clone()));
             Err(Failed::Server(e))
         }
-        Ok(stream) => {
+        Ok((stream, _)) => {
             balancer.record_dial(spec, Ok(()));
             Ok(stream)
         }

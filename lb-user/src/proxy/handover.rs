@@ -190,7 +190,7 @@ pub fn adopt(ctx: &Arc<ProxyCtx>, f: Frozen, go: CancellationToken) {
             }
         };
         let Some((spec, server)) = server else {
-            super::connect(client, peer, balancer, ctx2).await;
+            super::connect(client, peer, None, balancer, ctx2).await;
             return;
         };
         let server = match tokio_stream(server) {
@@ -204,6 +204,7 @@ pub fn adopt(ctx: &Arc<ProxyCtx>, f: Frozen, go: CancellationToken) {
             Conn {
                 client,
                 peer,
+                local: None,
                 balancer,
                 spec,
                 server,

@@ -99,6 +99,11 @@ pub async fn serve(
     ctx: Arc<ProxyCtx>,
     stop: CancellationToken,
 ) {
+    // Every accepted socket's own address, unless the listener is a wildcard.
+    let bound = listener
+        .local_addr()
+        .ok()
+        .filter(|a| !a.ip().is_unspecified());
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => return,
@@ -109,7 +114,7 @@ pub async fn serve(
                 let balancer = balancer.clone();
                 let ctx2 = ctx.clone();
                 ctx.tasks.spawn(async move {
-                    handle(client, peer, balancer, ctx2).await;
+                    handle(client, peer, bound, balancer, ctx2).await;
                 });
             }
             Err(e) => {
@@ -122,7 +127,13 @@ pub async fn serve(
 }
 
 /// Serve one client connection from dial to close.
-async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ctx: Arc<ProxyCtx>) {
+async fn handle(
+    client: TcpStream,
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+    balancer: Arc<Balancer>,
+    ctx: Arc<ProxyCtx>,
+) {
     ctx.metrics
         .connections_total
         .get_or_create(&BalancerLabel {
@@ -130,12 +141,19 @@ async fn handle(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ct
         })
         .inc();
     let _ = client.set_nodelay(true);
-    connect(client, peer, balancer, ctx).await;
+    connect(client, peer, local, balancer, ctx).await;
 }
 
 /// Dial a server for an accepted client, then serve the pair. A freeze (`lb upgrade`) during
-/// the dial hands the client over undialed: it has received nothing yet.
-async fn connect(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, ctx: Arc<ProxyCtx>) {
+/// the dial hands the client over undialed: it has received nothing yet. `local` is the
+/// client socket's own address when the listener's address gives it.
+async fn connect(
+    client: TcpStream,
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+    balancer: Arc<Balancer>,
+    ctx: Arc<ProxyCtx>,
+) {
     let freeze = ctx.freezer.token();
     // Boxed so the dial's state is freed once connected instead of living in every connection's
     // task for its whole life.
@@ -157,6 +175,7 @@ async fn connect(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, c
         Conn {
             client,
             peer,
+            local,
             balancer,
             spec,
             server,
@@ -171,6 +190,8 @@ async fn connect(client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, c
 struct Conn {
     client: TcpStream,
     peer: SocketAddr,
+    /// The client socket's own address, when known without asking the socket.
+    local: Option<SocketAddr>,
     balancer: Arc<Balancer>,
     spec: ServerAddr,
     server: TcpStream,
@@ -189,11 +210,12 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
     let Conn {
         client,
         peer,
+        local,
         balancer,
         spec,
         server,
     } = conn;
-    let local = client.local_addr().ok();
+    let local = local.or_else(|| client.local_addr().ok());
     let guard = balancer.register(&spec, local.map(|l| (l, peer)));
     // Until the connection ends cleanly, closing the server socket resets it. Should lb die
     // (SIGKILL, a crash), the kernel's close then wakes a blocking client asleep in a redirected
