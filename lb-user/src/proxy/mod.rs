@@ -243,6 +243,11 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
             {
                 let _ = splice.pair.set(dp.adopt_pair(key, &server, up.written));
                 spliced_gauge(&ctx, &balancer.name).inc();
+            } else if !spliced {
+                // Not paired yet when handed over: paired here once it shows it will last.
+                splice
+                    .tried
+                    .store(ctx.datapath.is_none(), Ordering::Relaxed);
             }
             (up, down)
         }
