@@ -201,16 +201,16 @@ pub fn adopt(ctx: &Arc<ProxyCtx>, f: Frozen, go: CancellationToken) {
             }
         };
         super::established(
-            Conn {
+            Box::new(Conn {
                 client,
                 peer,
                 local: None,
                 balancer,
                 spec,
                 server,
-            },
+            }),
             ctx2,
-            Resume::Adopted { up, down, spliced },
+            Resume::Adopted(Box::new((up, down, spliced))),
         )
         .await;
     });

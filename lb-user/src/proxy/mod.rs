@@ -113,9 +113,7 @@ pub async fn serve(
             Ok((client, peer)) => {
                 let balancer = balancer.clone();
                 let ctx2 = ctx.clone();
-                ctx.tasks.spawn(async move {
-                    handle(client, peer, bound, balancer, ctx2).await;
-                });
+                ctx.tasks.spawn(handle(client, peer, bound, balancer, ctx2));
             }
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
@@ -126,14 +124,15 @@ pub async fn serve(
     }
 }
 
-/// Serve one client connection from dial to close.
-async fn handle(
+/// Serve one client connection from dial to close. Not itself async, so the task holds
+/// nothing of it beyond [`connect`]'s future.
+fn handle(
     client: TcpStream,
     peer: SocketAddr,
     local: Option<SocketAddr>,
     balancer: Arc<Balancer>,
     ctx: Arc<ProxyCtx>,
-) {
+) -> impl Future<Output = ()> + Send {
     ctx.metrics
         .connections_total
         .get_or_create(&BalancerLabel {
@@ -141,7 +140,7 @@ async fn handle(
         })
         .inc();
     let _ = client.set_nodelay(true);
-    connect(client, peer, local, balancer, ctx).await;
+    connect(client, peer, local, balancer, ctx)
 }
 
 /// Dial a server for an accepted client, then serve the pair. A freeze (`lb upgrade`) during
@@ -172,14 +171,14 @@ async fn connect(
         }
     };
     established(
-        Conn {
+        Box::new(Conn {
             client,
             peer,
             local,
             balancer,
             spec,
             server,
-        },
+        }),
         ctx,
         Resume::Fresh,
     )
@@ -201,12 +200,14 @@ struct Conn {
 enum Resume {
     /// A new connection: pair it when the kernel can.
     Fresh,
-    /// Handed over: each direction's state, and whether the kernel splices it.
-    Adopted { up: Dir, down: Dir, spliced: bool },
+    /// Handed over: each direction's state (up, down), and whether the kernel splices it.
+    /// Boxed: every connection's task holds a `Resume`.
+    Adopted(Box<(Dir, Dir, bool)>),
 }
 
-/// Serve a connected pair until it ends, is killed, or is frozen for a hand-over.
-async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
+/// Serve a connected pair until it ends, is killed, or is frozen for a hand-over. `conn` is
+/// boxed so that the task does not keep a moved-from copy of it for the connection's life.
+async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
     let Conn {
         client,
         peer,
@@ -214,7 +215,7 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
         balancer,
         spec,
         server,
-    } = conn;
+    } = *conn;
     let local = local.or_else(|| client.local_addr().ok());
     let guard = balancer.register(&spec, local.map(|l| (l, peer)));
     // Until the connection ends cleanly, closing the server socket resets it. Should lb die
@@ -240,7 +241,8 @@ async fn established(conn: Conn, ctx: Arc<ProxyCtx>, resume: Resume) {
                 .store(ctx.datapath.is_none(), Ordering::Relaxed);
             (Dir::default(), Dir::default())
         }
-        Resume::Adopted { up, down, spliced } => {
+        Resume::Adopted(adopted) => {
+            let (up, down, spliced) = *adopted;
             if spliced
                 && let (Some(dp), Some(local)) = (&ctx.datapath, local)
                 && let Some(key) = dp.client_key(peer, local)
