@@ -149,38 +149,48 @@ const DESTROY_BATCH: usize = 64;
 /// # Errors
 /// As [`destroy_peer_sockets`]; sockets destroyed before an error stay destroyed.
 pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError> {
-    let nl = Netlink::open()?;
+    let targets = sockets
+        .iter()
+        .map(|&(local, peer)| own_target(local, peer))
+        .collect();
+    destroy_all(&Netlink::open()?, targets)
+}
+
+/// Destroy `targets`, 64 requests per `sendmsg`, each acknowledged; a socket that closed
+/// meanwhile (`ENOENT`) is skipped.
+///
+/// # Errors
+/// [`KillError::Unsupported`] at the first refusal; the first other error only when nothing
+/// was destroyed.
+fn destroy_all(nl: &Netlink, targets: Vec<Target>) -> Result<NodeKill, KillError> {
     let mut done = NodeKill {
-        found: sockets.len(),
+        found: targets.len(),
         destroyed: 0,
     };
-    for batch in sockets.chunks(DESTROY_BATCH) {
-        let targets = batch
-            .iter()
-            .map(|&(local, peer)| own_target(local, peer))
-            .collect();
-        let first = nl.send_batch(targets).map_err(KillError::Destroy)?;
+    let mut first_error = None;
+    let mut targets = targets.into_iter().peekable();
+    while targets.peek().is_some() {
+        let batch: Vec<Target> = targets.by_ref().take(DESTROY_BATCH).collect();
+        let n = batch.len();
+        let first = nl.send_batch(batch).map_err(KillError::Destroy)?;
         let mut unsupported = false;
-        let mut other = None;
-        nl.receive_acks(first, batch.len(), |r| match r {
+        nl.receive_acks(first, n, |r| match r {
             Ok(()) => done.destroyed += 1,
             Err(Errno::ENOENT) => {}
             Err(Errno::EOPNOTSUPP) => unsupported = true,
             Err(e) => {
-                other.get_or_insert(e);
+                first_error.get_or_insert(KillError::Destroy(e));
             }
         })
         .map_err(KillError::Destroy)?;
         if unsupported {
             return Err(KillError::Unsupported);
         }
-        if let Some(e) = other
-            && done.destroyed == 0
-        {
-            return Err(KillError::Destroy(e));
-        }
     }
-    Ok(done)
+    match first_error {
+        Some(e) if done.destroyed == 0 => Err(e),
+        _ => Ok(done),
+    }
 }
 
 /// The socket id of lb's accepted socket `local` ← `peer`; cookie all ones, which the kernel
@@ -307,26 +317,7 @@ fn destroy_matching(
         IpAddr::V6(_) => nl.dump(peer, states, &mut targets)?,
     }
     targets.retain(|t| keep(&t.id));
-    let mut done = NodeKill {
-        found: targets.len(),
-        destroyed: 0,
-    };
-    let mut first_error = None;
-    for target in targets {
-        match nl.destroy(target) {
-            Ok(()) => done.destroyed += 1,
-            // Closed on its own between the dump and now.
-            Err(KillError::Destroy(Errno::ENOENT)) => {}
-            Err(KillError::Destroy(Errno::EOPNOTSUPP)) => return Err(KillError::Unsupported),
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    match first_error {
-        Some(e) if done.destroyed == 0 => Err(e),
-        _ => Ok(done),
-    }
+    destroy_all(&nl, targets)
 }
 
 /// Destroy every socket to `server` (`host:port`, resolved to every address) on a blocking
@@ -577,14 +568,6 @@ impl Netlink {
             }
         }
         Ok(())
-    }
-
-    /// Destroy one socket found by [`Netlink::dump`] (`SOCK_DESTROY`, acknowledged).
-    fn destroy(&self, target: Target) -> Result<(), KillError> {
-        let seq = self
-            .send(NLM_F_REQUEST | NLM_F_ACK, destroy_request(target))
-            .map_err(KillError::Destroy)?;
-        self.receive(seq, |_| {}).map_err(KillError::Destroy)
     }
 }
 

@@ -39,8 +39,21 @@ fn client_runtime() -> Option<tokio::runtime::Runtime> {
     }
 }
 
+/// A printing command ends quietly when its reader goes away (`lb status | head`), as Unix
+/// tools do: SIGPIPE goes back to its default action (Rust starts programs with it ignored, and
+/// `println!` then panics on the broken pipe). `lb run` keeps it ignored.
+fn default_sigpipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: restores the default disposition before any other thread exists; no handler runs.
+    #[expect(unsafe_code, reason = "signal(2) has no safe wrapper")]
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run(_)) {
+        default_sigpipe();
+    }
     init_logging(&cli);
     match cli.command {
         Command::Config(ConfigCommand::Check { file }) => cli::config::check(&file),

@@ -2,7 +2,7 @@
 
 use std::{path::Path, process::ExitCode};
 
-use crate::config::{Config, EXIT_INVALID_CONFIG};
+use crate::config::{Config, ConfigError, EXIT_INVALID_CONFIG};
 
 /// Validate `file`: print a summary and exit 0, or print the error (naming the key, the value
 /// and the reason) and exit 2.
@@ -17,6 +17,11 @@ pub fn check(file: &Path) -> ExitCode {
                 names.join(", ")
             );
             ExitCode::SUCCESS
+        }
+        // A read or parse error names the file already.
+        Err(e @ (ConfigError::Read { .. } | ConfigError::Parse { .. })) => {
+            eprintln!("lb: invalid: {e}");
+            ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2))
         }
         Err(e) => {
             eprintln!("lb: {}: invalid: {e}", file.display());
