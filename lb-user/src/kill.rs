@@ -410,16 +410,14 @@ impl Netlink {
         Ok(seq)
     }
 
-    /// Receive replies to `seq`, calling `each` with every inner message until `DONE` or an
-    /// error message; an error message with errno 0 (an ACK) ends the wait successfully. An
-    /// inner message that does not decode is passed as `None`.
-    fn receive(
+    /// Read replies, passing the payload of each message whose sequence number `wanted`
+    /// accepts to `each` (`Err` when it does not decode), until `each` returns the outcome.
+    fn read_replies(
         &self,
-        seq: u32,
-        mut each: impl FnMut(Option<SockDiagMessage>),
+        wanted: impl Fn(u32) -> bool,
+        mut each: impl FnMut(Result<NetlinkPayload<SockDiagMessage>, ()>) -> Option<Result<(), Errno>>,
     ) -> Result<(), Errno> {
         let mut buf = vec![0u8; RECV_BUFFER];
-        let mut seen = 0usize;
         loop {
             let n = self
                 .socket
@@ -433,19 +431,41 @@ impl Netlink {
                 // Checks the header and that its length fits in what arrived.
                 let frame = NetlinkBuffer::new_checked(batch).map_err(|_| Errno::EPROTO)?;
                 let len = frame.length() as usize;
-                let msg_seq = frame.sequence_number();
+                let seq = frame.sequence_number();
                 let msg = &batch[..len];
                 batch = batch.get((len + 3) & !3..).unwrap_or_default();
-                if msg_seq != seq {
+                if !wanted(seq) {
                     continue;
                 }
-                match NetlinkMessage::<SockDiagMessage>::deserialize(msg).map(|m| m.payload) {
-                    Ok(NetlinkPayload::Done(_)) => return Ok(()),
+                let payload = NetlinkMessage::<SockDiagMessage>::deserialize(msg)
+                    .map(|m| m.payload)
+                    .map_err(|_| ());
+                if let Some(outcome) = each(payload) {
+                    return outcome;
+                }
+            }
+        }
+    }
+
+    /// Receive replies to `seq`, calling `each` with every inner message until `DONE` or an
+    /// error message; an error message with errno 0 (an ACK) ends the wait successfully. An
+    /// inner message that does not decode is passed as `None`.
+    fn receive(
+        &self,
+        seq: u32,
+        mut each: impl FnMut(Option<SockDiagMessage>),
+    ) -> Result<(), Errno> {
+        let mut seen = 0usize;
+        self.read_replies(
+            |s| s == seq,
+            |payload| {
+                match payload {
+                    Ok(NetlinkPayload::Done(_)) => return Some(Ok(())),
                     Ok(NetlinkPayload::Error(e)) => {
-                        return match e.code {
+                        return Some(match e.code {
                             None => Ok(()),
                             Some(code) => Err(Errno::from_raw(-code.get())),
-                        };
+                        });
                     }
                     Ok(NetlinkPayload::InnerMessage(m)) => {
                         seen += 1;
@@ -453,16 +473,14 @@ impl Netlink {
                     }
                     Ok(_) => {}
                     // The header parsed but the payload did not.
-                    Err(_) => {
+                    Err(()) => {
                         seen += 1;
                         each(None);
                     }
                 }
-                if seen > MAX_SOCKETS {
-                    return Err(Errno::E2BIG);
-                }
-            }
-        }
+                (seen > MAX_SOCKETS).then_some(Err(Errno::E2BIG))
+            },
+        )
     }
 
     /// Append the TCP sockets in `states` whose peer is `peer` (its family's dump).
@@ -539,35 +557,20 @@ impl Netlink {
         n: usize,
         mut each: impl FnMut(Result<(), Errno>),
     ) -> Result<(), Errno> {
-        let mut buf = vec![0u8; RECV_BUFFER];
         let mut left = n;
-        while left > 0 {
-            let got = self
-                .socket
-                .recv(&mut &mut buf[..], 0)
-                .map_err(|e| errno(&e))?;
-            if got == 0 || got > buf.len() {
-                return Err(Errno::EPROTO);
-            }
-            let mut batch = &buf[..got];
-            while !batch.is_empty() {
-                let frame = NetlinkBuffer::new_checked(batch).map_err(|_| Errno::EPROTO)?;
-                let len = frame.length() as usize;
-                let seq = frame.sequence_number();
-                let msg = &batch[..len];
-                batch = batch.get((len + 3) & !3..).unwrap_or_default();
-                if seq.wrapping_sub(first) as usize >= n {
-                    continue;
-                }
-                if let Ok(NetlinkPayload::Error(e)) =
-                    NetlinkMessage::<SockDiagMessage>::deserialize(msg).map(|m| m.payload)
-                {
-                    each(e.code.map_or(Ok(()), |c| Err(Errno::from_raw(-c.get()))));
-                    left = left.saturating_sub(1);
-                }
-            }
+        if left == 0 {
+            return Ok(());
         }
-        Ok(())
+        self.read_replies(
+            |seq| (seq.wrapping_sub(first) as usize) < n,
+            |payload| {
+                if let Ok(NetlinkPayload::Error(e)) = payload {
+                    each(e.code.map_or(Ok(()), |c| Err(Errno::from_raw(-c.get()))));
+                    left -= 1;
+                }
+                (left == 0).then_some(Ok(()))
+            },
+        )
     }
 }
 
