@@ -583,7 +583,7 @@ impl Balancer {
             destroy_clients(&self.name, server, &clients)
         };
         for c in conns {
-            c.kill(reason);
+            c.cancel();
         }
         if reason != KillReason::Shutdown {
             self.observer

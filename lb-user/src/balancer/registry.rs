@@ -27,9 +27,8 @@ impl ConnEntry {
         *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
     }
 
-    /// Fire the kill switch, recording why.
-    pub(super) fn kill(self, reason: KillReason) {
-        self.set_reason(reason);
+    /// Fire the kill switch ([`ConnEntry::set_reason`] first).
+    pub(super) fn cancel(self) {
         self.cancel.cancel();
     }
 }
