@@ -206,8 +206,18 @@ pub struct ConnectOrig {
     /// The process (tgid) that called `connect()`: lb finds the socket's network namespace
     /// through `/proc/<tgid>/ns/net` when it kills it.
     pub tgid: u32,
+    /// The socket's own address once its SYN is about to leave (sockops `TCP_CONNECT_CB`),
+    /// network byte order per word, as [`ConnectServer::ip_be`]; for an IPv6 socket the whole
+    /// IPv6 address (IPv4-mapped when it dialed an IPv4-mapped listener). With
+    /// [`Self::local_port`] and the server it names the socket to the kernel, so lb kills it
+    /// without listing the namespace's sockets.
+    pub local_ip_be: [u32; 4],
+    /// The socket's own port, host order; 0 until `TCP_CONNECT_CB`.
+    pub local_port: u32,
+    /// The socket's family ([`AF_INET`] or [`AF_INET6`]); 0 until `TCP_CONNECT_CB`.
+    pub family: u32,
 }
-const _: () = assert!(size_of::<ConnectOrig>() == 64);
+const _: () = assert!(size_of::<ConnectOrig>() == 88);
 
 /// A passive health signal of one connect-time socket, from the sockops program to lb.
 #[repr(C)]

@@ -253,6 +253,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         },
         reported: 0,
         tgid,
+        ..ConnectOrig::default()
     };
     if LB_CONNECT_SOCKS
         .insert(&cookie, &orig, u64::from(BPF_ANY))
@@ -381,14 +382,22 @@ pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
 
 /// Sockops `TCP_CONNECT_CB` (before the SYN is sent): a socket a connect program rewrote asks
 /// for its state changes and retransmission timeouts from now on, so a connect that fails is
-/// reported ([`on_state`]).
+/// reported ([`on_state`]), and its own address (bound by now) is recorded for lb's kills.
 #[inline(always)]
 pub(crate) fn on_connect(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
-    // SAFETY: only tested for presence.
-    if unsafe { LB_CONNECT_SOCKS.get(&cookie) }.is_some() {
-        let _ = ctx.set_cb_flags(CB_FLAGS);
+    let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
+        return;
+    };
+    let _ = ctx.set_cb_flags(CB_FLAGS);
+    // The source port is bound by now: record the socket's own address for lb's kills.
+    if let Some(tuple) = crate::client_tuple(ctx) {
+        // SAFETY: a live map value; one socket's callbacks run under its lock.
+        let orig = unsafe { &mut *orig };
+        orig.local_ip_be = tuple.client_ip_be;
+        orig.local_port = tuple.client_port;
+        orig.family = tuple.family;
     }
 }
 

@@ -101,37 +101,70 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
     destroy_matching(peer, LIVE_STATES, |_| true)
 }
 
-/// Connect-time sockets to end: socket cookie → the process (tgid) that called `connect()`,
-/// as the connect programs recorded it.
-pub type CookieOwners = std::collections::HashMap<u64, u32>;
+/// A connect-time socket to end, as lb's programs recorded it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectSocket {
+    /// Its socket cookie.
+    pub cookie: u64,
+    /// The process (tgid) that called `connect()`: the socket lives in that process's
+    /// network namespace (`/proc/<tgid>/ns/net`).
+    pub tgid: u32,
+    /// (its own address, its peer) as the kernel holds them, once its SYN was sent; `None`
+    /// before, when only a dump of the namespace's sockets can find it.
+    pub sent: Option<OwnSocket>,
+}
 
-/// Destroy the TCP sockets whose peer is `peer` and whose socket cookie is in `cookies` (the
-/// connect-time sockets lb's programs sent to a server; other sockets to it are left alone),
-/// in every network namespace that holds one: a socket's namespace is its connecting
-/// process's (`/proc/<tgid>/ns/net`), entered with `setns` on a short-lived thread. A socket
-/// whose process has exited is looked for in lb's own namespace. Blocking, as
+/// Destroy the connect-time sockets `sockets` to `peer` (sent there by lb's programs; other
+/// sockets to it are left alone), in each one's network namespace, entered with `setns` on a
+/// short-lived thread (a socket whose process has exited is looked for in lb's own). A socket
+/// whose addresses are known is named by them and its cookie, 64 requests per `sendmsg`, with
+/// no dump; the others are found by a dump of the sockets to `peer`. Blocking, as
 /// [`destroy_peer_sockets`].
 ///
 /// # Errors
 /// As [`destroy_peer_sockets`], plus [`KillError::Netns`] when another namespace cannot be
 /// entered; the first error is returned only when nothing was destroyed.
-pub fn destroy_sockets_with_cookies(
+pub fn destroy_connect_sockets(
     peer: SocketAddr,
-    cookies: &CookieOwners,
+    sockets: &[ConnectSocket],
 ) -> Result<NodeKill, KillError> {
-    destroy_cookies(peer, LIVE_STATES, cookies)
+    in_each_netns(sockets, |group| {
+        let mut targets = Vec::with_capacity(group.len());
+        let mut unsent = std::collections::HashSet::new();
+        for s in group {
+            match s.sent {
+                Some((local, to)) => targets.push(target(local, to, cookie_bytes(s.cookie))),
+                None => {
+                    unsent.insert(s.cookie);
+                }
+            }
+        }
+        let mut done = destroy_all(&Netlink::open()?, targets)?;
+        if !unsent.is_empty() {
+            let k = destroy_matching(peer, LIVE_STATES, |id| unsent.contains(&cookie_of(id)))?;
+            done.found += k.found;
+            done.destroyed += k.destroyed;
+        }
+        Ok(done)
+    })
 }
 
-/// As [`destroy_sockets_with_cookies`], for the sockets still in `SYN_SENT` only: connects
-/// that have not reached the server, aborted without touching its established connections.
+/// As [`destroy_connect_sockets`], for the sockets still in `SYN_SENT` only (found by a dump,
+/// which gives each one's state): connects that have not reached the server, aborted without
+/// touching its established connections.
 ///
 /// # Errors
-/// As [`destroy_sockets_with_cookies`].
-pub fn destroy_connecting_with_cookies(
+/// As [`destroy_connect_sockets`].
+pub fn destroy_connecting(
     peer: SocketAddr,
-    cookies: &CookieOwners,
+    sockets: &[ConnectSocket],
 ) -> Result<NodeKill, KillError> {
-    destroy_cookies(peer, StateFlags::SYN_SENT, cookies)
+    in_each_netns(sockets, |group| {
+        let cookies: std::collections::HashSet<u64> = group.iter().map(|s| s.cookie).collect();
+        destroy_matching(peer, StateFlags::SYN_SENT, |id| {
+            cookies.contains(&cookie_of(id))
+        })
+    })
 }
 
 /// One of lb's own accepted sockets, by its addresses: (local, peer).
@@ -196,6 +229,12 @@ fn destroy_all(nl: &Netlink, targets: Vec<Target>) -> Result<NodeKill, KillError
 /// The socket id of lb's accepted socket `local` ← `peer`; cookie all ones, which the kernel
 /// reads as "no cookie" (`INET_DIAG_NOCOOKIE`), so the addresses alone name it.
 fn own_target(local: SocketAddr, peer: SocketAddr) -> Target {
+    target(local, peer, [0xff; 8])
+}
+
+/// The socket id of the socket `local` → `peer` with cookie bytes `cookie` (the kernel
+/// compares them with the socket's own and answers `ENOENT` on a mismatch).
+fn target(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Target {
     let family = if local.is_ipv4() {
         libc::AF_INET
     } else {
@@ -209,7 +248,7 @@ fn own_target(local: SocketAddr, peer: SocketAddr) -> Target {
             source_address: local.ip(),
             destination_address: peer.ip(),
             interface_id: 0,
-            cookie: [0xff; 8],
+            cookie,
         },
     }
 }
@@ -217,38 +256,43 @@ fn own_target(local: SocketAddr, peer: SocketAddr) -> Target {
 /// A network namespace's identity: device and inode of its `/proc/*/ns/net` file.
 type NetnsId = (u64, u64);
 
-/// One process in a network namespace, and the cookies of the sockets to end there.
-type NetnsGroup = (u32, std::collections::HashSet<u64>);
-
 fn netns_id(path: &str) -> Option<NetnsId> {
     use std::os::unix::fs::MetadataExt as _;
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-fn destroy_cookies(
-    peer: SocketAddr,
-    states: StateFlags,
-    cookies: &CookieOwners,
+/// Run `f` once per network namespace holding some of `sockets`, with those sockets: in lb's
+/// own namespace directly, in another from a thread that joined it ([`in_netns_of`]). Each
+/// process's namespace is looked up once.
+///
+/// # Errors
+/// [`KillError::Unsupported`] at once; otherwise the first error, only when nothing was
+/// destroyed.
+fn in_each_netns(
+    sockets: &[ConnectSocket],
+    f: impl Fn(&[&ConnectSocket]) -> Result<NodeKill, KillError> + Sync,
 ) -> Result<NodeKill, KillError> {
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashMap;
     let own = netns_id("/proc/self/ns/net");
-    // Per foreign namespace (None: lb's own), one process in it and the cookies it holds.
-    let mut groups: HashMap<Option<NetnsId>, NetnsGroup> = HashMap::new();
-    for (&cookie, &tgid) in cookies {
-        let ns = netns_id(&format!("/proc/{tgid}/ns/net")).filter(|ns| Some(*ns) != own);
+    let mut of_process: HashMap<u32, Option<NetnsId>> = HashMap::new();
+    // Per foreign namespace (None: lb's own), one process in it and its sockets.
+    let mut groups: HashMap<Option<NetnsId>, (u32, Vec<&ConnectSocket>)> = HashMap::new();
+    for s in sockets {
+        let ns = *of_process.entry(s.tgid).or_insert_with(|| {
+            netns_id(&format!("/proc/{}/ns/net", s.tgid)).filter(|ns| Some(*ns) != own)
+        });
         groups
             .entry(ns)
-            .or_insert_with(|| (tgid, HashSet::new()))
+            .or_insert_with(|| (s.tgid, Vec::new()))
             .1
-            .insert(cookie);
+            .push(s);
     }
     let mut done = NodeKill::default();
     let mut first_error = None;
-    for (ns, (tgid, set)) in groups {
-        let kill = || destroy_matching(peer, states.clone(), |id| set.contains(&cookie_of(id)));
+    for (ns, (tgid, group)) in groups {
         let r = match ns {
-            None => kill(),
-            Some(_) => in_netns_of(tgid, kill),
+            None => f(&group),
+            Some(_) => in_netns_of(tgid, || f(&group)),
         };
         match r {
             Ok(k) => {
@@ -299,6 +343,14 @@ fn cookie_of(id: &SocketId) -> u64 {
     let lo = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
     let hi = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]);
     u64::from(hi) << 32 | u64::from(lo)
+}
+
+/// The inverse of [`cookie_of`].
+fn cookie_bytes(cookie: u64) -> [u8; 8] {
+    let mut c = [0; 8];
+    c[..4].copy_from_slice(&(cookie as u32).to_ne_bytes());
+    c[4..].copy_from_slice(&((cookie >> 32) as u32).to_ne_bytes());
+    c
 }
 
 fn destroy_matching(

@@ -440,6 +440,14 @@ fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
         s.lb.metric("lb_connections_total", "") == 0.0,
         "nothing should go through lb"
     );
+    // A kill names such a socket by its mapped addresses: the holder is reset.
+    let h = Holder::start(&s.place(), mapped, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    let t = Instant::now();
+    s.kill_server(0)?;
+    expect_reset(&h, "lb servers kill (IPv4-mapped)", t)?;
     Ok(())
 }
 
@@ -689,6 +697,16 @@ fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
     ensure!(v["peer"] == listen.to_string(), "getpeername: {v}");
     ensure!(v["server_sees"] == v["local"], "{v}");
     ensure!(lb.metric("lb_connections_total", "") == 0.0, "through lb");
+    // A kill names the socket by its IPv6 addresses: the holder is reset.
+    let h = Holder::start(&Place::cgroup(&cg.path), listen, 1, 60_000)?;
+    h.wait_for("connected", Duration::from_secs(10))?;
+    let t = Instant::now();
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["servers", "kill", &server.to_string()])
+        .args(["--admin", &lb.admin.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    expect_reset(&h, "lb servers kill (IPv6)", t)?;
     Ok(())
 }
 

@@ -39,8 +39,9 @@ enum Cmd {
         /// Fewer, shorter runs (a smoke check; results go to bench/results/raw/quick/).
         #[arg(long)]
         quick: bool,
-        /// Run one scenario only (its table goes to bench/results/raw/<name>/, never latest).
-        #[arg(long, value_parser = ["upgrade"])]
+        /// Run one scenario only (its table goes to bench/results/raw/<name>/, never latest):
+        /// `upgrade` (8) or `kill` (5 and 7, idle connections and their kill).
+        #[arg(long, value_parser = ["upgrade", "kill"])]
         only: Option<String>,
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.

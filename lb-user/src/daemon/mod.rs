@@ -256,13 +256,15 @@ fn kill_direct(
     let Some(addr) = server.socket_addr() else {
         return;
     };
-    let cookies = dp.connect_cookies(id, addr);
+    let began = std::time::Instant::now();
+    let sockets = dp.connect_sockets(id, addr);
     // Their close is lb's doing: not a failed connect of the server.
-    dp.ignore_events_of(&cookies);
-    match crate::kill::destroy_sockets_with_cookies(addr, &cookies) {
+    dp.ignore_events_of(&sockets);
+    match crate::kill::destroy_connect_sockets(addr, &sockets) {
         Ok(k) => {
             if k.destroyed > 0 {
-                warn!(%balancer, %server, found = k.found, destroyed = k.destroyed, reason = reason.label(), "killed connect-time connections");
+                let ms = began.elapsed().as_millis();
+                warn!(%balancer, %server, found = k.found, destroyed = k.destroyed, reason = reason.label(), ms, "killed connect-time connections");
                 metrics
                     .connections_killed
                     .get_or_create(&KillLabels {
@@ -323,9 +325,9 @@ fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr)
     let Some(addr) = server.socket_addr() else {
         return;
     };
-    let cookies = dp.connect_cookies(id, addr);
-    dp.ignore_events_of(&cookies);
-    match crate::kill::destroy_connecting_with_cookies(addr, &cookies) {
+    let sockets = dp.connect_sockets(id, addr);
+    dp.ignore_events_of(&sockets);
+    match crate::kill::destroy_connecting(addr, &sockets) {
         Ok(k) if k.destroyed > 0 => {
             warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
         }

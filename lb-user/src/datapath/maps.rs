@@ -310,15 +310,14 @@ impl ConnectMaps {
             .collect()
     }
 
-    /// Cookies of the sockets the connect programs sent to `server` for balancer `id`, each
-    /// with the process (tgid) that connected it.
-    pub(super) fn cookies(&self, id: u32, server: &ConnectServer) -> Vec<(u64, u32)> {
+    /// The sockets the connect programs sent to `server` for balancer `id`: cookie and what
+    /// the programs recorded.
+    pub(super) fn sockets(&self, id: u32, server: &ConnectServer) -> Vec<(u64, ConnectOrig)> {
         let socks = self.socks.lock().expect("poisoned");
         socks
             .iter()
             .filter_map(Result::ok)
             .filter(|(_, o)| o.count.balancer == id && o.count.server == *server)
-            .map(|(cookie, o)| (cookie, o.tgid))
             .collect()
     }
 }
@@ -347,6 +346,28 @@ pub(super) fn server_addr(s: &ConnectServer) -> Option<SocketAddr> {
         _ => return None,
     };
     Some(SocketAddr::new(ip, u16::try_from(s.port).ok()?))
+}
+
+/// A connect-time socket's (own address, peer) as the kernel holds them, from what sockops
+/// recorded at `TCP_CONNECT_CB`; `None` before then. An IPv6 socket sent to an IPv4 `server`
+/// has both addresses IPv4-mapped.
+pub(super) fn sent_tuple(o: &ConnectOrig, server: SocketAddr) -> Option<(SocketAddr, SocketAddr)> {
+    if o.local_port == 0 {
+        return None;
+    }
+    let local = server_addr(&ConnectServer {
+        ip_be: o.local_ip_be,
+        port: o.local_port,
+        family: o.family,
+    })?;
+    let peer = match (local, server) {
+        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
+            SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
+        }
+        (SocketAddr::V4(_), SocketAddr::V6(_)) => return None,
+        _ => server,
+    };
+    Some((local, peer))
 }
 
 /// `LB_NETNS`: a client tuple (cookie 0) → its namespace cookie, or `NETNS_AMBIGUOUS`.

@@ -377,13 +377,17 @@ impl Datapath {
         out
     }
 
-    /// Socket cookies of the connect-time sockets balancer `id`'s programs sent to `server`,
-    /// each with the process (tgid) that connected it.
-    pub fn connect_cookies(&self, id: u32, server: SocketAddr) -> crate::kill::CookieOwners {
+    /// The connect-time sockets balancer `id`'s programs sent to `server`.
+    pub fn connect_sockets(&self, id: u32, server: SocketAddr) -> Vec<crate::kill::ConnectSocket> {
         self.maps
             .connect
-            .cookies(id, &maps::connect_server(server))
+            .sockets(id, &maps::connect_server(server))
             .into_iter()
+            .map(|(cookie, o)| crate::kill::ConnectSocket {
+                cookie,
+                tgid: o.tgid,
+                sent: maps::sent_tuple(&o, server),
+            })
             .collect()
     }
 

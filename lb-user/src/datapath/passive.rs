@@ -54,13 +54,13 @@ const IGNORE_FOR: Duration = Duration::from_secs(10);
 pub type PassiveSink = Arc<dyn Fn(u32, SocketAddr, PassiveKind) + Send + Sync>;
 
 impl Datapath {
-    /// Remember `cookies` as sockets lb is about to destroy: their failures are not the
+    /// Remember `sockets` as sockets lb is about to destroy: their failures are not the
     /// server's. Call before destroying them.
-    pub fn ignore_events_of(&self, cookies: &crate::kill::CookieOwners) {
+    pub fn ignore_events_of(&self, sockets: &[crate::kill::ConnectSocket]) {
         let mut ignored = self.ignored.lock().expect("poisoned");
         let now = Instant::now();
         ignored.retain(|_, t| now.duration_since(*t) < IGNORE_FOR);
-        ignored.extend(cookies.keys().map(|c| (*c, now)));
+        ignored.extend(sockets.iter().map(|s| (s.cookie, now)));
     }
 
     /// Read connect-time events on a dedicated thread (`lb-passive`) until `cancel` fires,

@@ -220,16 +220,22 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
         timed("scenarios 1-4", || {
             scenarios::steady(&opts, &hosts, &cgroups, &mut res, &mut raw)
         })?;
+    }
+    if all || only == Some("kill") {
         timed("scenarios 5+7", || {
             scenarios::idle_and_kill(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
         })?;
+    }
+    if all {
         timed("scenario 6", || {
             scenarios::failover(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
-    timed("scenario 8", || {
-        scenarios::upgrade(&opts, &hosts, &cgroups, &mut res, &mut raw)
-    })?;
+    if all || only == Some("upgrade") {
+        timed("scenario 8", || {
+            scenarios::upgrade(&opts, &hosts, &cgroups, &mut res, &mut raw)
+        })?;
+    }
     drop(hosts);
     machine["load_end"] = json!(loadavg());
     machine["duration_s"] = json!(started.elapsed().as_secs());
