@@ -49,9 +49,24 @@ fn default_sigpipe() {
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }
 
+/// `lb run` ignores SIGHUP and SIGUSR2 until its daemon listens for them (reload and upgrade):
+/// their default action would end a process still starting (loading programs, binding
+/// listeners, or taking over from an old lb). One sent that early is dropped; send it again
+/// once `/readyz` answers.
+fn ignore_until_handled() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    for sig in [Signal::SIGHUP, Signal::SIGUSR2] {
+        // SAFETY: sets a disposition before any other thread exists; no handler runs.
+        #[expect(unsafe_code, reason = "signal(2) has no safe wrapper")]
+        let _ = unsafe { signal(sig, SigHandler::SigIgn) };
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Run(_)) {
+    if matches!(cli.command, Command::Run(_)) {
+        ignore_until_handled();
+    } else {
         default_sigpipe();
     }
     init_logging(&cli);

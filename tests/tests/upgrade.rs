@@ -514,6 +514,140 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
     Ok(())
 }
 
+/// A second `lb upgrade` while one is under way is refused at once (exit 2, 409, its JSON
+/// error on stdout with `-o json`) instead of waiting its turn; the first one then fails as its
+/// new process does, and the old lb serves on.
+#[test]
+fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
+    if skip_unless_root("upgrade_second_request_is_refused_while_one_runs") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], &[])?;
+    wait_settled(&s.lb)?;
+    let good = std::fs::read(s.lb.bin())?;
+    // The new "lb" takes 3 s to fail: the first upgrade holds its turn that long.
+    s.lb.replace_binary(b"#!/bin/sh\nsleep 3\nexit 3\n")?;
+    let pid = s.lb.pid;
+    let admin = s.lb.admin.to_string();
+    let second = std::thread::spawn(move || -> Result<(Output, Duration)> {
+        std::thread::sleep(Duration::from_millis(500));
+        let mut cmd = Command::new(lb_bin());
+        cmd.args(["upgrade", "--admin", &admin, "--output", "json"]);
+        let t = Instant::now();
+        let out = output_within(cmd, Duration::from_secs(30))?;
+        Ok((out, t.elapsed()))
+    });
+    let first = s.lb.upgrade()?;
+    let (out, took) = second
+        .join()
+        .map_err(|_| anyhow::anyhow!("second upgrade thread panicked"))??;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!(
+        "second lb upgrade: exit {} after {took:?}: {err}",
+        out.status
+    );
+    ensure!(
+        out.status.code() == Some(2),
+        "second lb upgrade exited {}: {err}",
+        out.status
+    );
+    ensure!(
+        err.contains("already in progress"),
+        "no clear reason: {err}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("-o json printed {:?}", out.stdout))?;
+    ensure!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already in progress")),
+        "JSON error: {v}"
+    );
+    ensure!(
+        !timed() || took < Duration::from_secs(2),
+        "the second upgrade waited {took:?}"
+    );
+    ensure!(
+        first.status.code() == Some(1),
+        "first lb upgrade exited {}: {}",
+        first.status,
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let v: Value = serde_json::from_slice(&first.stdout)
+        .with_context(|| format!("-o json printed {:?}", first.stdout))?;
+    ensure!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("exit status: 3")),
+        "the first upgrade's JSON error: {v}"
+    );
+    ensure!(s.lb.pid == pid, "the pid changed");
+    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    ensure!(v["ok"] == true, "the old lb does not serve: {v}");
+    s.lb.replace_binary(&good)?;
+    Ok(())
+}
+
+/// SIGUSR2 (upgrade) and SIGHUP (reload) sent to an `lb run` still starting, before its
+/// handlers exist, are ignored rather than ending it (their default action).
+#[test]
+fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
+    if skip_unless_root("upgrade_signals_while_starting_do_not_end_lb") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let mut child = Command::new(lb_bin())
+        .args(["run", "--listen", &listen, "--server", "198.18.0.2:9000"])
+        .args([
+            "--datapath",
+            "bpf",
+            "--cgroup",
+            &cg.path.display().to_string(),
+        ])
+        .args(["--admin-listen", &admin.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    let result = (|| -> Result<()> {
+        // SigIgn and SigCgt in /proc/<pid>/status: bit 0 is signal 1 (SIGHUP), bit 11 SIGUSR2.
+        let mask = |field: &str| -> Option<u64> {
+            let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let line = st.lines().find(|l| l.starts_with(field))?;
+            u64::from_str_radix(line.split_whitespace().nth(1)?, 16).ok()
+        };
+        const BITS: u64 = 1 << 0 | 1 << 11;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mask("SigIgn:").is_none_or(|m| m & BITS != BITS) {
+            ensure!(
+                Instant::now() < deadline,
+                "lb never ignored SIGHUP and SIGUSR2"
+            );
+            ensure!(child.try_wait()?.is_none(), "lb exited while starting");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let early = mask("SigCgt:").is_some_and(|m| m & BITS == 0);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR2)?;
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP)?;
+        eprintln!(
+            "signals sent {} lb installed its handlers",
+            if early { "before" } else { "after" }
+        );
+        lb_tests::wait_until(Duration::from_secs(30), || {
+            ensure!(child.try_wait()?.is_none(), "lb ended after the signals");
+            Ok(http_get(admin, "/livez").is_ok_and(|(code, _)| code == 200))
+        })?;
+        std::thread::sleep(Duration::from_millis(300));
+        ensure!(child.try_wait()?.is_none(), "lb ended after the signals");
+        Ok(())
+    })();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let _ = child.wait();
+    result
+}
+
 /// The new process dies after the old one froze its connections and sent them: the old lb
 /// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
 #[test]

@@ -327,12 +327,19 @@ async fn authorize(State(s): State<Arc<AdminState>>, req: Request, next: Next) -
 }
 
 /// `POST /upgrade`: hand everything to a new lb from lb's binary; 200 with
-/// [`crate::daemon::upgrade::Upgraded`] (this process exits right after), 500 with the reason
-/// when the new process did not take over (this one serves on).
+/// [`crate::daemon::upgrade::Upgraded`] (this process exits right after), 409 at once when
+/// another upgrade is under way (or this lb handed over or is shutting down), 500 with the
+/// reason when the new process did not take over (this one serves on).
 async fn upgrade_handler(State(s): State<Arc<AdminState>>) -> Response {
+    use crate::daemon::upgrade::UpgradeError;
     match s.daemon.upgrade().await {
         Ok(u) => Json(u).into_response(),
-        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+        Err(e @ UpgradeError::Refused(_)) => {
+            ApiError::new(StatusCode::CONFLICT, e.to_string()).into_response()
+        }
+        Err(e @ UpgradeError::Failed(_)) => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+        }
     }
 }
 

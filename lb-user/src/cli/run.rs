@@ -100,12 +100,17 @@ pub(super) fn sd_notify(state: &str) {
 /// # Errors
 /// The address in use, with the process holding it when `/proc` tells.
 fn preflight(cfg: &Config) -> Result<(), String> {
-    let mut addrs: Vec<(std::net::SocketAddr, &str)> = cfg
+    // What each address is for in the configuration being started (not in the running lb).
+    let mut addrs: Vec<(std::net::SocketAddr, String)> = cfg
         .balancers
         .iter()
-        .flat_map(|b| b.listen.iter().map(|a| (*a, b.name.as_str())))
+        .flat_map(|b| {
+            b.listen
+                .iter()
+                .map(|a| (*a, format!("listener of balancer {}", b.name)))
+        })
         .collect();
-    addrs.push((cfg.admin.listen, "the admin API"));
+    addrs.push((cfg.admin.listen, "admin API".into()));
     for (addr, what) in addrs {
         if let Err(e) = try_bind(addr)
             && e.kind() == std::io::ErrorKind::AddrInUse
@@ -114,7 +119,7 @@ fn preflight(cfg: &Config) -> Result<(), String> {
                 .map(|(pid, comm)| format!(" by pid {pid} ({comm})"))
                 .unwrap_or_default();
             return Err(format!(
-                "{addr} ({what}) is already served{owner}: is another lb running? `lb upgrade` replaces a running lb without dropping connections"
+                "cannot start: {addr} (this configuration's {what}) is already served{owner}: is another lb running? `lb upgrade` replaces a running lb without dropping connections"
             ));
         }
     }

@@ -1,8 +1,9 @@
 //! `lb upgrade`: ask the running daemon (`POST /upgrade`) to hand everything to a new lb started
 //! from the binary now at its path, without dropping a connection. Exit 0 once the new process
 //! serves (the old one exits), 1 with the reason when it did not take over (the old one serves
-//! on unchanged) or the admin API refused or could not be reached, 2 when the command itself
-//! cannot run (a bad flag, an unreadable token file).
+//! on unchanged) or the admin API could not be reached, 2 when the daemon refused at once
+//! (another upgrade under way: 409) or the command itself cannot run (a bad flag, an
+//! unreadable token file). With `-o json` the API's body is printed on failure too.
 
 use std::process::ExitCode;
 
@@ -34,9 +35,18 @@ pub async fn run(args: &UpgradeArgs) -> ExitCode {
     };
     let (status, body) = match client.raw(Method::POST, "/upgrade", None).await {
         Ok(r) => r,
-        Err(e) => return report_error(&e),
+        Err(e) => {
+            if let Output::Json = args.output {
+                println!("{}", serde_json::json!({ "error": e.to_string() }));
+            }
+            return report_error(&e);
+        }
     };
     if !status.is_success() {
+        if let Output::Json = args.output {
+            // The API's error body as it is (`{"error": ...}`), so a script reads one format.
+            println!("{}", String::from_utf8_lossy(&body));
+        }
         let e = status_error(status, &body);
         if let ClientError::Status { message, .. } = &e
             && status.is_server_error()

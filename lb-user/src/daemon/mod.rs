@@ -682,8 +682,12 @@ impl Daemon {
                 }
                 _ = usr2.recv() => {
                     let d = self.clone();
-                    // The result is logged; the loop below sees a hand-over.
-                    tokio::spawn(async move { upgrade::upgrade(&d).await });
+                    // A failure is logged by the hand-over; the loop below sees a success.
+                    tokio::spawn(async move {
+                        if let Err(e @ upgrade::UpgradeError::Refused(_)) = upgrade::upgrade(&d).await {
+                            warn!(reason = %e, "SIGUSR2: not upgrading");
+                        }
+                    });
                 }
                 () = self.handed_over.cancelled() => {
                     // Let the admin API answer `lb upgrade` before the process ends.
@@ -821,13 +825,13 @@ impl Handle {
     ///
     /// # Errors
     /// Why the new process did not take over; this one serves on unchanged.
-    pub async fn upgrade(&self) -> Result<upgrade::Upgraded, String> {
+    pub async fn upgrade(&self) -> Result<upgrade::Upgraded, upgrade::UpgradeError> {
         let d = self.0.clone();
         self.0
             .runtime
             .spawn(async move { upgrade::upgrade(&d).await })
             .await
-            .map_err(|e| format!("upgrade task failed: {e}"))?
+            .map_err(|e| upgrade::UpgradeError::Failed(format!("upgrade task failed: {e}")))?
     }
 
     /// The metrics in Prometheus text format.

@@ -105,24 +105,42 @@ pub struct Upgraded {
 /// One hand-over at a time.
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Why an upgrade did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    /// Refused at once, nothing started: another upgrade is under way, this lb already handed
+    /// over, or it is shutting down (the API answers 409).
+    #[error("{0}")]
+    Refused(&'static str),
+    /// The new process did not take over, for the reason given; this lb serves on unchanged
+    /// (the API answers 500).
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Hand everything to a new lb started from the recorded binary; on success this process must
 /// exit (see [`Daemon::handed_over`]).
 ///
 /// # Errors
-/// Why the new process did not take over; this process serves on unchanged.
-pub async fn upgrade(d: &Arc<Daemon>) -> Result<Upgraded, String> {
-    let _turn = TURN.lock().await;
+/// [`UpgradeError::Refused`] when another upgrade is under way (a second request does not wait
+/// for the first) or this lb handed over or is shutting down; [`UpgradeError::Failed`] with why
+/// the new process did not take over.
+pub async fn upgrade(d: &Arc<Daemon>) -> Result<Upgraded, UpgradeError> {
+    let Ok(_turn) = TURN.try_lock() else {
+        return Err(UpgradeError::Refused("an upgrade is already in progress"));
+    };
     if d.handed_over.is_cancelled() {
-        return Err("this lb has already handed over".into());
+        return Err(UpgradeError::Refused("this lb has already handed over"));
     }
     if d.shutdown.is_cancelled() || d.proxy.tasks.is_closed() {
-        return Err("this lb is shutting down".into());
+        return Err(UpgradeError::Refused("this lb is shutting down"));
     }
     let d2 = d.clone();
     let rt = tokio::runtime::Handle::current();
     let r = tokio::task::spawn_blocking(move || run(&d2, &rt))
         .await
-        .map_err(|e| format!("hand-over task failed: {e}"))?;
+        .map_err(|e| UpgradeError::Failed(format!("hand-over task failed: {e}")))?
+        .map_err(UpgradeError::Failed);
     match &r {
         Ok(u) => {
             info!(
