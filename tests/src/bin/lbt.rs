@@ -506,7 +506,9 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             write_retry(&mut s, b"ECHO\n")?;
             let msg = vec![0x5au8; size.max(1)];
             let mut back = vec![0u8; size.max(1)];
-            let mut lat = Vec::with_capacity(count as usize);
+            // Reserved up to a million: a client told to echo "forever" (a huge count, ended
+            // by an error) must not ask for gigabytes up front, which a small VM refuses.
+            let mut lat = Vec::with_capacity((count as usize).min(1 << 20));
             for _ in 0..count {
                 let t = Instant::now();
                 write_retry(&mut s, &msg)?;
