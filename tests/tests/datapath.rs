@@ -65,7 +65,8 @@ fn ok(v: &Value) -> Result<()> {
 fn bulk_both_directions(mode: &str) -> Result<()> {
     let s = Setup::new(mode, 1, &[])?;
     let n = (256 * MIB).to_string();
-    ok(&s.client(&["up", &n])?)?;
+    // The pause lets lb pair the connection before the data (README, "The counting rule").
+    ok(&s.client(&["up", &n, "--pause-ms", "200"])?)?;
     ok(&s.client(&["down", &n])?)?;
     // Every byte went exactly one way: spliced by the kernel or copied by lb (protocol headers
     // "UP\n" and "DOWN <n> 7\n" included). How much the kernel carries depends on how often
