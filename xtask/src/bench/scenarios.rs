@@ -106,7 +106,8 @@ fn client(
 }
 
 /// Scenarios 1-4: bulk throughput (1 and 8 connections, each direction) with CPU per GiB and
-/// softirq share from the 1-connection runs, 64-byte round trips, and new connections per second.
+/// softirq share from the 1-connection runs, then (unless `bulk_only`) 64-byte round trips and
+/// new connections per second.
 ///
 /// # Errors
 /// A contender fails to start or a client fails.
@@ -116,6 +117,7 @@ pub fn steady(
     cgroups: &Cgroups,
     res: &mut Results,
     raw: &mut Raw,
+    bulk_only: bool,
 ) -> Result<()> {
     let servers = vec![hosts.addr_a()];
     let running: Vec<Running> = Kind::ALL
@@ -176,6 +178,10 @@ pub fn steady(
                 }
             }
         }
+    }
+
+    if bulk_only {
+        return Ok(());
     }
 
     eprintln!(
