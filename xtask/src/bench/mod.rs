@@ -254,9 +254,10 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
     let options = serde_json::to_value(&opts)?;
     let header = format!(
         "## Benchmark: lb (splice, copy, connect-time) next to a direct connection, HAProxy and nginx\n\n\
-         `cargo xtask bench{}`: {} measured runs per contender of scenarios 1-4 after a warm-up, \
+         `cargo xtask bench{}{}`: {} measured runs per contender of scenarios 1-4 after a warm-up, \
          {} of scenarios 5-7, contenders alternating run by run; took {} s.",
         if quick { " --quick" } else { "" },
+        only.map(|o| format!(" --only {o}")).unwrap_or_default(),
         opts.runs,
         opts.heavy_runs,
         started.elapsed().as_secs()
