@@ -83,7 +83,12 @@ fn one_gib_each_way_on_one_connection() -> Result<()> {
     let (listen, place, _h, lb) = (f.listen.clone(), f.place(), &f.host, &f.lb);
     let gib = (1024 * MIB).to_string();
     // The pause lets lb pair the connection before the data (README, "The counting rule").
-    ok(&run_client(&place, listen.parse()?, &["up", &gib, "--pause-ms", "200"], T)?)?;
+    ok(&run_client(
+        &place,
+        listen.parse()?,
+        &["up", &gib, "--pause-ms", "200"],
+        T,
+    )?)?;
     ok(&run_client(&place, listen.parse()?, &["down", &gib], T)?)?;
     let spliced = lb.metric("lb_spliced_bytes_total", "client_to_server");
     let copied = lb.metric("lb_copied_bytes_total", "client_to_server");
