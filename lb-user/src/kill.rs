@@ -35,7 +35,7 @@ use nix::{
 };
 use tracing::{info, warn};
 
-use crate::netns::NetnsId;
+use crate::netns;
 
 /// TCP states a live connection can be in (LISTEN, TIME_WAIT and CLOSE left out).
 const LIVE_STATES: StateFlags = StateFlags::ESTABLISHED
@@ -250,23 +250,11 @@ fn target(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Target {
     }
 }
 
-/// Where the sockets of one group are looked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Where {
-    /// lb's own network namespace.
-    Own,
-    /// lb's own, because their process's namespace could not be opened.
-    OwnFallback,
-    /// Another namespace, entered through the descriptor kept for it.
-    Foreign(NetnsId),
-}
-
 /// Run `f` once per network namespace holding some of `sockets`, with those sockets: in lb's
-/// own namespace directly, in another from a thread that joined it
-/// ([`crate::netns::run_in_netns`]). Each process's namespace is looked up once. A process
-/// whose namespace cannot be opened (gone, or no ptrace access) has its sockets looked for in
-/// lb's own namespace; a namespace that cannot be entered is skipped. Either is logged with
-/// the process id and counted in [`NodeKill::netns_failures`].
+/// own namespace directly, in another from a thread that joined it (grouped by
+/// [`netns::group_by_netns`], which says what happens to a process whose namespace cannot be
+/// opened). A namespace that cannot be entered is skipped; either failure is logged with the
+/// process id and counted in [`NodeKill::netns_failures`].
 ///
 /// # Errors
 /// [`KillError::Unsupported`] at once; otherwise the first error, only when nothing was
@@ -275,60 +263,26 @@ fn in_each_netns(
     sockets: &[ConnectSocket],
     f: impl Fn(&[&ConnectSocket]) -> Result<NodeKill, KillError> + Sync,
 ) -> Result<NodeKill, KillError> {
-    use std::collections::HashMap;
-    let own = crate::netns::own_netns();
-    let mut of_process: HashMap<u32, Where> = HashMap::new();
-    let mut files: HashMap<NetnsId, (u32, std::fs::File)> = HashMap::new();
-    // Per process whose namespace could not be opened: why, and its sockets.
-    let mut unopened: HashMap<u32, (Errno, usize)> = HashMap::new();
-    let mut groups: HashMap<Where, Vec<&ConnectSocket>> = HashMap::new();
-    for s in sockets {
-        let at = *of_process.entry(s.tgid).or_insert_with(|| {
-            match crate::netns::open_netns_of(s.tgid) {
-                Ok((_, id)) if Some(id) == own => Where::Own,
-                Ok((file, id)) => {
-                    files.entry(id).or_insert((s.tgid, file));
-                    Where::Foreign(id)
-                }
-                Err(error) => {
-                    unopened.insert(s.tgid, (error, 0));
-                    Where::OwnFallback
-                }
-            }
-        });
-        if let Some((_, n)) = unopened.get_mut(&s.tgid) {
-            *n += 1;
-        }
-        groups.entry(at).or_default().push(s);
-    }
-    let mut failures: Vec<NetnsFailure> = unopened
-        .into_iter()
-        .map(|(tgid, (error, sockets))| NetnsFailure {
-            tgid,
-            step: "open",
-            error,
-            sockets,
-        })
-        .collect();
+    let netns::Grouped {
+        groups,
+        mut failures,
+    } = netns::group_by_netns(sockets, |s| s.tgid);
     let mut done = NodeKill::default();
     let mut first_error = None;
     for (at, group) in groups {
-        let r = match at {
-            Where::Own | Where::OwnFallback => f(&group),
-            Where::Foreign(id) => {
-                let (tgid, file) = &files[&id];
-                match crate::netns::run_in_netns(file, || f(&group)) {
-                    Ok(r) => r,
-                    Err(error) => {
-                        failures.push(NetnsFailure::enter(*tgid, error, group.len()));
-                        continue;
-                    }
+        let r = match &at {
+            netns::Where::Own | netns::Where::OwnFallback => f(&group),
+            netns::Where::Foreign { tgid, ns } => match netns::run_in_netns(ns, || f(&group)) {
+                Ok(r) => r,
+                Err(error) => {
+                    failures.push(netns::Failure::enter(*tgid, error, group.len()));
+                    continue;
                 }
-            }
+            },
         };
         match r {
             Ok(k) => {
-                if at == Where::OwnFallback {
+                if matches!(at, netns::Where::OwnFallback) {
                     info!(
                         found = k.found,
                         destroyed = k.destroyed,
@@ -344,53 +298,10 @@ fn in_each_netns(
             }
         }
     }
-    done.netns_failures = NetnsFailure::report(&failures);
+    done.netns_failures = netns::report(&failures);
     match first_error {
         Some(e) if done.destroyed == 0 => Err(e),
         _ => Ok(done),
-    }
-}
-
-/// A process whose network namespace a connect-time kill could not open or enter.
-struct NetnsFailure {
-    tgid: u32,
-    /// `open` (`/proc/<tgid>/ns/net`) or `enter` (`setns`).
-    step: &'static str,
-    error: Errno,
-    /// Its sockets the kill wanted.
-    sockets: usize,
-}
-
-impl NetnsFailure {
-    fn enter(tgid: u32, error: Errno, sockets: usize) -> NetnsFailure {
-        NetnsFailure {
-            tgid,
-            step: "enter",
-            error,
-            sockets,
-        }
-    }
-
-    /// Log each failure (the first 8 one by one, the rest summed) and return the sockets they
-    /// concern.
-    fn report(failures: &[NetnsFailure]) -> usize {
-        const LOGGED: usize = 8;
-        for f in failures.iter().take(LOGGED) {
-            let hint = match (f.step, f.error) {
-                ("open", Errno::ENOENT) => "the process is gone",
-                ("open", _) => "reading another user's /proc/<pid>/ns/net needs CAP_SYS_PTRACE",
-                _ => "setns needs CAP_SYS_ADMIN and no seccomp filter forbidding it",
-            };
-            warn!(pid = f.tgid, step = f.step, error = %f.error, sockets = f.sockets, hint, "connect-time kill: cannot reach the network namespace of a client process");
-        }
-        if let Some(rest) = failures.get(LOGGED..).filter(|r| !r.is_empty()) {
-            let sockets: usize = rest.iter().map(|f| f.sockets).sum();
-            warn!(
-                processes = rest.len(),
-                sockets, "connect-time kill: more client processes' network namespaces unreachable"
-            );
-        }
-        failures.iter().map(|f| f.sockets).sum()
     }
 }
 
