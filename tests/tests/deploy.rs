@@ -26,9 +26,21 @@ const DAEMONSETS: [&str; 2] = [
     "deploy/k3s/daemonset.yaml",
 ];
 
-/// Root and a kernel with the getpeername hooks (5.8) the connect-time programs attach.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+/// Root, a kernel with the getpeername hooks (5.8) the connect-time programs attach, and
+/// `program` when given (util-linux's `setpriv` or `unshare`; busybox guests may lack them).
+fn skip(name: &str, program: Option<&str>) -> bool {
+    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+        return true;
+    }
+    let Some(program) = program else {
+        return false;
+    };
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|d| d.join(program).is_file()) {
+        return false;
+    }
+    lb_tests::skip(name, &format!("needs {program} (util-linux) in PATH"));
+    true
 }
 
 /// A config: balancer `direct` (connect-time, listening on 127.0.0.1 and on the root side of
@@ -169,7 +181,10 @@ fn start_as_nobody(caps: &[String]) -> Result<(Vec<Host>, TestCgroup, Lb, u16, u
 
 #[test]
 fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<()> {
-    if skip("systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients") {
+    if skip(
+        "systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients",
+        Some("setpriv"),
+    ) {
         return Ok(());
     }
     let unit = lb_tests::repo_file(UNIT)?;
@@ -206,7 +221,7 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
 
     // Spliced: a client in lb's namespace through balancer `spliced`.
     let listen: SocketAddr = format!("127.0.0.1:{spliced}").parse()?;
-    let n = (8u64 << 20).to_string();
+    let n = (32u64 << 20).to_string();
     let v = run_client(
         &Place::cgroup(&cg.path),
         listen,
@@ -231,8 +246,13 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
     let h = Holder::spawn(&place, dialed, &["hold", "--max-ms", "60000"])?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
+    let t = std::time::Instant::now();
     kill_server(&lb, hosts[0].addr(9000))?;
     expect_killed(&h, &lb, Duration::from_secs(5))?;
+    eprintln!(
+        "unit identity: pod client killed {:.3} s after lb servers kill",
+        t.elapsed().as_secs_f64()
+    );
     lb_tests::wait_until(Duration::from_secs(5), || {
         Ok(lb.metric("lb_connections_killed_total", "balancer=\"direct\"") >= 1.0)
     })?;
@@ -243,7 +263,10 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
 
 #[test]
 fn connect_time_kill_logs_and_counts_an_unreachable_client_namespace() -> Result<()> {
-    if skip("connect_time_kill_logs_and_counts_an_unreachable_client_namespace") {
+    if skip(
+        "connect_time_kill_logs_and_counts_an_unreachable_client_namespace",
+        Some("setpriv"),
+    ) {
         return Ok(());
     }
     // What the kernel path needs, without what reaching another user's network namespace does
@@ -282,7 +305,7 @@ fn connect_time_kill_logs_and_counts_an_unreachable_client_namespace() -> Result
 
 #[test]
 fn daemonset_settings_kill_pod_clients() -> Result<()> {
-    if skip("daemonset_settings_kill_pod_clients") {
+    if skip("daemonset_settings_kill_pod_clients", None) {
         return Ok(());
     }
     for path in DAEMONSETS {
@@ -361,8 +384,13 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
     ensure!(ev["server"] == "s0", "{ev}");
     // s0 stops answering: its checks time out (interval 1 s, timeout 1 s, fall 1), it turns
     // FAILED and on_unhealthy = "kill" ends the pod's connection.
+    let t = std::time::Instant::now();
     hosts[0].blackhole(true)?;
     expect_killed(&h, &lb, Duration::from_secs(15))?;
+    eprintln!(
+        "DaemonSet settings: pod client killed {:.3} s after its server went silent",
+        t.elapsed().as_secs_f64()
+    );
     ensure!(
         lb.metric("lb_connect_kill_netns_failures_total", "") == 0.0,
         "{}",
@@ -374,7 +402,10 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
 
 #[test]
 fn connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix() -> Result<()> {
-    if skip("connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix") {
+    if skip(
+        "connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix",
+        Some("unshare"),
+    ) {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
