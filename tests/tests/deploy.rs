@@ -6,6 +6,8 @@
 //! rewritten at `connect()` and killed when its server is. Without the host's PID namespace
 //! (lb in `unshare --pid`), connect-time forwarding is refused with the fix named, and a
 //! client process whose network namespace lb cannot open is logged with its pid and counted.
+//! Under a container's small locked-memory limit lb lifts it before loading (kernels before
+//! 5.11 charge BPF maps to it).
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -438,5 +440,58 @@ fn connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix() -> Resu
         .count();
     ensure!(warnings == 1, "one warning for the one balancer: {log}");
     eprintln!("{why}");
+    Ok(())
+}
+
+#[test]
+fn the_kernel_path_lifts_a_container_memlock_limit() -> Result<()> {
+    if skip(
+        "the_kernel_path_lifts_a_container_memlock_limit",
+        Some("prlimit"),
+    ) {
+        return Ok(());
+    }
+    // A container's default: 64 KiB of locked memory, which kernels before 5.11 charge BPF
+    // maps to, under a higher hard limit (this test's own; lifting the hard limit too needs
+    // CAP_SYS_RESOURCE).
+    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)?;
+    if hard <= 65_536 {
+        lb_tests::skip(
+            "the_kernel_path_lifts_a_container_memlock_limit",
+            &format!("the hard RLIMIT_MEMLOCK ({hard} bytes) leaves nothing to lift"),
+        );
+        return Ok(());
+    }
+    let hard_text = if hard == nix::sys::resource::RLIM_INFINITY {
+        "unlimited".to_string()
+    } else {
+        hard.to_string()
+    };
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let file = TempFile::new("memlock", &config(&hosts, free_port()?, free_port()?))?;
+    let memlock = format!("--memlock=65536:{hard_text}");
+    let lb = Lb::start_via(
+        &["prlimit", &memlock],
+        &[
+            "--config",
+            &file.arg(),
+            "--cgroup",
+            &cg.path.display().to_string(),
+        ],
+    )?;
+    ensure!(lb.status()?["datapath"] == "bpf", "{}", lb.log_text());
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", lb.pid()))?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))
+        .context("no memlock line")?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    // "Max locked memory <soft> <hard> bytes": the soft limit lifted to the hard one at least.
+    ensure!(
+        words.len() == 6 && words[3] == words[4] && words[3] != "65536",
+        "lb should lift RLIMIT_MEMLOCK: {line}"
+    );
+    eprintln!("{line}");
     Ok(())
 }

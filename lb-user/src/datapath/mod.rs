@@ -211,6 +211,7 @@ impl Datapath {
         want_connect: bool,
     ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
+        probe::lift_memlock();
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
         let offsets = if cfg.blocking_splice {

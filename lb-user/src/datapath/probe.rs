@@ -84,6 +84,33 @@ pub(super) fn privileges() -> Result<(), DatapathError> {
     })
 }
 
+/// Lift `RLIMIT_MEMLOCK` before loading: kernels before 5.11 charge every BPF map to it, and a
+/// container's default (64 KiB to 8 MiB) is too small for lb's maps. The soft limit is raised
+/// to unlimited where the hard limit (or `CAP_SYS_RESOURCE`) allows, else to the hard limit;
+/// on such a kernel a limit left finite is logged with its value. Newer kernels charge the
+/// memory cgroup instead, and lifting the limit changes nothing there.
+pub(super) fn lift_memlock() {
+    use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_MEMLOCK) else {
+        return;
+    };
+    if soft == RLIM_INFINITY {
+        return;
+    }
+    let lifted = setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY)
+        .map(|()| RLIM_INFINITY)
+        .or_else(|_| setrlimit(Resource::RLIMIT_MEMLOCK, hard, hard).map(|()| hard))
+        .unwrap_or(soft);
+    let charged = aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 11, 0));
+    if lifted != RLIM_INFINITY && charged {
+        tracing::warn!(
+            bytes = lifted,
+            "RLIMIT_MEMLOCK stays finite and this kernel (before 5.11) charges BPF maps to it: loading may fail (systemd: LimitMEMLOCK=infinity; a container: CAP_SYS_RESOURCE or a higher memlock ulimit)"
+        );
+    }
+}
+
 /// The capabilities the kernel data path needs that `effective` (a `CapEff` bit set) lacks,
 /// by name; `None` when it has them all.
 fn missing_capabilities(effective: u64) -> Option<String> {
