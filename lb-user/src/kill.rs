@@ -112,10 +112,9 @@ pub struct ConnectSocket {
 /// Destroy the connect-time sockets `sockets` to `peer` (sent there by lb's programs; other
 /// sockets to it are left alone), in each one's network namespace, entered with `setns` on a
 /// short-lived thread (the sockets of a process whose namespace cannot be opened are looked for
-/// in lb's own). A socket
-/// whose addresses are known is named by them and its cookie, 64 requests per `sendmsg`, with
-/// no dump; the others are found by a dump of the sockets to `peer`. Blocking, as
-/// [`destroy_peer_sockets`].
+/// in lb's own). A socket whose addresses are known is named by them and its cookie, 64
+/// requests per `sendmsg`, with no dump; the others are found by a dump of the sockets to
+/// `peer`. Blocking, as [`destroy_peer_sockets`].
 ///
 /// # Errors
 /// As [`destroy_peer_sockets`]; the first error is returned only when nothing was destroyed. A
