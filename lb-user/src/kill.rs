@@ -35,6 +35,8 @@ use nix::{
 };
 use tracing::{info, warn};
 
+use crate::netns;
+
 /// TCP states a live connection can be in (LISTEN, TIME_WAIT and CLOSE left out).
 const LIVE_STATES: StateFlags = StateFlags::ESTABLISHED
     .union(StateFlags::SYN_SENT)
@@ -69,16 +71,6 @@ pub enum KillError {
     /// A dump reply whose payload does not decode as an `inet_diag_msg`.
     #[error("malformed netlink reply")]
     Malformed,
-    /// The network namespace of the process that made a connect-time socket could not be
-    /// entered (`setns` needs `CAP_SYS_ADMIN`).
-    #[error("entering the network namespace of process {tgid}: {source}")]
-    Netns {
-        /// The process whose namespace it is.
-        tgid: u32,
-        /// Why.
-        #[source]
-        source: Errno,
-    },
 }
 
 /// What one node-wide kill did.
@@ -88,6 +80,9 @@ pub struct NodeKill {
     pub found: usize,
     /// Of those, destroyed (the rest closed on their own meanwhile).
     pub destroyed: usize,
+    /// Connect-time sockets whose process's network namespace lb could not open or enter,
+    /// each process logged with its id (see [`destroy_connect_sockets`]).
+    pub netns_failures: usize,
 }
 
 /// Destroy every TCP socket in this network namespace whose peer is `peer` (an IPv4 peer also
@@ -116,14 +111,15 @@ pub struct ConnectSocket {
 
 /// Destroy the connect-time sockets `sockets` to `peer` (sent there by lb's programs; other
 /// sockets to it are left alone), in each one's network namespace, entered with `setns` on a
-/// short-lived thread (a socket whose process has exited is looked for in lb's own). A socket
-/// whose addresses are known is named by them and its cookie, 64 requests per `sendmsg`, with
-/// no dump; the others are found by a dump of the sockets to `peer`. Blocking, as
-/// [`destroy_peer_sockets`].
+/// short-lived thread (the sockets of a process whose namespace cannot be opened are looked for
+/// in lb's own). A socket whose addresses are known is named by them and its cookie, 64
+/// requests per `sendmsg`, with no dump; the others are found by a dump of the sockets to
+/// `peer`. Blocking, as [`destroy_peer_sockets`].
 ///
 /// # Errors
-/// As [`destroy_peer_sockets`], plus [`KillError::Netns`] when another namespace cannot be
-/// entered; the first error is returned only when nothing was destroyed.
+/// As [`destroy_peer_sockets`]; the first error is returned only when nothing was destroyed. A
+/// process whose network namespace cannot be opened or entered is no error: it is logged with
+/// its id and its sockets counted in [`NodeKill::netns_failures`].
 pub fn destroy_connect_sockets(
     peer: SocketAddr,
     sockets: &[ConnectSocket],
@@ -198,7 +194,7 @@ pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError>
 fn destroy_all(nl: &Netlink, targets: Vec<Target>) -> Result<NodeKill, KillError> {
     let mut done = NodeKill {
         found: targets.len(),
-        destroyed: 0,
+        ..NodeKill::default()
     };
     let mut first_error = None;
     let mut targets = targets.into_iter().peekable();
@@ -253,17 +249,11 @@ fn target(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Target {
     }
 }
 
-/// A network namespace's identity: device and inode of its `/proc/*/ns/net` file.
-type NetnsId = (u64, u64);
-
-fn netns_id(path: &str) -> Option<NetnsId> {
-    use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
-}
-
 /// Run `f` once per network namespace holding some of `sockets`, with those sockets: in lb's
-/// own namespace directly, in another from a thread that joined it ([`in_netns_of`]). Each
-/// process's namespace is looked up once.
+/// own namespace directly, in another from a thread that joined it (grouped by
+/// [`netns::group_by_netns`], which says what happens to a process whose namespace cannot be
+/// opened). A namespace that cannot be entered is skipped; either failure is logged with the
+/// process id and counted in [`NodeKill::netns_failures`].
 ///
 /// # Errors
 /// [`KillError::Unsupported`] at once; otherwise the first error, only when nothing was
@@ -272,30 +262,32 @@ fn in_each_netns(
     sockets: &[ConnectSocket],
     f: impl Fn(&[&ConnectSocket]) -> Result<NodeKill, KillError> + Sync,
 ) -> Result<NodeKill, KillError> {
-    use std::collections::HashMap;
-    let own = netns_id("/proc/self/ns/net");
-    let mut of_process: HashMap<u32, Option<NetnsId>> = HashMap::new();
-    // Per foreign namespace (None: lb's own), one process in it and its sockets.
-    let mut groups: HashMap<Option<NetnsId>, (u32, Vec<&ConnectSocket>)> = HashMap::new();
-    for s in sockets {
-        let ns = *of_process.entry(s.tgid).or_insert_with(|| {
-            netns_id(&format!("/proc/{}/ns/net", s.tgid)).filter(|ns| Some(*ns) != own)
-        });
-        groups
-            .entry(ns)
-            .or_insert_with(|| (s.tgid, Vec::new()))
-            .1
-            .push(s);
-    }
+    let netns::Grouped {
+        groups,
+        mut failures,
+    } = netns::group_by_netns(sockets, |s| s.tgid);
     let mut done = NodeKill::default();
     let mut first_error = None;
-    for (ns, (tgid, group)) in groups {
-        let r = match ns {
-            None => f(&group),
-            Some(_) => in_netns_of(tgid, || f(&group)),
+    for (at, group) in groups {
+        let r = match &at {
+            netns::Where::Own | netns::Where::OwnFallback => f(&group),
+            netns::Where::Foreign { tgid, ns } => match netns::run_in_netns(ns, || f(&group)) {
+                Ok(r) => r,
+                Err(error) => {
+                    failures.push(netns::Failure::enter(*tgid, error, group.len()));
+                    continue;
+                }
+            },
         };
         match r {
             Ok(k) => {
+                if matches!(at, netns::Where::OwnFallback) {
+                    info!(
+                        found = k.found,
+                        destroyed = k.destroyed,
+                        "connect-time kill: sockets of processes whose network namespace could not be opened, looked for in lb's own"
+                    );
+                }
                 done.found += k.found;
                 done.destroyed += k.destroyed;
             }
@@ -305,35 +297,11 @@ fn in_each_netns(
             }
         }
     }
+    done.netns_failures = netns::report(&failures);
     match first_error {
         Some(e) if done.destroyed == 0 => Err(e),
         _ => Ok(done),
     }
-}
-
-/// Run `f` on a new thread that first joins the network namespace of process `tgid` (the
-/// thread ends with `f`, so lb's own threads never change namespace).
-fn in_netns_of<T: Send>(
-    tgid: u32,
-    f: impl FnOnce() -> Result<T, KillError> + Send,
-) -> Result<T, KillError> {
-    let ns = std::fs::File::open(format!("/proc/{tgid}/ns/net")).map_err(|e| KillError::Netns {
-        tgid,
-        source: errno(&e),
-    })?;
-    std::thread::scope(|scope| {
-        scope
-            .spawn(move || {
-                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| KillError::Netns { tgid, source })?;
-                f()
-            })
-            .join()
-            .unwrap_or(Err(KillError::Netns {
-                tgid,
-                source: Errno::EIO,
-            }))
-    })
 }
 
 /// The socket cookie of a dumped socket: `inet_diag_sockid.idiag_cookie` is two `u32`s in host

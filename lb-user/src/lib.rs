@@ -17,5 +17,6 @@ pub mod health;
 pub mod kill;
 pub mod metrics;
 pub mod net;
+pub mod netns;
 pub mod proxy;
 pub mod singleflight;

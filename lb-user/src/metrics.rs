@@ -170,6 +170,9 @@ pub struct Metrics {
     pub passive_events: Family<PassiveLabels, Counter>,
     /// `lb_passive_event_drops_total`: connect-time events the kernel dropped (ring full).
     pub passive_event_drops: Family<BalancerLabel, Counter>,
+    /// `lb_connect_kill_netns_failures_total`: connect-time sockets a kill could not reach
+    /// because their process's network namespace could not be opened or entered.
+    pub connect_kill_netns_failures: Family<BalancerLabel, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
@@ -301,6 +304,12 @@ impl Metrics {
             "Connect-time events the kernel dropped because lb's ring buffer was full",
             passive_event_drops.clone(),
         );
+        let connect_kill_netns_failures = Family::<BalancerLabel, Counter>::default();
+        registry.register(
+            "connect_kill_netns_failures",
+            "Connect-time sockets a kill or abort could not reach because their process's network namespace could not be opened (process gone, or no CAP_SYS_PTRACE) or entered (no CAP_SYS_ADMIN); each process is logged with its pid",
+            connect_kill_netns_failures.clone(),
+        );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
         registry.register(
             "datapath_info",
@@ -377,6 +386,7 @@ impl Metrics {
             splice_credit_refreshes,
             passive_events,
             passive_event_drops,
+            connect_kill_netns_failures,
             datapath_info,
             balancer_forwarding,
             inflight_checks,

@@ -175,6 +175,11 @@ impl Holder {
         Ok(Holder { child, rx })
     }
 
+    /// The client's process id (the one that calls `connect()`: the placing shell execs it).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Next event within `timeout`.
     ///
     /// # Errors

@@ -39,6 +39,16 @@ impl Lb {
     /// # Errors
     /// When lb exits or does not answer within 15 s; the error carries its log.
     pub fn start(args: &[&str]) -> Result<Lb> {
+        Lb::start_via(&[], args)
+    }
+
+    /// [`Lb::start`] through `wrapper` (a program and its arguments that end by running the
+    /// command after them, e.g. `setpriv ...` or `unshare ...`): `wrapper... lb run args...`.
+    /// [`Lb::pid`] is then the wrapper's pid (the same as lb's when the wrapper execs it).
+    ///
+    /// # Errors
+    /// As [`Lb::start`].
+    pub fn start_via(wrapper: &[&str], args: &[&str]) -> Result<Lb> {
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let log = std::env::temp_dir().join(format!(
             "lb-test-{}-{}.log",
@@ -46,7 +56,14 @@ impl Lb {
             admin.port()
         ));
         let logf = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(lb_bin());
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(lb_bin());
+                c
+            }
+            None => Command::new(lb_bin()),
+        };
         cmd.arg("run")
             .args(args)
             .arg("--admin-listen")

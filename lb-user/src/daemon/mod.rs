@@ -185,9 +185,15 @@ async fn sync_connect_table(
             .collect();
         if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
             for server in failed_now.difference(&failed) {
-                let (dp, name, id, server) = (dp.clone(), b.name.clone(), b.id, server.clone());
+                let (dp, metrics, name, id, server) = (
+                    dp.clone(),
+                    metrics.clone(),
+                    b.name.clone(),
+                    b.id,
+                    server.clone(),
+                );
                 drop(tokio::task::spawn_blocking(move || {
-                    abort_connecting(&dp, &name, id, &server);
+                    abort_connecting(&dp, &metrics, &name, id, &server);
                 }));
             }
         }
@@ -262,6 +268,7 @@ fn kill_direct(
     dp.ignore_events_of(&sockets);
     match crate::kill::destroy_connect_sockets(addr, &sockets) {
         Ok(k) => {
+            count_netns_failures(metrics, balancer, k.netns_failures);
             if k.destroyed > 0 {
                 let ms = began.elapsed().as_millis();
                 warn!(%balancer, %server, found = k.found, destroyed = k.destroyed, reason = reason.label(), ms, "killed connect-time connections");
@@ -278,6 +285,19 @@ fn kill_direct(
         Err(e) => {
             warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot kill connect-time connections");
         }
+    }
+}
+
+/// Count connect-time sockets a kill could not reach in their own network namespace (each
+/// process was logged with its pid by the kill) in `lb_connect_kill_netns_failures_total`.
+fn count_netns_failures(metrics: &Metrics, balancer: &str, n: usize) {
+    if n > 0 {
+        metrics
+            .connect_kill_netns_failures
+            .get_or_create(&crate::metrics::BalancerLabel {
+                balancer: balancer.to_string(),
+            })
+            .inc_by(n as u64);
     }
 }
 
@@ -321,13 +341,23 @@ fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
 /// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
 /// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
 /// its established connections to `on_unhealthy`. Blocking.
-fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr) {
+fn abort_connecting(
+    dp: &Datapath,
+    metrics: &Metrics,
+    balancer: &str,
+    id: u32,
+    server: &ServerAddr,
+) {
     let Some(addr) = server.socket_addr() else {
         return;
     };
     let sockets = dp.connect_sockets(id, addr);
     dp.ignore_events_of(&sockets);
-    match crate::kill::destroy_connecting(addr, &sockets) {
+    let r = crate::kill::destroy_connecting(addr, &sockets);
+    if let Ok(k) = &r {
+        count_netns_failures(metrics, balancer, k.netns_failures);
+    }
+    match r {
         Ok(k) if k.destroyed > 0 => {
             warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
         }

@@ -54,14 +54,21 @@ pub static EBPF_OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR")
 /// Errors of the kernel data path.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
-    /// Not root / no CAP_BPF and CAP_NET_ADMIN.
-    #[error("not privileged: loading BPF programs needs root (CAP_BPF, CAP_NET_ADMIN)")]
-    NotPrivileged,
-    /// Root without `CAP_PERFMON` (or `CAP_SYS_ADMIN`), e.g. in a container that drops it.
+    /// The process lacks capabilities the programs need (see `probe::privileges`).
     #[error(
-        "missing CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows the programs' pointer arithmetic only with it"
+        "not privileged: the kernel data path needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON (or CAP_SYS_ADMIN) in the effective set; missing {missing}"
     )]
-    NoPerfmon,
+    NotPrivileged {
+        /// What is missing, by name.
+        missing: String,
+    },
+    /// lb runs in a PID namespace of its own, so the process ids the connect-time programs
+    /// record are not the ones lb sees (connect-time forwarding alone is off).
+    #[error(
+        "lb is not in the host's PID namespace (/proc/self/ns/pid is not the initial one): the connect-time programs record host process ids, which lb could not resolve to kill the sockets of clients in other network namespaces, and lb's own connects would be rewritten; {fix}",
+        fix = crate::netns::HOST_PID_FIX
+    )]
+    NotHostPid,
     /// No cgroup v2 hierarchy found.
     #[error("no cgroup v2 mount found in /proc/mounts (set datapath.cgroup)")]
     NoCgroup2,
@@ -204,6 +211,7 @@ impl Datapath {
         want_connect: bool,
     ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
+        probe::lift_memlock();
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
         let offsets = if cfg.blocking_splice {

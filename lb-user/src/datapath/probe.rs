@@ -58,18 +58,84 @@ pub(super) fn open_cgroup(configured: Option<&Path>) -> Result<(PathBuf, File), 
     Ok((cgroup, file))
 }
 
-/// Root, and `CAP_PERFMON` (or `CAP_SYS_ADMIN`) for the verifier.
+/// Capability numbers from `<linux/capability.h>`.
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// What loading and attaching the programs asks of this process, whatever its uid: in the
+/// initial user namespace, the effective capabilities `CAP_BPF` (programs and maps),
+/// `CAP_NET_ADMIN` (network program types, the cgroup attach, sock_diag) and `CAP_PERFMON`
+/// (the verifier allows the programs' pointer arithmetic only with it). `CAP_SYS_ADMIN` stands
+/// in for each (kernels before 5.8 know neither `CAP_BPF` nor `CAP_PERFMON`).
 ///
 /// # Errors
-/// [`DatapathError::NotPrivileged`], [`DatapathError::NoPerfmon`].
+/// [`DatapathError::NotPrivileged`] naming what is missing.
 pub(super) fn privileges() -> Result<(), DatapathError> {
-    if !nix::unistd::geteuid().is_root() {
-        return Err(DatapathError::NotPrivileged);
+    if crate::netns::in_initial_user_namespace() == Some(false) {
+        return Err(DatapathError::NotPrivileged {
+            missing: "the initial user namespace (bpf() ignores capabilities held in another)"
+                .into(),
+        });
     }
-    if !has_perfmon() {
-        return Err(DatapathError::NoPerfmon);
+    missing_capabilities(effective_capabilities()).map_or(Ok(()), |missing| {
+        Err(DatapathError::NotPrivileged { missing })
+    })
+}
+
+/// Lift `RLIMIT_MEMLOCK` before loading: kernels before 5.11 charge every BPF map to it, and a
+/// container's default (64 KiB to 8 MiB) is too small for lb's maps. The soft limit is raised
+/// to unlimited where the hard limit (or `CAP_SYS_RESOURCE`) allows, else to the hard limit;
+/// on such a kernel a limit left finite is logged with its value. Newer kernels charge the
+/// memory cgroup instead, and lifting the limit changes nothing there.
+pub(super) fn lift_memlock() {
+    use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_MEMLOCK) else {
+        return;
+    };
+    if soft == RLIM_INFINITY {
+        return;
     }
-    Ok(())
+    let lifted = setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY)
+        .map(|()| RLIM_INFINITY)
+        .or_else(|_| setrlimit(Resource::RLIMIT_MEMLOCK, hard, hard).map(|()| hard))
+        .unwrap_or(soft);
+    let charged = aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 11, 0));
+    if lifted != RLIM_INFINITY && charged {
+        tracing::warn!(
+            bytes = lifted,
+            "RLIMIT_MEMLOCK stays finite and this kernel (before 5.11) charges BPF maps to it: loading may fail (systemd: LimitMEMLOCK=infinity; a container: CAP_SYS_RESOURCE or a higher memlock ulimit)"
+        );
+    }
+}
+
+/// The capabilities the kernel data path needs that `effective` (a `CapEff` bit set) lacks,
+/// by name; `None` when it has them all.
+fn missing_capabilities(effective: u64) -> Option<String> {
+    let has = |cap: u32| effective & (1 << cap | 1 << CAP_SYS_ADMIN) != 0;
+    let missing: Vec<&str> = [
+        (CAP_BPF, "CAP_BPF"),
+        (CAP_NET_ADMIN, "CAP_NET_ADMIN"),
+        (CAP_PERFMON, "CAP_PERFMON"),
+    ]
+    .into_iter()
+    .filter(|&(cap, _)| !has(cap))
+    .map(|(_, name)| name)
+    .collect();
+    (!missing.is_empty()).then(|| missing.join(", "))
+}
+
+/// This process's effective capabilities (`CapEff` in `/proc/self/status`); none when it
+/// cannot be read.
+fn effective_capabilities() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0)
 }
 
 /// Check every kernel feature the splice needs, naming the first one missing: program types
@@ -123,16 +189,22 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
     Ok(())
 }
 
-/// What connect-time forwarding needs beyond the splice: the cgroup sock_addr program type
-/// (4.17+) and, in it, `bpf_get_socket_cookie` and `bpf_get_current_pid_tgid`. The getpeername
-/// attach types (5.8+) have no probe of their own: attaching them fails on older kernels, and
-/// that failure names them.
+/// What connect-time forwarding needs beyond the splice: lb in the host's PID namespace (the
+/// programs record the host's process ids of the clients, which lb looks up in `/proc` to
+/// reach their network namespaces when it kills their sockets, and exempt lb's own `connect()`s
+/// by its pid), the cgroup sock_addr program type (4.17+) and, in it, `bpf_get_socket_cookie`
+/// and `bpf_get_current_pid_tgid`. The getpeername attach types (5.8+) have no probe of their
+/// own: attaching them fails on older kernels, and that failure names them.
 ///
 /// # Errors
-/// [`DatapathError::MissingFeature`] naming the first thing missing.
+/// [`DatapathError::NotHostPid`], or [`DatapathError::MissingFeature`] naming the first thing
+/// missing.
 pub(super) fn probe_connect() -> Result<(), DatapathError> {
     use aya::{programs::ProgramType, sys};
     use sys::BpfHelper as H;
+    if crate::netns::in_host_pid_namespace() == Some(false) {
+        return Err(DatapathError::NotHostPid);
+    }
     if !sys::is_program_supported(ProgramType::CgroupSockAddr).unwrap_or(false) {
         return Err(DatapathError::MissingFeature(
             "cgroup sock_addr program type (4.17+)",
@@ -153,17 +225,6 @@ pub(super) fn probe_connect() -> Result<(), DatapathError> {
         }
     }
     Ok(())
-}
-
-/// Whether this process has `CAP_PERFMON` (bit 38) or `CAP_SYS_ADMIN` (bit 21) in its effective
-/// set (`CapEff` in `/proc/self/status`; bit numbers from `<linux/capability.h>`).
-fn has_perfmon() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << 38 | 1 << 21) != 0)
 }
 
 /// What the past-credit redirect of blocking clients needs beyond the splice itself: the helpers
@@ -200,5 +261,25 @@ mod tests {
             Some(PathBuf::from("/sys/fs/cgroup/unified"))
         );
         assert_eq!(cgroup2_in("proc /proc proc rw 0 0\n"), None);
+    }
+
+    #[test]
+    fn capabilities_not_uid_decide() {
+        let bit = |c: u32| 1u64 << c;
+        // The systemd unit's set.
+        assert_eq!(
+            missing_capabilities(bit(CAP_BPF) | bit(CAP_PERFMON) | bit(CAP_NET_ADMIN)),
+            None
+        );
+        // Root in a container that kept only CAP_SYS_ADMIN, or a kernel before 5.8.
+        assert_eq!(missing_capabilities(bit(CAP_SYS_ADMIN)), None);
+        assert_eq!(
+            missing_capabilities(bit(CAP_BPF) | bit(CAP_NET_ADMIN)).as_deref(),
+            Some("CAP_PERFMON")
+        );
+        assert_eq!(
+            missing_capabilities(0).as_deref(),
+            Some("CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON")
+        );
     }
 }
