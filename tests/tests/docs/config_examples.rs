@@ -1,12 +1,13 @@
 //! Every TOML config a reader may copy passes `lb config check --skip-files` (the same
 //! validation, in process): the ```` ```toml ```` blocks of the Markdown files, the `*.toml` files
-//! under `deploy/`, and the `*.toml: |` entries of the ConfigMaps in `deploy/`'s YAML. A block
-//! after `<!-- fragment -->` is part of a config and only has to be TOML; one after
+//! under `deploy/`, and the `*.toml: |` entries of the ConfigMaps in `deploy/`'s YAML; and each
+//! of them again with one commented-out key (`# token_file = "..."`) uncommented. A block after
+//! `<!-- fragment -->` is part of a config and only has to be TOML; one after
 //! `<!-- invalid -->` shows what lb refuses and must be refused.
 
 use std::{fs, path::Path};
 
-use lb::config::{Config, CredentialFiles};
+use lb::config::{Config, ConfigError, CredentialFiles};
 
 use super::{Marker, example_files, fenced_blocks, files_under, root, shown};
 
@@ -93,15 +94,51 @@ fn deploy_examples(out: &mut Vec<Example>) {
     }
 }
 
+/// The variants of a whole example with one commented-out key (`# token_file = "..."`)
+/// uncommented in place: an optional key shown in a comment is checked too.
+fn uncommented(example: &Example) -> Vec<Example> {
+    if example.marker != Marker::None {
+        return Vec::new();
+    }
+    let lines: Vec<&str> = example.text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(key) = line.trim_start().strip_prefix('#').map(str::trim_start) else {
+            continue;
+        };
+        let one_key =
+            !key.starts_with('[') && toml::from_str::<toml::Table>(key).is_ok_and(|t| t.len() == 1);
+        if !one_key {
+            continue;
+        }
+        let mut text = lines.clone();
+        text[i] = key;
+        let shown_key = key.split(" #").next().unwrap_or(key).trim();
+        out.push(Example {
+            origin: format!("{} with `{shown_key}` uncommented", example.origin),
+            marker: Marker::None,
+            text: text.join("\n"),
+        });
+    }
+    out
+}
+
 /// What is wrong with `example`, if anything.
 fn problem(example: &Example) -> Option<String> {
     let checked = Config::from_toml_with(&example.text, &example.origin, CredentialFiles::Skip);
     match (example.marker, checked) {
         (Marker::None, Ok(_)) | (Marker::Invalid, Err(_)) => None,
-        (Marker::None, Err(e)) => Some(format!(
-            "{}: lb config check --skip-files refuses it: {e}",
-            example.origin
-        )),
+        (Marker::None, Err(e)) => {
+            // A parse error names its origin already.
+            let why = match e {
+                ConfigError::Parse { message, .. } => message,
+                e => e.to_string(),
+            };
+            Some(format!(
+                "{}: lb config check --skip-files refuses it: {why}",
+                example.origin
+            ))
+        }
         (Marker::Invalid, Ok(_)) => Some(format!(
             "{}: marked <!-- invalid --> but lb config check accepts it",
             example.origin
@@ -117,6 +154,8 @@ fn toml_examples_pass_config_check() {
     let mut examples = Vec::new();
     markdown_examples(&mut examples);
     deploy_examples(&mut examples);
+    let variants: Vec<Example> = examples.iter().flat_map(uncommented).collect();
+    examples.extend(variants);
     let whole = examples.iter().filter(|e| e.marker == Marker::None).count();
     assert!(
         examples.iter().any(|e| e.origin.starts_with("docs/"))
@@ -126,11 +165,27 @@ fn toml_examples_pass_config_check() {
     let wrong: Vec<String> = examples.iter().filter_map(problem).collect();
     assert!(
         wrong.is_empty(),
-        "{} of {} TOML example(s) ({whole} whole configs) do not pass (mark a partial one \
-         <!-- fragment -->, see CONTRIBUTING.md):\n{}",
+        "{} of {} TOML example(s) ({whole} whole configs, commented keys uncommented \
+         included) do not pass (mark a partial one <!-- fragment -->, see CONTRIBUTING.md):\n{}",
         wrong.len(),
         examples.len(),
         wrong.join("\n")
+    );
+}
+
+#[test]
+fn commented_keys_are_uncommented_one_at_a_time() {
+    let example = Example {
+        origin: "x.md:1".into(),
+        marker: Marker::None,
+        text: "# A comment.\n# [admin]\na = 1\n# b = \"c\"   # why\n#   lb status\n".into(),
+    };
+    let variants = uncommented(&example);
+    assert_eq!(variants.len(), 1, "{variants:#?}");
+    assert_eq!(variants[0].origin, "x.md:1 with `b = \"c\"` uncommented");
+    assert_eq!(
+        variants[0].text,
+        "# A comment.\n# [admin]\na = 1\nb = \"c\"   # why\n#   lb status"
     );
 }
 
