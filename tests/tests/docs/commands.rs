@@ -220,13 +220,54 @@ fn parse(args: &[String], shown: Shown) -> Result<(), String> {
     }
 }
 
-/// The code spans of one line (an unclosed one at its end is left out).
-fn code_spans(line: &str) -> Vec<&str> {
-    let mut spans: Vec<&str> = line.split('`').skip(1).step_by(2).collect();
-    if line.matches('`').count() % 2 == 1 {
-        spans.pop();
+/// The code spans of the prose of `text`, each with the line it starts on. As in CommonMark, a
+/// span opened by a run of N backticks ends at the next run of exactly N, also on a later line
+/// of its paragraph (a line break in it reads as a space); an unclosed run is literal text.
+fn code_spans(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut paragraph: Vec<(usize, &str)> = Vec::new();
+    for (n, line) in prose_lines(text).into_iter().chain([(0, "")]) {
+        if !line.trim().is_empty() {
+            paragraph.push((n, line));
+            continue;
+        }
+        // The paragraph as one string, and where each of its lines starts in it.
+        let joined: String = paragraph.iter().map(|(_, l)| format!("{l} ")).collect();
+        let mut starts = Vec::new();
+        let mut at = 0;
+        for (n, l) in &paragraph {
+            starts.push((at, *n));
+            at += l.len() + 1;
+        }
+        let line_of = |pos: usize| {
+            starts
+                .iter()
+                .rev()
+                .find(|(start, _)| *start <= pos)
+                .map_or(0, |(_, n)| *n)
+        };
+        let bytes = joined.as_bytes();
+        let run_at = |i: usize| bytes[i..].iter().take_while(|b| **b == b'`').count();
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] != b'`' {
+                i += 1;
+                continue;
+            }
+            let n = run_at(i);
+            let close =
+                (i + n..bytes.len()).find(|&j| run_at(j) == n && (j == 0 || bytes[j - 1] != b'`'));
+            match close {
+                Some(j) => {
+                    out.push((line_of(i), joined[i + n..j].trim().to_string()));
+                    i = j + n;
+                }
+                None => i += n,
+            }
+        }
+        paragraph.clear();
     }
-    spans
+    out
 }
 
 /// The command lines of the Markdown files: lines of ```` ```sh ```` blocks (a trailing `\`
@@ -259,18 +300,16 @@ fn markdown_commands(out: &mut Vec<CommandLine>) {
                 joined.clear();
             }
         }
-        for (n, line) in prose_lines(&text) {
-            for span in code_spans(line) {
-                if !span.starts_with("lb ") {
-                    continue;
-                }
-                for args in lb_commands(&shell_words(span)) {
-                    out.push(CommandLine {
-                        origin: format!("{}:{n}", shown(&file)),
-                        args,
-                        shown: Shown::Mention,
-                    });
-                }
+        for (n, span) in code_spans(&text) {
+            if !span.starts_with("lb ") {
+                continue;
+            }
+            for args in lb_commands(&shell_words(&span)) {
+                out.push(CommandLine {
+                    origin: format!("{}:{n}", shown(&file)),
+                    args,
+                    shown: Shown::Mention,
+                });
             }
         }
     }
@@ -389,6 +428,20 @@ fn shell_lines_split_into_lb_commands() {
         vec![vec!["config", "check", "f"], vec!["completions", "bash"]]
     );
     assert!(lb_commands(&shell_words("cargo xtask run -- lb status")).is_empty());
+}
+
+#[test]
+fn code_spans_follow_commonmark() {
+    let text = "a `lb\nstatus` b ```` ```toml ```` `x`\n\n`lb check`\n```sh\n`lb no`\n```\n";
+    assert_eq!(
+        code_spans(text),
+        vec![
+            (1, "lb status".to_string()),
+            (2, "```toml".to_string()),
+            (2, "x".to_string()),
+            (4, "lb check".to_string())
+        ]
+    );
 }
 
 #[test]
