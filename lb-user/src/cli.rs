@@ -194,6 +194,12 @@ pub enum ConfigCommand {
     Check {
         /// The file.
         file: PathBuf,
+        /// Do not read the credential files the config names (`[admin] token_file`; the
+        /// `ca_file`, `cert_file` and `key_file` of health checks and etcd discovery), for a
+        /// machine without them. Every other key is still checked, a certificate still needs its
+        /// key beside it.
+        #[arg(long)]
+        skip_files: bool,
     },
 }
 
@@ -233,5 +239,11 @@ mod tests {
         assert_eq!(c.timeout, Some(Duration::from_millis(250)));
         assert!(Cli::try_parse_from(["lb", "check", "--timeout", "soon"]).is_err());
         assert!(Cli::try_parse_from(["lb", "status", "--output", "yaml"]).is_err());
+        let config = Cli::try_parse_from(["lb", "config", "check", "--skip-files", "f.toml"]);
+        let Command::Config(ConfigCommand::Check { file, skip_files }) = config.unwrap().command
+        else {
+            panic!("not config check")
+        };
+        assert_eq!((file, skip_files), (PathBuf::from("f.toml"), true));
     }
 }

@@ -3,7 +3,10 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use lb::cli::{self, Cli, Command, ConfigCommand, LogFormat};
+use lb::{
+    cli::{self, Cli, Command, ConfigCommand, LogFormat},
+    config::CredentialFiles,
+};
 
 fn init_logging(cli: &Cli) {
     let filter = cli
@@ -71,7 +74,14 @@ fn main() -> ExitCode {
     }
     init_logging(&cli);
     match cli.command {
-        Command::Config(ConfigCommand::Check { file }) => cli::config::check(&file),
+        Command::Config(ConfigCommand::Check { file, skip_files }) => {
+            let files = if skip_files {
+                CredentialFiles::Skip
+            } else {
+                CredentialFiles::Read
+            };
+            cli::config::check(&file, files)
+        }
         Command::Completions(args) => cli::docs::completions(&args),
         Command::Man(args) => cli::docs::man(&args),
         Command::Status(args) => {

@@ -9,8 +9,8 @@ use std::{
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
-    registry::Registry,
+    metrics::{MetricType, counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::{Metric, Registry},
 };
 
 use crate::{balancer::Balancer, datapath::Datapath};
@@ -197,6 +197,24 @@ pub struct Metrics {
     /// `lb_discovery_servers{balancer,kind}`: servers in the last usable list.
     pub discovery_servers: Family<DiscoveryLabels, Gauge>,
     last_kernel: Mutex<HashMap<(String, String), u64>>,
+    /// Every registered family: its full name and type.
+    families: Vec<(String, MetricType)>,
+}
+
+/// The registry being filled, and the name and type of each family registered in it:
+/// prometheus-client encodes only the families that have a series, so the list is kept beside
+/// it for [`Metrics::families`].
+struct Listed {
+    registry: Registry,
+    families: Vec<(String, MetricType)>,
+}
+
+impl Listed {
+    fn register(&mut self, name: &str, help: &str, metric: impl Metric) {
+        self.families
+            .push((format!("lb_{name}"), metric.metric_type()));
+        self.registry.register(name, help, metric);
+    }
 }
 
 fn seconds_buckets() -> impl Iterator<Item = f64> {
@@ -215,7 +233,10 @@ impl Default for Metrics {
 impl Metrics {
     /// Register every family.
     pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("lb");
+        let mut registry = Listed {
+            registry: Registry::with_prefix("lb"),
+            families: Vec::new(),
+        };
         let server_state = Family::<ServerLabels, Gauge>::default();
         registry.register(
             "server_state",
@@ -370,6 +391,7 @@ impl Metrics {
             "Clients reset without reaching a server",
             clients_refused.clone(),
         );
+        let Listed { registry, families } = registry;
         Metrics {
             registry,
             server_state,
@@ -398,7 +420,15 @@ impl Metrics {
             discovery_last_success,
             discovery_servers,
             last_kernel: Mutex::new(HashMap::new()),
+            families,
         }
+    }
+
+    /// Every registered family as `(name, type)`: `("lb_connections", "counter")`, whose
+    /// samples are `lb_connections_total`. All of them, also those without a series yet (which
+    /// [`Metrics::render`] leaves out).
+    pub fn families(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.families.iter().map(|(n, t)| (n.as_str(), t.as_str()))
     }
 
     /// Count one check as running until the returned guard drops, so a check whose future is

@@ -1,7 +1,21 @@
 //! The documentation cannot rot silently: every relative link in the Markdown files (README,
 //! CONTRIBUTING, CHANGELOG, `docs/`, `bench/README.md`, `deploy/`) resolves to a file or
 //! directory, and a `#anchor` to a heading of the file it names; the README's headline figures
-//! are the medians of the generated `bench/results/latest.md`. No root needed.
+//! are the medians of the generated `bench/results/latest.md`; the TOML examples pass
+//! `lb config check` ([`config_examples`]); the `lb ...` command lines parse with lb's own
+//! command line ([`commands`]); the metrics reference lists exactly the registered families
+//! ([`metrics`]). No root needed.
+//!
+//! `CHANGELOG.md` is history: its links are checked, its examples and command lines are not (a
+//! renamed flag must not force rewriting what was true then).
+
+// A test target's root resolves modules beside it, as a crate root does: these live in docs/.
+#[path = "docs/commands.rs"]
+mod commands;
+#[path = "docs/config_examples.rs"]
+mod config_examples;
+#[path = "docs/metrics.rs"]
+mod metrics;
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -17,19 +31,24 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `*.md` files under `dir`, recursively.
-fn markdown_under(dir: &Path, out: &mut Vec<PathBuf>) {
+/// Files named `*.{ext}` under `dir`, recursively.
+fn files_under(dir: &Path, ext: &str, out: &mut Vec<PathBuf>) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let path = entry.path();
         if path.is_dir() {
-            markdown_under(&path, out);
-        } else if path.extension().is_some_and(|e| e == "md") {
+            files_under(&path, ext, out);
+        } else if path.extension().is_some_and(|e| e == ext) {
             out.push(path);
         }
     }
+}
+
+/// `*.md` files under `dir`, recursively.
+fn markdown_under(dir: &Path, out: &mut Vec<PathBuf>) {
+    files_under(dir, "md", out);
 }
 
 /// The Markdown files whose links are checked. The generated `bench/results/latest.md` is left
@@ -50,6 +69,83 @@ fn checked_files() -> Vec<PathBuf> {
     markdown_under(&root.join("deploy"), &mut files);
     files.sort();
     files
+}
+
+/// The Markdown files whose examples and command lines are checked: all but the history.
+fn example_files() -> Vec<PathBuf> {
+    checked_files()
+        .into_iter()
+        .filter(|f| !f.ends_with("CHANGELOG.md"))
+        .collect()
+}
+
+/// `file` relative to the repository root, for messages.
+fn shown(file: &Path) -> String {
+    file.strip_prefix(root())
+        .unwrap_or(file)
+        .display()
+        .to_string()
+}
+
+/// What the HTML comment on the line before a fenced block says about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Marker {
+    /// No marker: a whole example, checked as it stands.
+    None,
+    /// `<!-- fragment -->`: part of a config (only its TOML syntax is checked).
+    Fragment,
+    /// `<!-- invalid -->`: an example of what lb refuses (it must be refused).
+    Invalid,
+}
+
+/// One fenced code block of a Markdown file.
+#[derive(Debug)]
+struct Fenced {
+    /// The line number of its opening fence (1-based).
+    line: usize,
+    /// The info string after the fence: `toml`, `sh`, or empty.
+    lang: String,
+    /// The marker on the last non-blank line before the fence.
+    marker: Marker,
+    /// The lines between the fences.
+    text: String,
+}
+
+/// The fenced code blocks of `text`.
+fn fenced_blocks(text: &str) -> Vec<Fenced> {
+    let mut out = Vec::new();
+    let mut open: Option<Fenced> = None;
+    let mut last_prose = "";
+    for (i, line) in text.lines().enumerate() {
+        let fence = line.trim_start().strip_prefix("```");
+        match (&mut open, fence) {
+            (Some(_), Some(_)) => {
+                out.extend(open.take());
+                // A marker belongs to the one block after it.
+                last_prose = "";
+            }
+            (Some(block), None) => {
+                block.text.push_str(line);
+                block.text.push('\n');
+            }
+            (None, Some(lang)) => {
+                let marker = match last_prose.trim() {
+                    "<!-- fragment -->" => Marker::Fragment,
+                    "<!-- invalid -->" => Marker::Invalid,
+                    _ => Marker::None,
+                };
+                open = Some(Fenced {
+                    line: i + 1,
+                    lang: lang.trim().to_string(),
+                    marker,
+                    text: String::new(),
+                });
+            }
+            (None, None) if !line.trim().is_empty() => last_prose = line,
+            (None, None) => {}
+        }
+    }
+    out
 }
 
 /// The lines outside fenced code blocks, with their 1-based numbers.
@@ -175,8 +271,7 @@ fn relative_links_resolve() {
                 } else {
                     dir.join(path)
                 };
-                let shown = file.strip_prefix(root()).unwrap_or(file);
-                let at = format!("{}:{n}: {target}", shown.display());
+                let at = format!("{}:{n}: {target}", shown(file));
                 if !resolved.exists() {
                     broken.push(format!("{at}: no such file"));
                     continue;
@@ -294,6 +389,22 @@ mod unit {
         assert_eq!(
             slug(" Scheduling: rise, fall and intervals"),
             "scheduling-rise-fall-and-intervals"
+        );
+    }
+
+    #[test]
+    fn fenced_blocks_carry_their_marker() {
+        let text = "a\n<!-- fragment -->\n\n```toml\nx = 1\n```\n```sh\nlb status\n```\n";
+        let blocks = fenced_blocks(text);
+        assert_eq!(blocks.len(), 2);
+        assert_eq!(
+            (blocks[0].line, blocks[0].lang.as_str(), blocks[0].marker),
+            (4, "toml", Marker::Fragment)
+        );
+        assert_eq!(blocks[0].text, "x = 1\n");
+        assert_eq!(
+            (blocks[1].lang.as_str(), blocks[1].marker),
+            ("sh", Marker::None)
         );
     }
 

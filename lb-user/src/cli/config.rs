@@ -1,13 +1,13 @@
-//! `lb config check FILE`: validate a config file without starting anything.
+//! `lb config check [--skip-files] FILE`: validate a config file without starting anything.
 
 use std::{path::Path, process::ExitCode};
 
-use crate::config::{Config, ConfigError, EXIT_INVALID_CONFIG};
+use crate::config::{Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG};
 
-/// Validate `file`: print a summary and exit 0, or print the error (naming the key, the value
-/// and the reason) and exit 2.
-pub fn check(file: &Path) -> ExitCode {
-    match Config::from_file(file) {
+/// Validate `file`, reading the credential files it names or not as `files` says: print a
+/// summary and exit 0, or print the error (naming the key, the value and the reason) and exit 2.
+pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
+    match Config::from_file_with(file, files) {
         Ok(cfg) => {
             let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
             println!(

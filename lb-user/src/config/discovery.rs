@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, Dur, readable_file};
+use super::{ConfigError, CredentialFiles, Dur};
 
 /// Default time between two DNS or etcd discovery runs: 30 s.
 pub const DEFAULT_DISCOVERY_INTERVAL: Duration = Duration::from_secs(30);
@@ -125,11 +125,12 @@ impl DiscoveryConfig {
         }
     }
 
-    /// Check the keys; `key` is the dotted prefix (`balancer[0].discovery`).
+    /// Check the keys; `key` is the dotted prefix (`balancer[0].discovery`); etcd's TLS files
+    /// are read or not as `files` says.
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming the key, the value and the reason.
-    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+    pub fn validate(&self, key: &str, files: CredentialFiles) -> Result<(), ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         if self.interval() < MIN_DISCOVERY_INTERVAL {
             return Err(ConfigError::invalid(
@@ -200,7 +201,7 @@ impl DiscoveryConfig {
                     ("key_file", &e.key_file),
                 ] {
                     if let Some(path) = path {
-                        readable_file(&k(name), path, false)?;
+                        files.check(&k(name), path, false)?;
                     }
                 }
                 super::paired_files(key, e.cert_file.as_ref(), e.key_file.as_ref())?;

@@ -8,6 +8,7 @@ pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
     DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
 };
+pub use validate::CredentialFiles;
 
 use std::{
     fmt,
@@ -603,11 +604,24 @@ impl Config {
     /// [`ConfigError::Parse`] naming the key (unknown keys are refused), then whatever
     /// [`Config::validate`] refuses.
     pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_with(text, origin, CredentialFiles::Read)
+    }
+
+    /// Parse TOML text, reading the credential files it names or not as `files` says.
+    ///
+    /// # Errors
+    /// As [`Config::from_toml`], without the unreadable-file refusals under
+    /// [`CredentialFiles::Skip`].
+    pub fn from_toml_with(
+        text: &str,
+        origin: &str,
+        files: CredentialFiles,
+    ) -> Result<Config, ConfigError> {
         let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: origin.to_string(),
             message: e.to_string().trim().replace('\n', " "),
         })?;
-        cfg.validate()?;
+        cfg.validate_with(files)?;
         Ok(cfg)
     }
 
@@ -616,11 +630,19 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Read`] or as [`Config::from_toml`].
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        Config::from_file_with(path, CredentialFiles::Read)
+    }
+
+    /// Read and parse a file, reading the credential files it names or not as `files` says.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] or as [`Config::from_toml_with`].
+    pub fn from_file_with(path: &Path, files: CredentialFiles) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        Config::from_toml(&text, &path.display().to_string())
+        Config::from_toml_with(&text, &path.display().to_string(), files)
     }
 
     /// Build from an optional file plus overrides, then validate.

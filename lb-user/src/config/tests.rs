@@ -432,3 +432,29 @@ fn connect_forwarding_refuses_a_proxy() {
     let ok = text.replace("forwarding = \"connect\"", "forwarding = \"splice\"");
     Config::from_toml(&ok, "test").unwrap();
 }
+
+#[test]
+fn skipping_credential_files_leaves_them_unread_and_checks_the_rest() {
+    let health = FULL.replace(
+        "kind = \"http\"",
+        "kind = \"http\"\nca_file = \"/nonexistent/ca.pem\"\ncert_file = \"/nonexistent/c.pem\"\n\
+         key_file = \"/nonexistent/k.pem\"",
+    );
+    let token = FULL.replace("[admin]", "[admin]\ntoken_file = \"/nonexistent/token\"");
+    let etcd = with_discovery(
+        r#"{ kind = "etcd", endpoints = ["https://e:2379"], ca_file = "/nonexistent/ca.pem" }"#,
+    );
+    for text in [&health, &token, &etcd] {
+        assert!(Config::from_toml(text, "f.toml").is_err(), "{text}");
+        Config::from_toml_with(text, "f.toml", CredentialFiles::Skip)
+            .unwrap_or_else(|e| panic!("{e} in {text}"));
+    }
+    let unpaired = FULL.replace(
+        "kind = \"http\"",
+        "kind = \"http\"\ncert_file = \"/nonexistent/c.pem\"",
+    );
+    let err = Config::from_toml_with(&unpaired, "f.toml", CredentialFiles::Skip)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs key_file beside it"), "{err}");
+}

@@ -1,19 +1,50 @@
 //! Checks of a parsed config that serde cannot make: names, addresses, thresholds, durations,
 //! files. Each refusal is a [`ConfigError::Invalid`] naming the key, the value and the reason.
 
-use std::{collections::HashSet, net::SocketAddr, time::Duration};
+use std::{collections::HashSet, net::SocketAddr, path::Path, time::Duration};
 
 use super::{
     BalancerConfig, CheckKind, Config, ConfigError, HealthConfig, StatusMatch, readable_file,
 };
 use crate::addr::validate_set;
 
+/// Whether validation reads the credential files a config names (`[admin] token_file`, the
+/// `ca_file`, `cert_file` and `key_file` of health checks and etcd discovery).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CredentialFiles {
+    /// Read each one: refuse a file that cannot be read (or an empty token file).
+    #[default]
+    Read,
+    /// Leave them unread, for a machine where the runtime credentials are not present
+    /// (`lb config check --skip-files`). Everything else is checked as with `Read`.
+    Skip,
+}
+
+impl CredentialFiles {
+    /// Check that `path` can be read (and, with `non_empty`, holds something); nothing when
+    /// skipping.
+    pub(super) fn check(self, key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigError> {
+        match self {
+            CredentialFiles::Read => readable_file(key, path, non_empty),
+            CredentialFiles::Skip => Ok(()),
+        }
+    }
+}
+
 impl Config {
-    /// Check everything serde cannot: names, addresses, thresholds, durations.
+    /// Check everything serde cannot: names, addresses, thresholds, durations, files.
     ///
     /// # Errors
     /// The first [`ConfigError::Invalid`] found, naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_with(CredentialFiles::Read)
+    }
+
+    /// As [`Config::validate`], reading the credential files or not as `files` says.
+    ///
+    /// # Errors
+    /// The first [`ConfigError::Invalid`] found, naming its key.
+    pub fn validate_with(&self, files: CredentialFiles) -> Result<(), ConfigError> {
         if self.balancers.is_empty() {
             return Err(ConfigError::invalid(
                 "balancer",
@@ -43,7 +74,7 @@ impl Config {
             ));
         }
         if let Some(path) = &self.admin.token_file {
-            readable_file("admin.token_file", path, true)?;
+            files.check("admin.token_file", path, true)?;
         }
         let all_listens: Vec<SocketAddr> = self
             .balancers
@@ -100,7 +131,7 @@ impl Config {
                     return Err(ConfigError::invalid(key("listen"), l, "address used twice"));
                 }
             }
-            validate_balancer(i, b, &all_listens)?;
+            validate_balancer(i, b, &all_listens, files)?;
             if let (super::Forwarding::Connect, Some(proxy)) = (self.forwarding_of(b), &b.proxy) {
                 return Err(ConfigError::invalid(
                     key("forwarding"),
@@ -122,10 +153,11 @@ fn validate_balancer(
     i: usize,
     b: &BalancerConfig,
     all_listens: &[SocketAddr],
+    files: CredentialFiles,
 ) -> Result<(), ConfigError> {
     let key = |k: &str| format!("balancer[{i}].{k}");
     if let Some(d) = &b.discovery {
-        d.validate(&key("discovery"))?;
+        d.validate(&key("discovery"), files)?;
         // Asking etcd through this balancer's own listener needs a server to start from.
         if let crate::config::DiscoveryConfig::Etcd(e) = d
             && b.servers.is_empty()
@@ -171,7 +203,7 @@ fn validate_balancer(
             "must be at least dial_timeout",
         ));
     }
-    validate_health(i, &b.health)?;
+    validate_health(i, &b.health, files)?;
     let h = &b.health;
     // Discovered servers are addresses (IPv4 or IPv6, any port): the template must make a URL
     // of either. These documentation addresses (RFC 5737, RFC 3849) are never dialed.
@@ -236,7 +268,7 @@ fn check_url(key: &str, url: &str, server: &crate::addr::ServerAddr) -> Result<(
 }
 
 /// One `[balancer.health]`.
-fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
+fn validate_health(i: usize, h: &HealthConfig, files: CredentialFiles) -> Result<(), ConfigError> {
     let hkey = |k: &str| format!("balancer[{i}].health.{k}");
     if h.rise == 0 {
         return Err(ConfigError::invalid(
@@ -369,7 +401,7 @@ fn validate_health(i: usize, h: &HealthConfig) -> Result<(), ConfigError> {
         ("key_file", &h.key_file),
     ] {
         if let Some(path) = path {
-            readable_file(&hkey(name), path, false)?;
+            files.check(&hkey(name), path, false)?;
         }
     }
     super::paired_files(
