@@ -12,7 +12,9 @@ pub const PROG_SOCKOPS: &str = "lb_sockops";
 /// Name of the sk_msg program attached to [`MAP_CLIENTS`].
 pub const PROG_SK_MSG: &str = "lb_sk_msg";
 
-/// Listener addresses lb accepts on: [`ListenerKey`] → balancer id (`u32`).
+/// Listener addresses lb accepts on: [`ListenerKey`] → balancer id (`u32`). A wildcard
+/// (`0.0.0.0`/`[::]`) entry matches local destinations only: loopback, or a destination equal
+/// to the client socket's own address (what a connect to one of the host's addresses gives).
 pub const MAP_LISTENERS: &str = "LB_LISTENERS";
 /// Sockhash of client sockets connected to one of lb's listeners, keyed by [`SockKey`].
 pub const MAP_CLIENTS: &str = "LB_CLIENTS";
@@ -378,8 +380,13 @@ pub struct FlowState {
     pub balancer: u32,
     /// Explicit padding, always 0.
     pub _pad: u32,
+    /// The client socket's cookie (`bpf_get_socket_cookie`, unique while the kernel runs): the
+    /// generation of this tuple. A new socket that reuses a closed one's tuple gets a new flow
+    /// with its own cookie, so a pair lb made for the old socket ([`PairCtl::cookie`]) never
+    /// redirects the new one's sends.
+    pub cookie: u64,
 }
-const _: () = assert!(size_of::<FlowState>() == 32);
+const _: () = assert!(size_of::<FlowState>() == 40);
 
 /// lb's instructions for one paired connection (single writer: lb).
 #[repr(C)]
@@ -395,8 +402,11 @@ pub struct PairCtl {
     pub mode: u32,
     /// Explicit padding, always 0.
     pub _pad: u32,
+    /// [`FlowState::cookie`] of the client socket lb paired: the program redirects only the
+    /// sends of that socket, never those of a newer one on the same tuple.
+    pub cookie: u64,
 }
-const _: () = assert!(size_of::<PairCtl>() == 32);
+const _: () = assert!(size_of::<PairCtl>() == 40);
 
 /// Why a send took the copy path instead of the splice; index into [`BalancerStats::pass`].
 #[repr(u32)]
@@ -411,10 +421,16 @@ pub enum PassReason {
     Credit = 2,
     /// `bpf_msg_redirect_hash` failed (server socket gone from the map).
     RedirectError = 3,
+    /// The pair lb holds for this tuple belongs to an earlier socket (its cookie differs): the
+    /// client reused a closed connection's tuple before lb took the old pair out.
+    StalePair = 4,
+    /// The client socket has an upper layer protocol (kTLS): its sends reach the program as
+    /// plaintext records, which must never be redirected past the encryption.
+    Ulp = 5,
 }
 
 /// Number of [`PassReason`] variants.
-pub const PASS_REASONS: usize = 4;
+pub const PASS_REASONS: usize = 6;
 
 impl PassReason {
     /// All reasons, in index order.
@@ -423,6 +439,8 @@ impl PassReason {
         PassReason::Catchup,
         PassReason::Credit,
         PassReason::RedirectError,
+        PassReason::StalePair,
+        PassReason::Ulp,
     ];
 
     /// Label used in metrics.
@@ -432,6 +450,8 @@ impl PassReason {
             PassReason::Catchup => "catchup",
             PassReason::Credit => "credit",
             PassReason::RedirectError => "redirect_error",
+            PassReason::StalePair => "stale_pair",
+            PassReason::Ulp => "ulp",
         }
     }
 }
@@ -457,7 +477,7 @@ pub struct BalancerStats {
     /// [`MAP_CONNECT_EVENTS`] was full.
     pub connect_event_drops: u64,
 }
-const _: () = assert!(size_of::<BalancerStats>() == 80);
+const _: () = assert!(size_of::<BalancerStats>() == 96);
 
 impl BalancerStats {
     /// Add `other`'s counters to these (lb sums the per-CPU copies).

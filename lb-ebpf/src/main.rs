@@ -47,7 +47,9 @@ use aya_ebpf::{
         BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, sk_action,
     },
     cty::c_void,
-    helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock,
+    },
     macros::{map, sk_msg, sock_ops},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
     programs::{SkMsgContext, SockOpsContext},
@@ -193,20 +195,7 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     let Some(mut key) = client_tuple(ctx) else {
         return Ok(1);
     };
-    let family = key.family;
-    let listener = ListenerKey {
-        ip_be: key.lb_ip_be,
-        port: key.lb_port,
-        family,
-    };
-    let wildcard = ListenerKey::wildcard(key.lb_port, family);
-    // SAFETY: the values are plain u32s copied out before the map can change them.
-    let found = unsafe {
-        LB_LISTENERS
-            .get(&listener)
-            .or_else(|| LB_LISTENERS.get(&wildcard))
-    };
-    let Some(balancer) = found.copied() else {
+    let Some(balancer) = listener_of(&key) else {
         return Ok(1);
     };
     // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
@@ -216,6 +205,8 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
 
     let flow = FlowState {
         balancer,
+        // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.ops.cast()) },
         ..FlowState::default()
     };
     LB_FLOWS
@@ -264,7 +255,74 @@ fn client_tuple(ctx: &SockOpsContext) -> Option<SockKey> {
     } else {
         return None;
     }
+    unmap_v4(&mut key);
     Some(key)
+}
+
+/// The balancer of the listener a client tuple connected to: its address exactly, or else the
+/// wildcard (`0.0.0.0:P`, `[::]:P`) of its port and family when the destination is local.
+#[inline(always)]
+fn listener_of(key: &SockKey) -> Option<u32> {
+    let listener = ListenerKey {
+        ip_be: key.lb_ip_be,
+        port: key.lb_port,
+        family: key.family,
+    };
+    // SAFETY: the values are plain u32s copied out before the map can change them.
+    if let Some(id) = unsafe { LB_LISTENERS.get(&listener) } {
+        return Some(*id);
+    }
+    if !local_destination(key) {
+        return None;
+    }
+    let wildcard = ListenerKey::wildcard(key.lb_port, key.family);
+    // SAFETY: as above.
+    unsafe { LB_LISTENERS.get(&wildcard) }.copied()
+}
+
+/// `127.0.0.1`'s first byte, and `::1`'s last word, in network byte order as the kernel
+/// stores addresses.
+const LOOPBACK4_NET: u8 = 127;
+const LOOPBACK6_LAST_BE: u32 = u32::from_ne_bytes([0, 0, 0, 1]);
+/// Word 2 of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), network byte order.
+const V4_MAPPED_BE: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// Whether a client's destination is on its own host, so that a wildcard listener of its port
+/// may be the socket that accepted it: a loopback address (`127.0.0.0/8`, `::1`), or the
+/// client's own address. Why the second: a connect to one of the host's own addresses takes a
+/// local route, whose preferred source is that same address (`ip route show table local`), so
+/// the socket's two ends carry one address; a connect to another host's address on port P
+/// (lb's own dials to its servers, any program's) never does, and must not be registered: it
+/// would fill `LB_CLIENTS`/`LB_FLOWS` (65,536 entries) and crowd out lb's clients. A client
+/// that binds another local source address, or reaches the wildcard from another network
+/// namespace through a host address, is not registered and takes the copy path; a listener
+/// on that address, named exactly, splices it.
+#[inline(always)]
+fn local_destination(key: &SockKey) -> bool {
+    if key.lb_ip_be == key.client_ip_be {
+        return true;
+    }
+    if key.family == AF_INET {
+        key.lb_ip_be[0].to_ne_bytes()[0] == LOOPBACK4_NET
+    } else {
+        key.lb_ip_be == [0, 0, 0, LOOPBACK6_LAST_BE]
+    }
+}
+
+/// Key an IPv6 socket connected to an IPv4-mapped address (`[::ffff:127.0.0.1]:P`, a
+/// dual-stack client of an IPv4 listener) as IPv4: it talks IPv4 on the wire, lb accepts it on
+/// an `AF_INET` socket and keys it so (`lb-user`'s `sock_key`), and both sides must agree for
+/// the connection to be paired.
+#[inline(always)]
+fn unmap_v4(key: &mut SockKey) {
+    let lb = key.lb_ip_be;
+    if key.family != AF_INET6 || lb[0] != 0 || lb[1] != 0 || lb[2] != V4_MAPPED_BE {
+        return;
+    }
+    // A socket connected to a mapped address has a mapped address of its own.
+    key.family = AF_INET;
+    key.lb_ip_be = [lb[3], 0, 0, 0];
+    key.client_ip_be = [key.client_ip_be[3], 0, 0, 0];
 }
 
 /// A registered client socket closed (`STATE_CB` to `TCP_CLOSE`): remove its `LB_FLOWS`
@@ -314,6 +372,7 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     } else {
         return Ok(SK_PASS);
     }
+    unmap_v4(&mut key);
     // SAFETY: ctx.msg is the context pointer the kernel passed to this program.
     key.netns_cookie = unsafe { bpf_get_netns_cookie(ctx.msg.cast()) };
     let size = u64::from(ctx_u32!(md, size));
@@ -330,6 +389,9 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     // a consistent snapshot.
     let ctl = unsafe { LB_PAIRS.get(&key) }.copied();
     let reason = match ctl {
+        Some(ctl) if ctl.mode == MODE_REDIRECT && ctl.cookie != flow.cookie => {
+            PassReason::StalePair
+        }
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
             let past_credit = flow.redirected + size > ctl.credit_end;
             if ctl.copied != flow.passed {
@@ -429,7 +491,19 @@ fn log_fallback(
             flow.redirected,
             count
         ),
-        PassReason::Unpaired => {}
+        PassReason::StalePair => debug!(
+            ctx,
+            target: KERNEL_LOG_TARGET,
+            "splice fallback reason=stale_pair balancer={} client_port={} listener_port={} bytes={} socket_cookie={} paired_cookie={} count={}",
+            balancer,
+            client_port,
+            listener_port,
+            size,
+            flow.cookie,
+            ctl.cookie,
+            count
+        ),
+        PassReason::Unpaired | PassReason::Ulp => {}
     }
 }
 

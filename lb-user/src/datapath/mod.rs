@@ -422,19 +422,39 @@ impl Datapath {
 
     /// Pair a client (by key) with its server socket, after lb copied `copied` bytes of the
     /// client's stream, and start redirecting once lb has copied every byte that took the copy
-    /// path (the counting rule). Sizes the server socket's send buffer for
-    /// `max_buffered_bytes` first (see [`credit`]).
+    /// path (the counting rule). `accepted` is lb's socket of that client. Sizes the server
+    /// socket's send buffer for `max_buffered_bytes` first (see [`credit`]).
+    ///
+    /// The pair carries the cookie of the client socket the kernel registered (its flow), so
+    /// it redirects that socket's sends only. `Ok(None)`: no flow, or `accepted` is no longer
+    /// connected, so the flow may already be a newer socket's that reused the tuple (it can
+    /// connect only once the old one's reset reached `accepted`).
     ///
     /// # Errors
     /// [`DatapathError::Map`]; the caller then copies in userspace.
     pub fn pair(
         &self,
         key: SockKey,
+        accepted: &impl AsFd,
         server: &(impl AsRawFd + AsFd),
         copied: u64,
-    ) -> Result<Arc<Pair>, DatapathError> {
+    ) -> Result<Option<Arc<Pair>>, DatapathError> {
+        let Some(flow) = self.flow(&key) else {
+            return Ok(None);
+        };
+        // Read after the flow: if this connection was reset before the flow was read, the
+        // check fails here (getpeername answers ENOTCONN once a socket is closed).
+        if socket2::SockRef::from(accepted).peer_addr().is_err() {
+            return Ok(None);
+        }
         let limit = credit::size_server_socket(server, self.max_buffered);
-        let pair = Arc::new(Pair::new(key, server.as_raw_fd(), limit, copied));
+        let pair = Arc::new(Pair::new(
+            key,
+            server.as_raw_fd(),
+            limit,
+            copied,
+            flow.cookie,
+        ));
         self.maps.servers.insert_pair(&key, server)?;
         self.pairs
             .lock()
@@ -444,7 +464,7 @@ impl Datapath {
             self.unpair(&pair);
             return Err(e);
         }
-        Ok(pair)
+        Ok(Some(pair))
     }
 
     /// Bytes the client sent through the normal path (`FlowState::passed`) and redirected.
@@ -453,13 +473,18 @@ impl Datapath {
     }
 
     /// Take a pair out of the maps: sends take the copy path from now on. The server socket is
-    /// removed from the sockhash before lb closes it.
+    /// removed from the sockhash before lb closes it. A pair whose tuple a newer connection
+    /// paired since (the client reused it) leaves that connection's entries alone: pairing
+    /// replaced its own.
     pub fn unpair(&self, pair: &Pair) {
         pair.stop();
         let key = pair.key();
-        self.maps.pairs.remove(&key);
-        self.maps.servers.remove(&key);
-        self.pairs.lock().expect("poisoned").remove(&key);
+        let mut pairs = self.pairs.lock().expect("poisoned");
+        if pairs.get(&key).is_some_and(|p| std::ptr::eq(&**p, pair)) {
+            self.maps.pairs.remove(&key);
+            self.maps.servers.remove(&key);
+            pairs.remove(&key);
+        }
     }
 
     /// Splice counters of balancer `id`, summed over CPUs.
