@@ -42,6 +42,18 @@ pub const GLOBAL_OFF_SOCKET_FILE: &str = "LB_OFF_SOCKET_FILE";
 pub const GLOBAL_OFF_F_FLAGS: &str = "LB_OFF_F_FLAGS";
 /// `struct sock::sk_sndtimeo` (a `long`, jiffies).
 pub const GLOBAL_OFF_SNDTIMEO: &str = "LB_OFF_SNDTIMEO";
+/// `struct tcp_sock::write_seq` (`u32`): the sequence number after the last byte the socket
+/// queued, from which the sk_msg program counts the bytes a client sent the normal way.
+pub const GLOBAL_OFF_WRITE_SEQ: &str = "LB_OFF_WRITE_SEQ";
+/// `struct inet_connection_sock::icsk_ulp_ops` (a pointer; `struct tcp_sock` starts with an
+/// `inet_connection_sock`): non-null for a socket with an upper layer protocol such as kTLS.
+pub const GLOBAL_OFF_ULP_OPS: &str = "LB_OFF_ULP_OPS";
+/// `u32`, 1 when the sk_msg program may read kernel memory (`bpf_skc_to_tcp_sock` and
+/// `bpf_probe_read_kernel` allowed, offsets from the kernel's BTF), which the splice needs: the
+/// byte count of the counting rule and the check for an upper layer protocol come from the
+/// client's socket. 0: lb never pairs and every byte is copied; the verifier drops the code
+/// behind it, so such kernels still load the program.
+pub const GLOBAL_KERNEL_READS: &str = "LB_KERNEL_READS";
 /// `u32`, 1 to let blocking clients splice past the credit (`datapath.blocking_splice` and the
 /// kernel features it needs), 0 to treat every client as non-blocking. The verifier drops the
 /// code behind a 0, so kernels without the helpers it calls still load the program.
@@ -237,8 +249,11 @@ pub struct ConnectEvent {
 const _: () = assert!(size_of::<ConnectEvent>() == 40);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 7] = [
+pub const GLOBAL_NAMES: [&str; 10] = [
     GLOBAL_OWN_TGID,
+    GLOBAL_OFF_WRITE_SEQ,
+    GLOBAL_OFF_ULP_OPS,
+    GLOBAL_KERNEL_READS,
     GLOBAL_OFF_SK_SOCKET,
     GLOBAL_OFF_SOCKET_FILE,
     GLOBAL_OFF_F_FLAGS,
@@ -370,7 +385,11 @@ impl ListenerKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowState {
-    /// Bytes the client sent through the normal path (to lb's accepted socket), in bytes.
+    /// Bytes the client sent through the normal path (to lb's accepted socket), in bytes: the
+    /// growth of the client socket's `write_seq` since it connected, brought up to date at each
+    /// send. Not the sizes of the sends the program passed: the kernel may push a passed send
+    /// only in part (a non-blocking client) and then pushes the next one under the same verdict
+    /// without running the program.
     pub passed: u64,
     /// Bytes redirected to the server socket's egress, in bytes.
     pub redirected: u64,
@@ -378,8 +397,9 @@ pub struct FlowState {
     pub refresh_asked_at: u64,
     /// Balancer id of the listener the client connected to.
     pub balancer: u32,
-    /// Explicit padding, always 0.
-    pub _pad: u32,
+    /// The client socket's `write_seq` when [`Self::passed`] was last brought up to date (at
+    /// registration: `snd_nxt`, which equals it then).
+    pub seq: u32,
     /// The client socket's cookie (`bpf_get_socket_cookie`, unique while the kernel runs): the
     /// generation of this tuple. A new socket that reuses a closed one's tuple gets a new flow
     /// with its own cookie, so a pair lb made for the old socket ([`PairCtl::cookie`]) never

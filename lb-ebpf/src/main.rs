@@ -56,11 +56,12 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, KERNEL_LOG_TARGET,
-    ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH,
-    MAP_SERVERS, MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT,
-    MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
+    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_READS,
+    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, KERNEL_LOG_TARGET, ListenerKey, MAP_CLIENTS,
+    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
+    MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
+    NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
     REFRESH_RING_BYTES, RefreshRequest, SockKey, kernel_log_due,
 };
 
@@ -92,6 +93,9 @@ named_as!(
     LB_OFF_F_FLAGS = GLOBAL_OFF_F_FLAGS,
     LB_OFF_SNDTIMEO = GLOBAL_OFF_SNDTIMEO,
     LB_BLOCKING_SPLICE = GLOBAL_BLOCKING_SPLICE,
+    LB_OFF_WRITE_SEQ = GLOBAL_OFF_WRITE_SEQ,
+    LB_OFF_ULP_OPS = GLOBAL_OFF_ULP_OPS,
+    LB_KERNEL_READS = GLOBAL_KERNEL_READS,
 );
 
 #[map]
@@ -128,9 +132,17 @@ static LB_OFF_SOCKET_FILE: u32 = 0;
 static LB_OFF_F_FLAGS: u32 = 0;
 #[unsafe(no_mangle)]
 static LB_OFF_SNDTIMEO: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_WRITE_SEQ: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_ULP_OPS: u32 = 0;
 // 1 when blocking clients may splice past the credit (lb_common::GLOBAL_BLOCKING_SPLICE).
 #[unsafe(no_mangle)]
 static LB_BLOCKING_SPLICE: u32 = 0;
+// 1 when this program may read the client's socket (lb_common::GLOBAL_KERNEL_READS); lb pairs
+// nothing otherwise.
+#[unsafe(no_mangle)]
+static LB_KERNEL_READS: u32 = 0;
 
 const SK_PASS: u32 = sk_action::SK_PASS;
 
@@ -207,6 +219,9 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         balancer,
         // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
         cookie: unsafe { bpf_get_socket_cookie(ctx.ops.cast()) },
+        // Nothing is queued yet: write_seq equals snd_nxt (or passes it, with Fast Open data,
+        // which only makes `passed` larger than what lb copies: the safe side).
+        seq: ctx_u32!(ctx.ops, snd_nxt),
         ..FlowState::default()
     };
     LB_FLOWS
@@ -384,6 +399,9 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     // flow; lb only reads it.
     let flow = unsafe { &mut *flow };
     let stats = LB_STATS.get_ptr_mut(flow.balancer);
+    let tp = client_tcp_sock(ctx);
+    // `passed` from the socket itself, never from the sizes this program saw (see FlowState).
+    let synced = tp.is_some_and(|tp| sync_passed(tp, flow));
 
     // SAFETY: PairCtl is replaced whole by lb (hash map update swaps the element), so this copy is
     // a consistent snapshot.
@@ -392,13 +410,15 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         Some(ctl) if ctl.mode == MODE_REDIRECT && ctl.cookie != flow.cookie => {
             PassReason::StalePair
         }
+        // kTLS: these are plaintext records, encrypted only after this verdict.
+        Some(ctl) if ctl.mode == MODE_REDIRECT && tp.is_none_or(has_ulp) => PassReason::Ulp,
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
             let past_credit = flow.redirected + size > ctl.credit_end;
-            if ctl.copied != flow.passed {
+            if !synced || ctl.copied != flow.passed {
                 PassReason::Catchup
             } else if past_credit && {
                 ask_refresh(&key, flow, ctl.credit_end, stats);
-                !client_blocks(ctx)
+                !tp.is_some_and(client_blocks)
             } {
                 PassReason::Credit
             } else if LB_SERVERS.redirect_msg(ctx, key, 0) as u32 == SK_PASS {
@@ -421,7 +441,10 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         _ => PassReason::Unpaired,
     };
     let passed_before = flow.passed;
-    flow.passed += size;
+    if !synced {
+        // lb pairs nothing without kernel reads: this count only feeds the log line.
+        flow.passed += size;
+    }
     if let Some(stats) = stats {
         // SAFETY: per-CPU slot.
         let n = unsafe {
@@ -533,28 +556,66 @@ fn read_kernel<T>(base: *const u8, off: u32) -> Option<T> {
     unsafe { bpf_probe_read_kernel(base.wrapping_add(off as usize).cast::<T>()) }.ok()
 }
 
-/// Whether the sending client's socket blocks without a time limit: its file lacks `O_NONBLOCK`
-/// (`sock->sk_socket->file->f_flags`) and its `sk_sndtimeo` is `MAX_SCHEDULE_TIMEOUT` (offsets
-/// from the kernel's BTF). Such a client may be redirected into a full server socket, where the
-/// kernel makes it wait for room. Any read that fails counts as non-blocking (the safe answer:
-/// the send takes the copy path). Always false when lb turned the feature off.
+/// The sending client's `struct tcp_sock`, for [`read_kernel`]; `None` when lb turned kernel
+/// reads off (`LB_KERNEL_READS` 0: a frozen global, so the verifier sees a constant and drops
+/// the helper calls below, which such kernels refuse) or the socket is not TCP.
 #[inline(always)]
-fn client_blocks(ctx: &SkMsgContext) -> bool {
-    // SAFETY: reading a global lb set at load time (frozen, so the verifier sees a constant and
-    // drops everything below when it is 0).
-    if unsafe { core::ptr::read_volatile(&LB_BLOCKING_SPLICE) } == 0 {
-        return false;
+fn client_tcp_sock(ctx: &SkMsgContext) -> Option<*const u8> {
+    // SAFETY: reading a global lb set at load time.
+    if unsafe { core::ptr::read_volatile(&LB_KERNEL_READS) } == 0 {
+        return None;
     }
     // SAFETY: one 8-byte load of sk_msg_md.sk, which the verifier types as the sending socket.
     let sk =
         unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.msg).__bindgen_anon_3.sk)) };
     if sk.is_null() {
-        return false;
+        return None;
     }
     // SAFETY: sk is the sending socket, alive for this call; the helper returns null for
     // anything but a TCP socket.
     let tp = unsafe { bpf_skc_to_tcp_sock(sk.cast::<c_void>()) } as *const u8;
-    if tp.is_null() {
+    (!tp.is_null()).then_some(tp)
+}
+
+/// Bring `flow.passed` up to the client socket's `write_seq` (`tp`): every byte the kernel
+/// queued on it went the normal way (redirected ones never touch it), including sends the
+/// kernel pushed without running this program. The 32-bit sequence wraps; the difference since
+/// the last send does not. False when the read fails (`passed` then proves nothing).
+#[inline(always)]
+fn sync_passed(tp: *const u8, flow: &mut FlowState) -> bool {
+    // SAFETY: reading a global lb set at load time.
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_WRITE_SEQ) };
+    let Some(seq) = read_kernel::<u32>(tp, off) else {
+        return false;
+    };
+    flow.passed += u64::from(seq.wrapping_sub(flow.seq));
+    flow.seq = seq;
+    true
+}
+
+/// Whether the client socket (`tp`) has an upper layer protocol (`icsk_ulp_ops` set, as kTLS
+/// does): the kernel then runs this program on what the application wrote, before the ULP
+/// transforms it, so a redirect would send plaintext to the server. The kernel lets a socket
+/// already in a sockhash take a ULP (only the other order is refused). A failed read counts as
+/// a ULP.
+#[inline(always)]
+fn has_ulp(tp: *const u8) -> bool {
+    // SAFETY: reading a global lb set at load time.
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_ULP_OPS) };
+    read_kernel::<u64>(tp, off) != Some(0)
+}
+
+/// Whether the sending client's socket (`tp`) blocks without a time limit: its file lacks
+/// `O_NONBLOCK` (`sock->sk_socket->file->f_flags`) and its `sk_sndtimeo` is
+/// `MAX_SCHEDULE_TIMEOUT` (offsets from the kernel's BTF). Such a client may be redirected into
+/// a full server socket, where the kernel makes it wait for room. Any read that fails counts as
+/// non-blocking (the safe answer: the send takes the copy path). Always false when lb turned
+/// the feature off.
+#[inline(always)]
+fn client_blocks(tp: *const u8) -> bool {
+    // SAFETY: reading a global lb set at load time (frozen, so the verifier sees a constant and
+    // drops everything below when it is 0).
+    if unsafe { core::ptr::read_volatile(&LB_BLOCKING_SPLICE) } == 0 {
         return false;
     }
     // SAFETY: reading the globals lb set at load time.

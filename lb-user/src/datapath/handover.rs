@@ -141,6 +141,9 @@ impl Datapath {
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,
             connect_missing,
+            // The programs are the old process's, loaded on this kernel by the same code: its
+            // answer then is this one now.
+            splice: super::kernel_reads().is_some(),
         })
     }
 
