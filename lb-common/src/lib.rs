@@ -482,7 +482,9 @@ impl PassReason {
 pub struct BalancerStats {
     /// Client-to-server bytes redirected to a server socket by sk_msg.
     pub redirected_bytes: u64,
-    /// Client-to-server bytes that took the copy path.
+    /// Sizes of the client-to-server sends that took the copy path, as the program saw them
+    /// (a send the kernel pushes only in part counts whole; lb's `lb_copied_bytes_total` is
+    /// what arrived).
     pub passed_bytes: u64,
     /// Sends that took the copy path, by [`PassReason`].
     pub pass: [u64; PASS_REASONS],

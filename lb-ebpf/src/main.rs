@@ -2,16 +2,19 @@
 //!
 //! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
-//!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`;
-//!   when the socket closes (`STATE_CB`), it removes both entries again.
+//!   its sends), creates its `LB_FLOWS` entry (with the socket's cookie, its generation) and
+//!   records its network namespace in `LB_NETNS`; when the socket closes (`STATE_CB`), it
+//!   removes both entries again. A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients
+//!   whose destination is on the host ([`local_destination`]); an IPv6 socket connected to an
+//!   IPv4-mapped address is keyed as IPv4 ([`unmap_v4`]), as lb keys the socket it accepted.
 //!   A socket the connect programs sent straight to a server is counted instead (and, through
 //!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
 //!   connect and its first retransmission timeout to lb (passive health); see [`connect`].
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
-//!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
-//!   before pairing are never overtaken), it redirects the client's sends straight to the
-//!   server socket's egress, within
+//!   redirects only once lb's published copied count equals the bytes the client's socket
+//!   queued, read from its `write_seq`, so bytes sent before pairing are never overtaken), it
+//!   redirects the client's sends straight to the server socket's egress, within
 //!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
 //!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
 //!   too: the kernel then makes it wait for room in the server socket, whose send buffer
@@ -19,7 +22,10 @@
 //!   non-blocking client must take the copy path when the credit runs out: a redirected
 //!   non-blocking send into a full server socket returns `EAGAIN` while the client's own socket
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
-//!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
+//!   here; `datapath.blocking_splice = false` turns the past-credit redirect off. It never
+//!   redirects for a socket other than the one lb paired (a newer socket on a reused tuple:
+//!   the cookies differ) nor for a socket with an upper layer protocol (kTLS: its sends reach
+//!   the program as plaintext).
 //!
 //! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr,
 //!   attached only when a balancer has `forwarding = "connect"`): connect-time balancing, in
@@ -32,9 +38,10 @@
 //! logging code and a send pays for nothing but the few instructions of the rate check on the
 //! copy path.
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The
-//! past-credit redirect also calls `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
-//! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The splice
+//! also reads the client's socket with `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
+//! sk_msg (offsets from the kernel's BTF), which need `CAP_PERFMON` and no lockdown; without
+//! them lb pairs nothing and copies every connection.
 #![no_std]
 #![no_main]
 // The atomic add of the connect-time counts (see connect::count_add).
