@@ -380,7 +380,7 @@ impl Splice<'_> {
                 true
             }
             Ok(None) => {
-                debug!(client = %self.peer, "client gone before pairing; copying in userspace");
+                debug!(client = %self.peer, "not paired (the client is gone, or the kernel splice is off); copying in userspace");
                 false
             }
             Err(e) => {
