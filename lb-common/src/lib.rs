@@ -12,7 +12,9 @@ pub const PROG_SOCKOPS: &str = "lb_sockops";
 /// Name of the sk_msg program attached to [`MAP_CLIENTS`].
 pub const PROG_SK_MSG: &str = "lb_sk_msg";
 
-/// Listener addresses lb accepts on: [`ListenerKey`] → balancer id (`u32`).
+/// Listener addresses lb accepts on: [`ListenerKey`] → balancer id (`u32`). A wildcard
+/// (`0.0.0.0`/`[::]`) entry matches local destinations only: loopback, or a destination equal
+/// to the client socket's own address (what a connect to one of the host's addresses gives).
 pub const MAP_LISTENERS: &str = "LB_LISTENERS";
 /// Sockhash of client sockets connected to one of lb's listeners, keyed by [`SockKey`].
 pub const MAP_CLIENTS: &str = "LB_CLIENTS";
@@ -40,6 +42,18 @@ pub const GLOBAL_OFF_SOCKET_FILE: &str = "LB_OFF_SOCKET_FILE";
 pub const GLOBAL_OFF_F_FLAGS: &str = "LB_OFF_F_FLAGS";
 /// `struct sock::sk_sndtimeo` (a `long`, jiffies).
 pub const GLOBAL_OFF_SNDTIMEO: &str = "LB_OFF_SNDTIMEO";
+/// `struct tcp_sock::write_seq` (`u32`): the sequence number after the last byte the socket
+/// queued, from which the sk_msg program counts the bytes a client sent the normal way.
+pub const GLOBAL_OFF_WRITE_SEQ: &str = "LB_OFF_WRITE_SEQ";
+/// `struct inet_connection_sock::icsk_ulp_ops` (a pointer; `struct tcp_sock` starts with an
+/// `inet_connection_sock`): non-null for a socket with an upper layer protocol such as kTLS.
+pub const GLOBAL_OFF_ULP_OPS: &str = "LB_OFF_ULP_OPS";
+/// `u32`, 1 when the sk_msg program may read kernel memory (`bpf_skc_to_tcp_sock` and
+/// `bpf_probe_read_kernel` allowed, offsets from the kernel's BTF), which the splice needs: the
+/// byte count of the counting rule and the check for an upper layer protocol come from the
+/// client's socket. 0: lb never pairs and every byte is copied; the verifier drops the code
+/// behind it, so such kernels still load the program.
+pub const GLOBAL_KERNEL_READS: &str = "LB_KERNEL_READS";
 /// `u32`, 1 to let blocking clients splice past the credit (`datapath.blocking_splice` and the
 /// kernel features it needs), 0 to treat every client as non-blocking. The verifier drops the
 /// code behind a 0, so kernels without the helpers it calls still load the program.
@@ -235,8 +249,11 @@ pub struct ConnectEvent {
 const _: () = assert!(size_of::<ConnectEvent>() == 40);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 7] = [
+pub const GLOBAL_NAMES: [&str; 10] = [
     GLOBAL_OWN_TGID,
+    GLOBAL_OFF_WRITE_SEQ,
+    GLOBAL_OFF_ULP_OPS,
+    GLOBAL_KERNEL_READS,
     GLOBAL_OFF_SK_SOCKET,
     GLOBAL_OFF_SOCKET_FILE,
     GLOBAL_OFF_F_FLAGS,
@@ -368,7 +385,11 @@ impl ListenerKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowState {
-    /// Bytes the client sent through the normal path (to lb's accepted socket), in bytes.
+    /// Bytes the client sent through the normal path (to lb's accepted socket), in bytes: the
+    /// growth of the client socket's `write_seq` since it connected, brought up to date at each
+    /// send. Not the sizes of the sends the program passed: the kernel may push a passed send
+    /// only in part (a non-blocking client) and then pushes the next one under the same verdict
+    /// without running the program.
     pub passed: u64,
     /// Bytes redirected to the server socket's egress, in bytes.
     pub redirected: u64,
@@ -376,10 +397,16 @@ pub struct FlowState {
     pub refresh_asked_at: u64,
     /// Balancer id of the listener the client connected to.
     pub balancer: u32,
-    /// Explicit padding, always 0.
-    pub _pad: u32,
+    /// The client socket's `write_seq` when [`Self::passed`] was last brought up to date (at
+    /// registration: `snd_nxt`, which equals it then).
+    pub seq: u32,
+    /// The client socket's cookie (`bpf_get_socket_cookie`, unique while the kernel runs): the
+    /// generation of this tuple. A new socket that reuses a closed one's tuple gets a new flow
+    /// with its own cookie, so a pair lb made for the old socket ([`PairCtl::cookie`]) never
+    /// redirects the new one's sends.
+    pub cookie: u64,
 }
-const _: () = assert!(size_of::<FlowState>() == 32);
+const _: () = assert!(size_of::<FlowState>() == 40);
 
 /// lb's instructions for one paired connection (single writer: lb).
 #[repr(C)]
@@ -395,8 +422,11 @@ pub struct PairCtl {
     pub mode: u32,
     /// Explicit padding, always 0.
     pub _pad: u32,
+    /// [`FlowState::cookie`] of the client socket lb paired: the program redirects only the
+    /// sends of that socket, never those of a newer one on the same tuple.
+    pub cookie: u64,
 }
-const _: () = assert!(size_of::<PairCtl>() == 32);
+const _: () = assert!(size_of::<PairCtl>() == 40);
 
 /// Why a send took the copy path instead of the splice; index into [`BalancerStats::pass`].
 #[repr(u32)]
@@ -411,10 +441,16 @@ pub enum PassReason {
     Credit = 2,
     /// `bpf_msg_redirect_hash` failed (server socket gone from the map).
     RedirectError = 3,
+    /// The pair lb holds for this tuple belongs to an earlier socket (its cookie differs): the
+    /// client reused a closed connection's tuple before lb took the old pair out.
+    StalePair = 4,
+    /// The client socket has an upper layer protocol (kTLS): its sends reach the program as
+    /// plaintext records, which must never be redirected past the encryption.
+    Ulp = 5,
 }
 
 /// Number of [`PassReason`] variants.
-pub const PASS_REASONS: usize = 4;
+pub const PASS_REASONS: usize = 6;
 
 impl PassReason {
     /// All reasons, in index order.
@@ -423,6 +459,8 @@ impl PassReason {
         PassReason::Catchup,
         PassReason::Credit,
         PassReason::RedirectError,
+        PassReason::StalePair,
+        PassReason::Ulp,
     ];
 
     /// Label used in metrics.
@@ -432,6 +470,8 @@ impl PassReason {
             PassReason::Catchup => "catchup",
             PassReason::Credit => "credit",
             PassReason::RedirectError => "redirect_error",
+            PassReason::StalePair => "stale_pair",
+            PassReason::Ulp => "ulp",
         }
     }
 }
@@ -442,7 +482,9 @@ impl PassReason {
 pub struct BalancerStats {
     /// Client-to-server bytes redirected to a server socket by sk_msg.
     pub redirected_bytes: u64,
-    /// Client-to-server bytes that took the copy path.
+    /// Sizes of the client-to-server sends that took the copy path, as the program saw them
+    /// (a send the kernel pushes only in part counts whole; lb's `lb_copied_bytes_total` is
+    /// what arrived).
     pub passed_bytes: u64,
     /// Sends that took the copy path, by [`PassReason`].
     pub pass: [u64; PASS_REASONS],
@@ -457,7 +499,7 @@ pub struct BalancerStats {
     /// [`MAP_CONNECT_EVENTS`] was full.
     pub connect_event_drops: u64,
 }
-const _: () = assert!(size_of::<BalancerStats>() == 80);
+const _: () = assert!(size_of::<BalancerStats>() == 96);
 
 impl BalancerStats {
     /// Add `other`'s counters to these (lb sums the per-CPU copies).

@@ -2,16 +2,19 @@
 //!
 //! - `lb_sockops` (cgroup sockops): when a client socket in the attached cgroup finishes connecting
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
-//!   its sends), creates its `LB_FLOWS` entry and records its network namespace in `LB_NETNS`;
-//!   when the socket closes (`STATE_CB`), it removes both entries again.
+//!   its sends), creates its `LB_FLOWS` entry (with the socket's cookie, its generation) and
+//!   records its network namespace in `LB_NETNS`; when the socket closes (`STATE_CB`), it
+//!   removes both entries again. A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients
+//!   whose destination is on the host ([`local_destination`]); an IPv6 socket connected to an
+//!   IPv4-mapped address is keyed as IPv4 ([`unmap_v4`]), as lb keys the socket it accepted.
 //!   A socket the connect programs sent straight to a server is counted instead (and, through
 //!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
 //!   connect and its first retransmission timeout to lb (passive health); see [`connect`].
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
-//!   redirects only once lb's published copied count equals the bytes it passed, so bytes sent
-//!   before pairing are never overtaken), it redirects the client's sends straight to the
-//!   server socket's egress, within
+//!   redirects only once lb's published copied count equals the bytes the client's socket
+//!   queued, read from its `write_seq`, so bytes sent before pairing are never overtaken), it
+//!   redirects the client's sends straight to the server socket's egress, within
 //!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
 //!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
 //!   too: the kernel then makes it wait for room in the server socket, whose send buffer
@@ -19,7 +22,10 @@
 //!   non-blocking client must take the copy path when the credit runs out: a redirected
 //!   non-blocking send into a full server socket returns `EAGAIN` while the client's own socket
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
-//!   here; `datapath.blocking_splice = false` turns the past-credit redirect off.
+//!   here; `datapath.blocking_splice = false` turns the past-credit redirect off. It never
+//!   redirects for a socket other than the one lb paired (a newer socket on a reused tuple:
+//!   the cookies differ) nor for a socket with an upper layer protocol (kTLS: its sends reach
+//!   the program as plaintext).
 //!
 //! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr,
 //!   attached only when a balancer has `forwarding = "connect"`): connect-time balancing, in
@@ -32,9 +38,10 @@
 //! logging code and a send pays for nothing but the few instructions of the rate check on the
 //! copy path.
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The
-//! past-credit redirect also calls `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
-//! sk_msg, which need `CAP_PERFMON` and no lockdown; lb turns it off when they are missing.
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg programs). The splice
+//! also reads the client's socket with `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` from
+//! sk_msg (offsets from the kernel's BTF), which need `CAP_PERFMON` and no lockdown; without
+//! them lb pairs nothing and copies every connection.
 #![no_std]
 #![no_main]
 // The atomic add of the connect-time counts (see connect::count_add).
@@ -47,18 +54,21 @@ use aya_ebpf::{
         BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, sk_action,
     },
     cty::c_void,
-    helpers::{bpf_get_netns_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock,
+    },
     macros::{map, sk_msg, sock_ops},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
     programs::{SkMsgContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, KERNEL_LOG_TARGET,
-    ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH,
-    MAP_SERVERS, MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT,
-    MODE_REDIRECT, NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
+    AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_READS,
+    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, KERNEL_LOG_TARGET, ListenerKey, MAP_CLIENTS,
+    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
+    MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
+    NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
     REFRESH_RING_BYTES, RefreshRequest, SockKey, kernel_log_due,
 };
 
@@ -90,6 +100,9 @@ named_as!(
     LB_OFF_F_FLAGS = GLOBAL_OFF_F_FLAGS,
     LB_OFF_SNDTIMEO = GLOBAL_OFF_SNDTIMEO,
     LB_BLOCKING_SPLICE = GLOBAL_BLOCKING_SPLICE,
+    LB_OFF_WRITE_SEQ = GLOBAL_OFF_WRITE_SEQ,
+    LB_OFF_ULP_OPS = GLOBAL_OFF_ULP_OPS,
+    LB_KERNEL_READS = GLOBAL_KERNEL_READS,
 );
 
 #[map]
@@ -126,9 +139,17 @@ static LB_OFF_SOCKET_FILE: u32 = 0;
 static LB_OFF_F_FLAGS: u32 = 0;
 #[unsafe(no_mangle)]
 static LB_OFF_SNDTIMEO: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_WRITE_SEQ: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_ULP_OPS: u32 = 0;
 // 1 when blocking clients may splice past the credit (lb_common::GLOBAL_BLOCKING_SPLICE).
 #[unsafe(no_mangle)]
 static LB_BLOCKING_SPLICE: u32 = 0;
+// 1 when this program may read the client's socket (lb_common::GLOBAL_KERNEL_READS); lb pairs
+// nothing otherwise.
+#[unsafe(no_mangle)]
+static LB_KERNEL_READS: u32 = 0;
 
 const SK_PASS: u32 = sk_action::SK_PASS;
 
@@ -193,20 +214,7 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     let Some(mut key) = client_tuple(ctx) else {
         return Ok(1);
     };
-    let family = key.family;
-    let listener = ListenerKey {
-        ip_be: key.lb_ip_be,
-        port: key.lb_port,
-        family,
-    };
-    let wildcard = ListenerKey::wildcard(key.lb_port, family);
-    // SAFETY: the values are plain u32s copied out before the map can change them.
-    let found = unsafe {
-        LB_LISTENERS
-            .get(&listener)
-            .or_else(|| LB_LISTENERS.get(&wildcard))
-    };
-    let Some(balancer) = found.copied() else {
+    let Some(balancer) = listener_of(&key) else {
         return Ok(1);
     };
     // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
@@ -216,6 +224,11 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
 
     let flow = FlowState {
         balancer,
+        // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.ops.cast()) },
+        // Nothing is queued yet: write_seq equals snd_nxt (or passes it, with Fast Open data,
+        // which only makes `passed` larger than what lb copies: the safe side).
+        seq: ctx_u32!(ctx.ops, snd_nxt),
         ..FlowState::default()
     };
     LB_FLOWS
@@ -264,7 +277,74 @@ fn client_tuple(ctx: &SockOpsContext) -> Option<SockKey> {
     } else {
         return None;
     }
+    unmap_v4(&mut key);
     Some(key)
+}
+
+/// The balancer of the listener a client tuple connected to: its address exactly, or else the
+/// wildcard (`0.0.0.0:P`, `[::]:P`) of its port and family when the destination is local.
+#[inline(always)]
+fn listener_of(key: &SockKey) -> Option<u32> {
+    let listener = ListenerKey {
+        ip_be: key.lb_ip_be,
+        port: key.lb_port,
+        family: key.family,
+    };
+    // SAFETY: the values are plain u32s copied out before the map can change them.
+    if let Some(id) = unsafe { LB_LISTENERS.get(&listener) } {
+        return Some(*id);
+    }
+    if !local_destination(key) {
+        return None;
+    }
+    let wildcard = ListenerKey::wildcard(key.lb_port, key.family);
+    // SAFETY: as above.
+    unsafe { LB_LISTENERS.get(&wildcard) }.copied()
+}
+
+/// `127.0.0.1`'s first byte, and `::1`'s last word, in network byte order as the kernel
+/// stores addresses.
+const LOOPBACK4_NET: u8 = 127;
+const LOOPBACK6_LAST_BE: u32 = u32::from_ne_bytes([0, 0, 0, 1]);
+/// Word 2 of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), network byte order.
+const V4_MAPPED_BE: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// Whether a client's destination is on its own host, so that a wildcard listener of its port
+/// may be the socket that accepted it: a loopback address (`127.0.0.0/8`, `::1`), or the
+/// client's own address. Why the second: a connect to one of the host's own addresses takes a
+/// local route, whose preferred source is that same address (`ip route show table local`), so
+/// the socket's two ends carry one address; a connect to another host's address on port P
+/// (lb's own dials to its servers, any program's) never does, and must not be registered: it
+/// would fill `LB_CLIENTS`/`LB_FLOWS` (65,536 entries) and crowd out lb's clients. A client
+/// that binds another local source address, or reaches the wildcard from another network
+/// namespace through a host address, is not registered and takes the copy path; a listener
+/// on that address, named exactly, splices it.
+#[inline(always)]
+fn local_destination(key: &SockKey) -> bool {
+    if key.lb_ip_be == key.client_ip_be {
+        return true;
+    }
+    if key.family == AF_INET {
+        key.lb_ip_be[0].to_ne_bytes()[0] == LOOPBACK4_NET
+    } else {
+        key.lb_ip_be == [0, 0, 0, LOOPBACK6_LAST_BE]
+    }
+}
+
+/// Key an IPv6 socket connected to an IPv4-mapped address (`[::ffff:127.0.0.1]:P`, a
+/// dual-stack client of an IPv4 listener) as IPv4: it talks IPv4 on the wire, lb accepts it on
+/// an `AF_INET` socket and keys it so (`lb-user`'s `sock_key`), and both sides must agree for
+/// the connection to be paired.
+#[inline(always)]
+fn unmap_v4(key: &mut SockKey) {
+    let lb = key.lb_ip_be;
+    if key.family != AF_INET6 || lb[0] != 0 || lb[1] != 0 || lb[2] != V4_MAPPED_BE {
+        return;
+    }
+    // A socket connected to a mapped address has a mapped address of its own.
+    key.family = AF_INET;
+    key.lb_ip_be = [lb[3], 0, 0, 0];
+    key.client_ip_be = [key.client_ip_be[3], 0, 0, 0];
 }
 
 /// A registered client socket closed (`STATE_CB` to `TCP_CLOSE`): remove its `LB_FLOWS`
@@ -314,6 +394,7 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     } else {
         return Ok(SK_PASS);
     }
+    unmap_v4(&mut key);
     // SAFETY: ctx.msg is the context pointer the kernel passed to this program.
     key.netns_cookie = unsafe { bpf_get_netns_cookie(ctx.msg.cast()) };
     let size = u64::from(ctx_u32!(md, size));
@@ -325,18 +406,26 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     // flow; lb only reads it.
     let flow = unsafe { &mut *flow };
     let stats = LB_STATS.get_ptr_mut(flow.balancer);
+    let tp = client_tcp_sock(ctx);
+    // `passed` from the socket itself, never from the sizes this program saw (see FlowState).
+    let synced = tp.is_some_and(|tp| sync_passed(tp, flow));
 
     // SAFETY: PairCtl is replaced whole by lb (hash map update swaps the element), so this copy is
     // a consistent snapshot.
     let ctl = unsafe { LB_PAIRS.get(&key) }.copied();
     let reason = match ctl {
+        Some(ctl) if ctl.mode == MODE_REDIRECT && ctl.cookie != flow.cookie => {
+            PassReason::StalePair
+        }
+        // kTLS: these are plaintext records, encrypted only after this verdict.
+        Some(ctl) if ctl.mode == MODE_REDIRECT && tp.is_none_or(has_ulp) => PassReason::Ulp,
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
             let past_credit = flow.redirected + size > ctl.credit_end;
-            if ctl.copied != flow.passed {
+            if !synced || ctl.copied != flow.passed {
                 PassReason::Catchup
             } else if past_credit && {
                 ask_refresh(&key, flow, ctl.credit_end, stats);
-                !client_blocks(ctx)
+                !tp.is_some_and(client_blocks)
             } {
                 PassReason::Credit
             } else if LB_SERVERS.redirect_msg(ctx, key, 0) as u32 == SK_PASS {
@@ -359,7 +448,10 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         _ => PassReason::Unpaired,
     };
     let passed_before = flow.passed;
-    flow.passed += size;
+    if !synced {
+        // lb pairs nothing without kernel reads: this count only feeds the log line.
+        flow.passed += size;
+    }
     if let Some(stats) = stats {
         // SAFETY: per-CPU slot.
         let n = unsafe {
@@ -429,7 +521,19 @@ fn log_fallback(
             flow.redirected,
             count
         ),
-        PassReason::Unpaired => {}
+        PassReason::StalePair => debug!(
+            ctx,
+            target: KERNEL_LOG_TARGET,
+            "splice fallback reason=stale_pair balancer={} client_port={} listener_port={} bytes={} socket_cookie={} paired_cookie={} count={}",
+            balancer,
+            client_port,
+            listener_port,
+            size,
+            flow.cookie,
+            ctl.cookie,
+            count
+        ),
+        PassReason::Unpaired | PassReason::Ulp => {}
     }
 }
 
@@ -459,28 +563,66 @@ fn read_kernel<T>(base: *const u8, off: u32) -> Option<T> {
     unsafe { bpf_probe_read_kernel(base.wrapping_add(off as usize).cast::<T>()) }.ok()
 }
 
-/// Whether the sending client's socket blocks without a time limit: its file lacks `O_NONBLOCK`
-/// (`sock->sk_socket->file->f_flags`) and its `sk_sndtimeo` is `MAX_SCHEDULE_TIMEOUT` (offsets
-/// from the kernel's BTF). Such a client may be redirected into a full server socket, where the
-/// kernel makes it wait for room. Any read that fails counts as non-blocking (the safe answer:
-/// the send takes the copy path). Always false when lb turned the feature off.
+/// The sending client's `struct tcp_sock`, for [`read_kernel`]; `None` when lb turned kernel
+/// reads off (`LB_KERNEL_READS` 0: a frozen global, so the verifier sees a constant and drops
+/// the helper calls below, which such kernels refuse) or the socket is not TCP.
 #[inline(always)]
-fn client_blocks(ctx: &SkMsgContext) -> bool {
-    // SAFETY: reading a global lb set at load time (frozen, so the verifier sees a constant and
-    // drops everything below when it is 0).
-    if unsafe { core::ptr::read_volatile(&LB_BLOCKING_SPLICE) } == 0 {
-        return false;
+fn client_tcp_sock(ctx: &SkMsgContext) -> Option<*const u8> {
+    // SAFETY: reading a global lb set at load time.
+    if unsafe { core::ptr::read_volatile(&LB_KERNEL_READS) } == 0 {
+        return None;
     }
     // SAFETY: one 8-byte load of sk_msg_md.sk, which the verifier types as the sending socket.
     let sk =
         unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.msg).__bindgen_anon_3.sk)) };
     if sk.is_null() {
-        return false;
+        return None;
     }
     // SAFETY: sk is the sending socket, alive for this call; the helper returns null for
     // anything but a TCP socket.
     let tp = unsafe { bpf_skc_to_tcp_sock(sk.cast::<c_void>()) } as *const u8;
-    if tp.is_null() {
+    (!tp.is_null()).then_some(tp)
+}
+
+/// Bring `flow.passed` up to the client socket's `write_seq` (`tp`): every byte the kernel
+/// queued on it went the normal way (redirected ones never touch it), including sends the
+/// kernel pushed without running this program. The 32-bit sequence wraps; the difference since
+/// the last send does not. False when the read fails (`passed` then proves nothing).
+#[inline(always)]
+fn sync_passed(tp: *const u8, flow: &mut FlowState) -> bool {
+    // SAFETY: reading a global lb set at load time.
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_WRITE_SEQ) };
+    let Some(seq) = read_kernel::<u32>(tp, off) else {
+        return false;
+    };
+    flow.passed += u64::from(seq.wrapping_sub(flow.seq));
+    flow.seq = seq;
+    true
+}
+
+/// Whether the client socket (`tp`) has an upper layer protocol (`icsk_ulp_ops` set, as kTLS
+/// does): the kernel then runs this program on what the application wrote, before the ULP
+/// transforms it, so a redirect would send plaintext to the server. The kernel lets a socket
+/// already in a sockhash take a ULP (only the other order is refused). A failed read counts as
+/// a ULP.
+#[inline(always)]
+fn has_ulp(tp: *const u8) -> bool {
+    // SAFETY: reading a global lb set at load time.
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_ULP_OPS) };
+    read_kernel::<u64>(tp, off) != Some(0)
+}
+
+/// Whether the sending client's socket (`tp`) blocks without a time limit: its file lacks
+/// `O_NONBLOCK` (`sock->sk_socket->file->f_flags`) and its `sk_sndtimeo` is
+/// `MAX_SCHEDULE_TIMEOUT` (offsets from the kernel's BTF). Such a client may be redirected into
+/// a full server socket, where the kernel makes it wait for room. Any read that fails counts as
+/// non-blocking (the safe answer: the send takes the copy path). Always false when lb turned
+/// the feature off.
+#[inline(always)]
+fn client_blocks(tp: *const u8) -> bool {
+    // SAFETY: reading a global lb set at load time (frozen, so the verifier sees a constant and
+    // drops everything below when it is 0).
+    if unsafe { core::ptr::read_volatile(&LB_BLOCKING_SPLICE) } == 0 {
         return false;
     }
     // SAFETY: reading the globals lb set at load time.

@@ -133,6 +133,8 @@ pub fn run_client(
 pub struct Holder {
     child: Child,
     rx: std::sync::mpsc::Receiver<serde_json::Value>,
+    /// The client's standard input, for actions that wait for a line from the test.
+    stdin: Option<std::process::ChildStdin>,
 }
 
 impl Holder {
@@ -157,10 +159,27 @@ impl Holder {
     /// # Errors
     /// Spawn failure.
     pub fn spawn(place: &Place<'_>, addr: SocketAddr, action: &[&str]) -> Result<Holder> {
-        let mut child = client_command(place, addr, action)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
+        Holder::spawn_with(client_command(place, addr, action))
+    }
+
+    /// As [`Holder::spawn`], with the client's standard input open for [`Holder::say`] (the
+    /// `reuse-tuple` action waits for lines from the test between its steps).
+    ///
+    /// # Errors
+    /// Spawn failure.
+    pub fn spawn_interactive(
+        place: &Place<'_>,
+        addr: SocketAddr,
+        action: &[&str],
+    ) -> Result<Holder> {
+        let mut cmd = client_command(place, addr, action);
+        cmd.stdin(Stdio::piped());
+        Holder::spawn_with(cmd)
+    }
+
+    fn spawn_with(mut cmd: Command) -> Result<Holder> {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
+        let stdin = child.stdin.take();
         let out = child.stdout.take().context("stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -172,7 +191,22 @@ impl Holder {
                 }
             }
         });
-        Ok(Holder { child, rx })
+        Ok(Holder { child, rx, stdin })
+    }
+
+    /// Write `line` and a newline to the client's standard input.
+    ///
+    /// # Errors
+    /// Not started with [`Holder::spawn_interactive`], or the client is gone.
+    pub fn say(&mut self, line: &str) -> Result<()> {
+        use std::io::Write as _;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .context("the client's stdin is not open")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
     }
 
     /// The client's process id (the one that calls `connect()`: the placing shell execs it).

@@ -1,11 +1,12 @@
 //! Listener registration in the kernel: each listener charges the splice counters of its own
 //! balancer. lb binds IPv6 listeners `IPV6_V6ONLY`, so `0.0.0.0:P` and `[::]:P` can belong to two
-//! balancers; an IPv4 client of the first must never be counted for the second.
+//! balancers; an IPv4 client of the first must never be counted for the second. A wildcard
+//! claims local destinations only, and a dual-stack client of an IPv4 listener is keyed as IPv4.
 
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{Lb, Place, TestCgroup, free_port, run_client, skip_unless_root};
+use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_root};
 use serde_json::Value;
 
 const MIB: u64 = 1024 * 1024;
@@ -136,5 +137,110 @@ servers = ["{}"]
         "v6: spliced {v6_spliced} + copied {v6_copied} != {sent} sent"
     );
     drop(hosts);
+    Ok(())
+}
+
+/// A `0.0.0.0:P` listener registers only clients whose destination is on the host: a client in
+/// the test cgroup holding a connection to another host's server on port P leaves no entry in
+/// `LB_FLOWS` (before, every node-wide connection to port P was registered, lb's own dials to
+/// servers included, and could fill the 65,536-entry maps), while a loopback client of the same
+/// listener is registered and spliced.
+#[test]
+fn wildcard_listener_registers_local_destinations_only() -> Result<()> {
+    if skip_unless_root("wildcard_listener_registers_local_destinations_only") {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let servers = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    // Another host serving on lb's own listener port.
+    let mut foreign = Host::new()?;
+    foreign.serve(port, "foreign")?;
+    let cg = TestCgroup::new()?;
+    let cgp = cg.path.display().to_string();
+    let listen = format!("0.0.0.0:{port}");
+    let server = servers[0].addr(9000).to_string();
+    let lb = Lb::start(&[
+        "--listen",
+        &listen,
+        "--server",
+        &server,
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        &cgp,
+    ])?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    let place = Place::cgroup(&cg.path);
+    let away = Holder::start(&place, foreign.addr(port), 0, 60_000)?;
+    let ev = away.wait_for("connected", Duration::from_secs(20))?;
+    ensure!(
+        ev["server"] == "foreign",
+        "reached {ev}, not the foreign server"
+    );
+    let home = Holder::start(&place, format!("127.0.0.1:{port}").parse()?, 0, 60_000)?;
+    let ev = home.wait_for("connected", Duration::from_secs(20))?;
+    ensure!(ev["server"] == "s0", "reached {ev} through lb, not s0");
+    let flows = lb_tests::lb_map_entries(lb.pid(), "LB_FLOWS")?;
+    ensure!(
+        flows == 1,
+        "LB_FLOWS holds {flows} entries with one client of lb and one connection to another host's port {port} open; only lb's client belongs there"
+    );
+    ok(&run_client(
+        &place,
+        format!("127.0.0.1:{port}").parse()?,
+        &["up", &(16 * MIB).to_string(), "--pause-ms", "200"],
+        T,
+    )?)?;
+    ensure!(
+        upstream(&lb, "lb_spliced_bytes_total", "default") > 0.0,
+        "the loopback client of the wildcard listener was not spliced"
+    );
+    drop((away, home));
+    Ok(())
+}
+
+/// A dual-stack client (an `AF_INET6` socket) dialing an IPv4 listener through its IPv4-mapped
+/// address (`[::ffff:127.0.0.1]:P`) is spliced: the kernel programs key it as IPv4, as lb keys
+/// the `AF_INET` socket it accepted (before, the two keys never met and it was always copied).
+#[test]
+fn ipv4_mapped_client_of_an_ipv4_listener_splices() -> Result<()> {
+    if skip_unless_root("ipv4_mapped_client_of_an_ipv4_listener_splices") {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let servers = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let cgp = cg.path.display().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let server = servers[0].addr(9000).to_string();
+    let lb = Lb::start(&[
+        "--listen",
+        &listen,
+        "--server",
+        &server,
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        &cgp,
+    ])?;
+    lb.wait_settled(Duration::from_secs(10))?;
+    let n = 32 * MIB;
+    ok(&run_client(
+        &Place::cgroup(&cg.path),
+        format!("[::ffff:127.0.0.1]:{port}").parse()?,
+        &["up", &n.to_string(), "--pause-ms", "200"],
+        T,
+    )?)?;
+    let (spliced, copied) = (
+        upstream(&lb, "lb_spliced_bytes_total", "default"),
+        upstream(&lb, "lb_copied_bytes_total", "default"),
+    );
+    eprintln!("IPv4-mapped upload: spliced {spliced}, copied {copied}");
+    ensure!(spliced > 0.0, "the IPv4-mapped client was not spliced");
+    ensure!(
+        spliced + copied == (n + 3) as f64,
+        "spliced {spliced} + copied {copied} != {} sent",
+        n + 3
+    );
     Ok(())
 }

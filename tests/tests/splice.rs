@@ -620,28 +620,6 @@ fn kill_resets_a_thousand_clients_in_the_kernel() -> Result<()> {
     Ok(())
 }
 
-/// Entries of lb's map `name` (found through the map descriptors lb holds, so other lbs
-/// running alongside are not counted), as `bpftool map dump` lists them.
-fn lb_map_entries(pid: u32, name: &str) -> Result<usize> {
-    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))? {
-        let info = std::fs::read_to_string(fd?.path()).unwrap_or_default();
-        let Some(id) = info
-            .lines()
-            .find_map(|l| l.strip_prefix("map_id:"))
-            .map(str::trim)
-        else {
-            continue;
-        };
-        let show: Value = serde_json::from_str(&sh("bpftool", &["-j", "map", "show", "id", id])?)?;
-        if show["name"] == name {
-            let dump: Value =
-                serde_json::from_str(&sh("bpftool", &["-j", "map", "dump", "id", id])?)?;
-            return Ok(dump.as_array().map_or(0, Vec::len));
-        }
-    }
-    anyhow::bail!("lb (pid {pid}) holds no map named {name}")
-}
-
 /// Clients that made one request each and closed (never paired), and one upload that was
 /// spliced, leave nothing in `LB_FLOWS` or `LB_NETNS`: the sockops program removes a client's
 /// entries when its socket closes, with no system call from lb.
@@ -670,7 +648,10 @@ fn closed_clients_leave_no_flow_or_namespace_entries() -> Result<()> {
     let pid = f.lb.pid();
     let mut left = (usize::MAX, usize::MAX);
     lb_tests::wait_until(Duration::from_secs(10), || {
-        left = (lb_map_entries(pid, "LB_FLOWS")?, lb_map_entries(pid, "LB_NETNS")?);
+        left = (
+            lb_tests::lb_map_entries(pid, "LB_FLOWS")?,
+            lb_tests::lb_map_entries(pid, "LB_NETNS")?,
+        );
         Ok(left == (0, 0))
     })
     .with_context(|| {

@@ -102,6 +102,10 @@ pub struct SockOffsets {
     pub file_f_flags: u32,
     /// `struct sock::sk_sndtimeo` (long, jiffies; `LONG_MAX` without `SO_SNDTIMEO`).
     pub sk_sndtimeo: u32,
+    /// `struct tcp_sock::write_seq` (u32).
+    pub write_seq: u32,
+    /// `struct inet_connection_sock::icsk_ulp_ops` (pointer).
+    pub ulp_ops: u32,
 }
 
 /// Read [`SockOffsets`] from the BTF file at `path` (normally [`VMLINUX_BTF`]).
@@ -120,6 +124,8 @@ pub fn sock_offsets(path: &Path) -> Result<SockOffsets, BtfError> {
         socket_file: btf.member_offset("socket", "file")?,
         file_f_flags: btf.member_offset("file", "f_flags")?,
         sk_sndtimeo: btf.member_offset("sock", "sk_sndtimeo")?,
+        write_seq: btf.member_offset("tcp_sock", "write_seq")?,
+        ulp_ops: btf.member_offset("inet_connection_sock", "icsk_ulp_ops")?,
     })
 }
 
@@ -272,6 +278,12 @@ mod tests {
         assert!(o.file_f_flags < 256, "{o:?}");
         assert!(
             o.sk_sndtimeo > 100 && o.sk_sndtimeo < 1024 && o.sk_sndtimeo.is_multiple_of(8),
+            "{o:?}"
+        );
+        // Both past the embedded struct sock, within a few KiB.
+        assert!(o.write_seq > o.sk_socket && o.write_seq < 4096, "{o:?}");
+        assert!(
+            o.ulp_ops > o.sk_socket && o.ulp_ops < 4096 && o.ulp_ops.is_multiple_of(8),
             "{o:?}"
         );
     }

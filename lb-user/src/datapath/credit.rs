@@ -32,15 +32,23 @@ pub struct Pair {
 impl Pair {
     /// A new pair of client `key` and the server socket `server_fd`, whose send buffer is
     /// `limit` bytes, after lb copied `copied` bytes of the client's stream: redirecting (once
-    /// lb has caught up), with the whole cap as credit and the first refresh a quarter of the
-    /// buffer in.
-    pub(super) fn new(key: SockKey, server_fd: RawFd, limit: u64, copied: u64) -> Pair {
+    /// lb has caught up) the sends of the client socket whose cookie is `cookie` (its
+    /// `FlowState::cookie`) only, with the whole cap as credit and the first refresh a quarter
+    /// of the buffer in.
+    pub(super) fn new(
+        key: SockKey,
+        server_fd: RawFd,
+        limit: u64,
+        copied: u64,
+        cookie: u64,
+    ) -> Pair {
         let ctl = PairCtl {
             copied,
             credit_end: credit_cap(limit),
             refresh_at: limit / 4,
             mode: MODE_REDIRECT,
             _pad: 0,
+            cookie,
         };
         Pair {
             key,
@@ -195,11 +203,12 @@ mod tests {
         // Small bounds never ask for less than a quarter.
         assert_eq!(sndbuf_request(64 * 1024), 16 * 1024);
         let limit = 4 * MIB - 64 * 1024;
-        let first = Pair::new(SockKey::default(), -1, limit, 0).ctl();
+        let first = Pair::new(SockKey::default(), -1, limit, 0, 7).ctl();
         assert_eq!(first.credit_end, credit_cap(limit));
         assert_eq!(first.credit_end, limit / 4 * 3);
         assert_eq!(first.refresh_at, limit / 4);
         assert_eq!(first.mode, MODE_REDIRECT);
+        assert_eq!(first.cookie, 7);
     }
 
     #[test]

@@ -141,12 +141,16 @@ impl Datapath {
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,
             connect_missing,
+            // The programs are the old process's, loaded on this kernel by the same code: its
+            // answer then is this one now.
+            splice: super::kernel_reads().is_some(),
         })
     }
 
     /// Take over a paired connection whose server socket is already in the server sockhash
     /// (left there by the lb that handed it over): lb has copied `copied` bytes of the client's
-    /// stream, and redirecting goes on under the counting rule with fresh credit.
+    /// stream, and redirecting goes on under the counting rule with fresh credit, for the
+    /// client socket the kernel holds the flow of (none: it never redirects again).
     pub fn adopt_pair(
         &self,
         key: SockKey,
@@ -154,7 +158,14 @@ impl Datapath {
         copied: u64,
     ) -> Arc<credit::Pair> {
         let limit = credit::size_server_socket(server, self.max_buffered);
-        let pair = Arc::new(credit::Pair::new(key, server.as_raw_fd(), limit, copied));
+        let cookie = self.flow(&key).map_or(0, |f| f.cookie);
+        let pair = Arc::new(credit::Pair::new(
+            key,
+            server.as_raw_fd(),
+            limit,
+            copied,
+            cookie,
+        ));
         self.pairs
             .lock()
             .expect("poisoned")

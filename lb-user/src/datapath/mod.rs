@@ -33,10 +33,11 @@ use aya::{
 };
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
-    FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OWN_TGID,
-    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
-    PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
+    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID, MAX_CONNECT_SERVERS,
+    NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -102,13 +103,14 @@ pub enum DatapathError {
         #[source]
         source: ProgramError,
     },
-    /// A helper only the blocking-client splice needs is refused (that feature alone is off).
+    /// A helper the splice needs to read the client's socket is refused (the splice is off,
+    /// every connection is copied).
     #[error("the kernel refuses {helper} in sk_msg programs (needs CAP_PERFMON, no lockdown)")]
     BlockingHelper {
         /// The helper.
         helper: &'static str,
     },
-    /// The kernel's BTF gave no struct offsets (the blocking-client splice alone is off).
+    /// The kernel's BTF gave no struct offsets (the splice is off, every connection is copied).
     #[error(transparent)]
     Btf(#[from] BtfError),
     /// The connect-time programs were not attached because no balancer uses them.
@@ -170,6 +172,9 @@ pub struct Datapath {
     max_buffered: u64,
     /// Why the connect-time programs are not attached (`None`: they are).
     connect_missing: Option<String>,
+    /// Whether the sk_msg program can read client sockets, which the splice needs
+    /// (`LB_KERNEL_READS`); without it lb never pairs and every connection is copied.
+    splice: bool,
 }
 
 /// How a connect-mode balancer's kernel programs pick a server from its table.
@@ -214,25 +219,23 @@ impl Datapath {
         probe::lift_memlock();
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
-        let offsets = if cfg.blocking_splice {
-            probe::probe_blocking_splice()
-                .inspect_err(|why| {
-                    warn!(reason = %crate::errors::chain(why), "blocking clients will take the copy path when a server socket is full (datapath.blocking_splice off)");
-                })
-                .ok()
-        } else {
+        let offsets = kernel_reads();
+        let reads = u32::from(offsets.is_some());
+        let blocking = u32::from(offsets.is_some() && cfg.blocking_splice);
+        if offsets.is_some() && !cfg.blocking_splice {
             info!(
                 "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
             );
-            None
-        };
-        let blocking = u32::from(offsets.is_some());
+        }
         let offsets = offsets.unwrap_or_default();
         let log_level = kernel_log::level();
         let own_tgid = std::process::id();
         let mut ebpf = aya::EbpfLoader::new()
             .override_global(GLOBAL_OWN_TGID, &own_tgid, true)
             .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
+            .override_global(GLOBAL_KERNEL_READS, &reads, true)
+            .override_global(GLOBAL_OFF_WRITE_SEQ, &offsets.write_seq, true)
+            .override_global(GLOBAL_OFF_ULP_OPS, &offsets.ulp_ops, true)
             .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
             .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
             .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
@@ -325,6 +328,7 @@ impl Datapath {
             pairs: Mutex::new(HashMap::new()),
             max_buffered: cfg.max_buffered_bytes,
             connect_missing,
+            splice: reads == 1,
         })
     }
 
@@ -430,19 +434,42 @@ impl Datapath {
 
     /// Pair a client (by key) with its server socket, after lb copied `copied` bytes of the
     /// client's stream, and start redirecting once lb has copied every byte that took the copy
-    /// path (the counting rule). Sizes the server socket's send buffer for
-    /// `max_buffered_bytes` first (see [`credit`]).
+    /// path (the counting rule). `accepted` is lb's socket of that client. Sizes the server
+    /// socket's send buffer for `max_buffered_bytes` first (see [`credit`]).
+    ///
+    /// The pair carries the cookie of the client socket the kernel registered (its flow), so
+    /// it redirects that socket's sends only. `Ok(None)`: no flow, or `accepted` is no longer
+    /// connected, so the flow may already be a newer socket's that reused the tuple (it can
+    /// connect only once the old one's reset reached `accepted`).
     ///
     /// # Errors
     /// [`DatapathError::Map`]; the caller then copies in userspace.
     pub fn pair(
         &self,
         key: SockKey,
+        accepted: &impl AsFd,
         server: &(impl AsRawFd + AsFd),
         copied: u64,
-    ) -> Result<Arc<Pair>, DatapathError> {
+    ) -> Result<Option<Arc<Pair>>, DatapathError> {
+        if !self.splice {
+            return Ok(None);
+        }
+        let Some(flow) = self.flow(&key) else {
+            return Ok(None);
+        };
+        // Read after the flow: if this connection was reset before the flow was read, the
+        // check fails here (getpeername answers ENOTCONN once a socket is closed).
+        if socket2::SockRef::from(accepted).peer_addr().is_err() {
+            return Ok(None);
+        }
         let limit = credit::size_server_socket(server, self.max_buffered);
-        let pair = Arc::new(Pair::new(key, server.as_raw_fd(), limit, copied));
+        let pair = Arc::new(Pair::new(
+            key,
+            server.as_raw_fd(),
+            limit,
+            copied,
+            flow.cookie,
+        ));
         self.maps.servers.insert_pair(&key, server)?;
         self.pairs
             .lock()
@@ -452,7 +479,7 @@ impl Datapath {
             self.unpair(&pair);
             return Err(e);
         }
-        Ok(pair)
+        Ok(Some(pair))
     }
 
     /// Bytes the client sent through the normal path (`FlowState::passed`) and redirected.
@@ -461,13 +488,18 @@ impl Datapath {
     }
 
     /// Take a pair out of the maps: sends take the copy path from now on. The server socket is
-    /// removed from the sockhash before lb closes it.
+    /// removed from the sockhash before lb closes it. A pair whose tuple a newer connection
+    /// paired since (the client reused it) leaves that connection's entries alone: pairing
+    /// replaced its own.
     pub fn unpair(&self, pair: &Pair) {
         pair.stop();
         let key = pair.key();
-        self.maps.pairs.remove(&key);
-        self.maps.servers.remove(&key);
-        self.pairs.lock().expect("poisoned").remove(&key);
+        let mut pairs = self.pairs.lock().expect("poisoned");
+        if pairs.get(&key).is_some_and(|p| std::ptr::eq(&**p, pair)) {
+            self.maps.pairs.remove(&key);
+            self.maps.servers.remove(&key);
+            pairs.remove(&key);
+        }
     }
 
     /// Splice counters of balancer `id`, summed over CPUs.
@@ -478,6 +510,18 @@ impl Datapath {
         }
         out
     }
+}
+
+/// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it
+/// (see [`probe::probe_kernel_reads`]); `None`, with a warning naming why, turns the splice off:
+/// the program could then neither count the bytes a client sent the normal way exactly nor see
+/// a kTLS socket, so redirecting would risk reordered bytes or plaintext on the wire.
+fn kernel_reads() -> Option<btf::SockOffsets> {
+    probe::probe_kernel_reads()
+        .inspect_err(|why| {
+            warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
+        })
+        .ok()
 }
 
 /// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing

@@ -227,13 +227,14 @@ pub(super) fn probe_connect() -> Result<(), DatapathError> {
     Ok(())
 }
 
-/// What the past-credit redirect of blocking clients needs beyond the splice itself: the helpers
+/// What the sk_msg program needs to read the client's socket (the splice's byte count and its
+/// upper layer protocol check, and the past-credit redirect of blocking clients): the helpers
 /// `bpf_skc_to_tcp_sock` and `bpf_probe_read_kernel` in sk_msg (`CAP_PERFMON`, no lockdown) and
 /// the kernel's BTF for the struct offsets.
 ///
 /// # Errors
 /// The first thing missing: [`DatapathError::BlockingHelper`] or [`DatapathError::Btf`].
-pub(super) fn probe_blocking_splice() -> Result<SockOffsets, DatapathError> {
+pub(super) fn probe_kernel_reads() -> Result<SockOffsets, DatapathError> {
     use aya::{programs::ProgramType, sys};
     use sys::BpfHelper as H;
     for (helper, name) in [

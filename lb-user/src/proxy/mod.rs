@@ -229,6 +229,7 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         local,
         pair: OnceLock::new(),
         tried: AtomicBool::new(true),
+        client: &client,
         server: &server,
         dp: ctx.datapath.as_deref(),
         ctx: &ctx,
@@ -349,6 +350,8 @@ struct Splice<'a> {
     pair: OnceLock<Arc<Pair>>,
     /// Pairing was tried (or is not to be): never again.
     tried: AtomicBool,
+    /// lb's socket of the client.
+    client: &'a TcpStream,
     server: &'a TcpStream,
     dp: Option<&'a Datapath>,
     ctx: &'a ProxyCtx,
@@ -370,11 +373,15 @@ impl Splice<'_> {
         let Some(key) = self.local.and_then(|local| dp.client_key(self.peer, local)) else {
             return false;
         };
-        match dp.pair(key, self.server, copied) {
-            Ok(p) => {
+        match dp.pair(key, self.client, self.server, copied) {
+            Ok(Some(p)) => {
                 let _ = self.pair.set(p);
                 spliced_gauge(self.ctx, self.balancer).inc();
                 true
+            }
+            Ok(None) => {
+                debug!(client = %self.peer, "not paired (the client is gone, or the kernel splice is off); copying in userspace");
+                false
             }
             Err(e) => {
                 warn!(error = %e, "cannot pair; copying in userspace");
@@ -621,6 +628,7 @@ mod tests {
                 local: None,
                 pair: OnceLock::new(),
                 tried: AtomicBool::new(true),
+                client: &client,
                 server: &server,
                 dp: None,
                 ctx: &ctx,

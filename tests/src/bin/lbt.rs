@@ -26,6 +26,9 @@ use std::{
 };
 
 use clap::{Parser, Subcommand};
+
+#[path = "lbt/edge.rs"]
+mod edge;
 use lb_tests::{Digest, PatternStream};
 use serde_json::json;
 
@@ -142,6 +145,9 @@ enum Action {
         #[arg(long, default_value_t = 64)]
         size: usize,
     },
+    /// Clients at the splice's edges (tuple reuse, kTLS, partial sends): see `lbt/edge.rs`.
+    #[command(flatten)]
+    Edge(edge::EdgeAction),
     /// Open `conns` idle connections (each learns the server's name), print a `ready` event,
     /// then wait until every one is closed or reset and print `all_closed` (or `timeout` after
     /// `max_ms`); each time some end, a `closed` event says how many are still open. Raises its
@@ -606,6 +612,7 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
         Action::Bulk { dir, conns, n } => bulk(addr, &dir, conns, n),
         Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
         Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
+        Action::Edge(edge) => edge::run(addr, edge),
         Action::Peer => {
             let mut s = connect(addr)?;
             let local = s.local_addr()?;
