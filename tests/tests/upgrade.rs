@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within,
-    run_client, skip_unless_root,
+    Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within, run_client,
+    skip_unless_root,
 };
 use serde_json::Value;
 

@@ -127,7 +127,10 @@ impl Setup {
             .as_array()
             .and_then(|v| v.iter().find(|b| b["name"] == name))
             .with_context(|| format!("no balancer {name} in /status: {st}"))?;
-        ensure!(b["forwarding"] == "connect", "{name} is not connect-time: {b}");
+        ensure!(
+            b["forwarding"] == "connect",
+            "{name} is not connect-time: {b}"
+        );
         Ok(b["servers"][0]["connections"].as_u64().unwrap_or(0))
     }
 
@@ -135,7 +138,10 @@ impl Setup {
     fn hold(&self, i: usize) -> Result<Holder> {
         let h = Holder::start(&self.place(), self.listen[i], 0, 600_000)?;
         let ev = h.wait_for("connected", Duration::from_secs(10))?;
-        ensure!(ev["server"] == format!("s{i}").as_str(), "listener {i}: {ev}");
+        ensure!(
+            ev["server"] == format!("s{i}").as_str(),
+            "listener {i}: {ev}"
+        );
         Ok(h)
     }
 }
@@ -218,7 +224,10 @@ fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
         );
     }
     let counts = (s.connections("a")?, s.connections("b")?);
-    ensure!(counts == (1, 1), "counts (a, b) after the failed upgrade: {counts:?}");
+    ensure!(
+        counts == (1, 1),
+        "counts (a, b) after the failed upgrade: {counts:?}"
+    );
     untouched(&held[0], "a's connection")?;
     untouched(&held[1], "b's connection")
 }
@@ -276,8 +285,10 @@ fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
     lb.wait_settled()?;
     // The old lb's checks reach the server.
     let c = passive_opens(&hosts[0])?;
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(passive_opens(&hosts[0])? > c + 3))
-        .context("the old lb does not check every 20 ms")?;
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(passive_opens(&hosts[0])? > c + 3)
+    })
+    .context("the old lb does not check every 20 ms")?;
     std::fs::write(
         &path,
         with_listen(text("kind = \"tcp\"\ninterval = \"20ms\"\nloop = false")),
