@@ -14,8 +14,13 @@
 //!    of its copy loop; a client still being dialed goes over undialed.
 //! 3. Conns (sockets, unwritten bytes, counts) in batches, then State (servers' states and
 //!    counters, taken after the freeze so nothing moves afterwards).
-//! 4. The new process answers Done, starts accepting and serving, and this one exits 0 without
-//!    closing anything (the sockets, maps and links live on in the new process).
+//! 4. The new process answers Done. This one stops everything that changes its balancers or
+//!    writes the kernel's maps (health checks, discovery, connect-time table sync) and the
+//!    readers of the kernel's rings, says Stopped, and exits 0 without closing anything (the
+//!    sockets, maps and links live on in the new process). Only then does the new process
+//!    write its listener maps (keeping this one's balancer ids, see `daemon::ids`) and start
+//!    accepting, checking and reading the rings: no ring event is read twice and no table is
+//!    written by both.
 //!
 //! Any failure before Done (the binary does not start or exits, no answer within
 //! [`STEP_TIMEOUT`], Refused, a broken socket) kills the new process if it still runs, and this
@@ -51,6 +56,10 @@ use crate::{
 /// Bound on each step of the hand-over: the new process connecting, answering Hello, and
 /// answering the connections.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bound on the old process stopping its background work after Done (a check or a ring batch
+/// in flight); the new one waits this long and a second more for Stopped.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Connections per Conns frame (two descriptors each).
 const CONNS_PER_FRAME: usize = handover::MAX_FDS_PER_FRAME / 2;
@@ -292,6 +301,10 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
             child.release();
             // The new process holds the sockets now: closing our descriptors ends nothing.
             drop(frozen);
+            stop_background(d, rt);
+            if let Err(e) = handover::send(&sock, &Message::Stopped, &[], &[]) {
+                warn!(error = %e, "upgrade: cannot tell the new lb this one stopped; it starts after a timeout");
+            }
             Ok(Upgraded {
                 old_pid: std::process::id(),
                 new_pid,
@@ -311,6 +324,36 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
             resume(d, rt, frozen, &stopped);
             Err(why)
         }
+    }
+}
+
+/// After Done: end every task that changes balancers or writes the kernel's maps (health
+/// loops and the checks they run, discovery, connect-time table sync), the heartbeat and the
+/// readers of the kernel's rings, before the new process starts its own. Bounded by
+/// [`STOP_TIMEOUT`]; what still runs then is logged.
+fn stop_background(d: &Daemon, rt: &tokio::runtime::Handle) {
+    let began = Instant::now();
+    d.background.cancel();
+    d.tasks.close();
+    let tasks_ended = rt.block_on(async {
+        tokio::time::timeout(STOP_TIMEOUT, d.tasks.wait())
+            .await
+            .is_ok()
+    });
+    let left = STOP_TIMEOUT.saturating_sub(began.elapsed());
+    let readers_ended = d.datapath.as_ref().is_none_or(|dp| dp.wait_readers(left));
+    if tasks_ended && readers_ended {
+        info!(
+            ms = millis(began.elapsed()),
+            "upgrade: stopped checks, table sync and ring readers"
+        );
+    } else {
+        warn!(
+            tasks_ended,
+            readers_ended,
+            "upgrade: background work still running {} s after Done",
+            STOP_TIMEOUT.as_secs()
+        );
     }
 }
 
@@ -413,6 +456,12 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
                 .map(|b| (b.name.clone(), cfg.forwarding_of(b).to_string()))
                 .collect()
         },
+        balancer_ids: d
+            .balancers
+            .load()
+            .iter()
+            .map(|b| (b.name.clone(), b.id))
+            .collect(),
     };
     Ok((hello, fds))
 }

@@ -152,6 +152,8 @@ pub struct Datapath {
     refresh: Mutex<Option<maps::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
     events: Mutex<Option<maps::EventRing>>,
+    /// The ring reader threads started, to wait for their end (see [`Datapath::wait_readers`]).
+    readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
     ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
@@ -312,6 +314,7 @@ impl Datapath {
             maps,
             refresh: Mutex::new(Some(ring)),
             events: Mutex::new(Some(events)),
+            readers: Mutex::new(Vec::new()),
             ignored: Mutex::new(HashMap::new()),
             kernel_log: Mutex::new(kernel_log),
             pairs: Mutex::new(HashMap::new()),
@@ -508,19 +511,58 @@ fn attach_connect(
     Ok(links)
 }
 
-/// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
-/// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an empty
-/// one). The credit refresher and the passive-event reader share it.
-///
-/// # Errors
-/// The thread could not be spawned.
-fn spawn_ring_reader<R, T>(
+impl Datapath {
+    /// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
+    /// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an
+    /// empty one). The credit refresher and the passive-event reader share it; the thread is
+    /// kept for [`Datapath::wait_readers`].
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    fn spawn_ring_reader<R, T>(
+        &self,
+        name: &str,
+        cancel: tokio_util::sync::CancellationToken,
+        ring: R,
+        next: fn(&mut R) -> Option<T>,
+        handle: impl FnMut(Vec<T>) + Send + 'static,
+    ) -> std::io::Result<()>
+    where
+        R: std::os::fd::AsFd + Send + 'static,
+        T: 'static,
+    {
+        let thread = ring_reader(name, cancel, ring, next, handle)?;
+        self.readers.lock().expect("poisoned").push(thread);
+        Ok(())
+    }
+
+    /// Wait until every ring reader thread has ended (their cancel token fired), at most
+    /// `within` (a reader ends within 100 ms of it plus the batch it is handling). Returns
+    /// whether they all did.
+    pub fn wait_readers(&self, within: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + within;
+        let mut readers = self.readers.lock().expect("poisoned");
+        while readers.iter().any(|t| !t.is_finished()) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for t in readers.drain(..) {
+            let _ = t.join();
+        }
+        true
+    }
+}
+
+/// The thread of [`Datapath::spawn_ring_reader`].
+fn ring_reader<R, T>(
     name: &str,
     cancel: tokio_util::sync::CancellationToken,
     mut ring: R,
     next: fn(&mut R) -> Option<T>,
     mut handle: impl FnMut(Vec<T>) + Send + 'static,
-) -> std::io::Result<()>
+) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     R: std::os::fd::AsFd + Send + 'static,
     T: 'static,
@@ -544,8 +586,7 @@ where
                     handle(batch);
                 }
             }
-        })?;
-    Ok(())
+        })
 }
 
 #[cfg(test)]
