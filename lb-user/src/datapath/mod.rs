@@ -152,8 +152,9 @@ pub struct Datapath {
     refresh: Mutex<Option<maps::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
     events: Mutex<Option<maps::EventRing>>,
-    /// The ring reader threads started, to wait for their end (see [`Datapath::wait_readers`]).
-    readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The ring reader threads started, to wake and wait for at their end (see
+    /// [`Datapath::wait_readers`]).
+    readers: Mutex<Vec<Reader>>,
     /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
     ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
@@ -531,28 +532,43 @@ impl Datapath {
         R: std::os::fd::AsFd + Send + 'static,
         T: 'static,
     {
-        let thread = ring_reader(name, cancel, ring, next, handle)?;
-        self.readers.lock().expect("poisoned").push(thread);
+        let (wake, woken) = std::os::unix::net::UnixStream::pair()?;
+        let thread = ring_reader(name, cancel, ring, woken, next, handle)?;
+        self.readers
+            .lock()
+            .expect("poisoned")
+            .push(Reader { thread, wake });
         Ok(())
     }
 
-    /// Wait until every ring reader thread has ended (their cancel token fired), at most
-    /// `within` (a reader ends within 100 ms of it plus the batch it is handling). Returns
-    /// whether they all did.
+    /// Once the ring readers' cancel token fired: wake every reader thread, so it sees it at
+    /// once (ending without reading another record), and wait until they all ended, at most
+    /// `within` (a batch being handled finishes first). Returns whether they all did.
     pub fn wait_readers(&self, within: std::time::Duration) -> bool {
+        use std::io::Write as _;
         let deadline = std::time::Instant::now() + within;
         let mut readers = self.readers.lock().expect("poisoned");
-        while readers.iter().any(|t| !t.is_finished()) {
+        for r in readers.iter() {
+            let _ = (&r.wake).write_all(&[1]);
+        }
+        while readers.iter().any(|r| !r.thread.is_finished()) {
             if std::time::Instant::now() >= deadline {
                 return false;
             }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        for t in readers.drain(..) {
-            let _ = t.join();
+        for r in readers.drain(..) {
+            let _ = r.thread.join();
         }
         true
     }
+}
+
+/// A ring reader thread and the socket that wakes it.
+struct Reader {
+    thread: std::thread::JoinHandle<()>,
+    /// A byte written here makes the thread's poll return.
+    wake: std::os::unix::net::UnixStream,
 }
 
 /// The thread of [`Datapath::spawn_ring_reader`].
@@ -560,6 +576,7 @@ fn ring_reader<R, T>(
     name: &str,
     cancel: tokio_util::sync::CancellationToken,
     mut ring: R,
+    woken: std::os::unix::net::UnixStream,
     next: fn(&mut R) -> Option<T>,
     mut handle: impl FnMut(Vec<T>) + Send + 'static,
 ) -> std::io::Result<std::thread::JoinHandle<()>>
@@ -571,12 +588,17 @@ where
         .name(name.into())
         .spawn(move || {
             while !cancel.is_cancelled() {
-                let mut fds = [nix::poll::PollFd::new(
-                    ring.as_fd(),
-                    nix::poll::PollFlags::POLLIN,
-                )];
+                let mut fds = [
+                    nix::poll::PollFd::new(ring.as_fd(), nix::poll::PollFlags::POLLIN),
+                    nix::poll::PollFd::new(woken.as_fd(), nix::poll::PollFlags::POLLIN),
+                ];
                 if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
                     continue;
+                }
+                // Cancelled while waiting (a hand-over): what is in the ring is the next
+                // process's to read.
+                if cancel.is_cancelled() {
+                    break;
                 }
                 let mut batch = Vec::new();
                 while let Some(record) = next(&mut ring) {
