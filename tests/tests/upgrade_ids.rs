@@ -21,15 +21,18 @@ fn skip(name: &str) -> bool {
     skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
 }
 
-/// One balancer of a config: name, listener, server, and its `[balancer.health]` lines.
+/// One balancer of a config: name, listener, server, its own lines (such as `forwarding`) and
+/// its `[balancer.health]` lines.
 struct Balancer<'a> {
     name: &'a str,
     listen: SocketAddr,
     server: SocketAddr,
+    extra: &'a str,
     health: &'a str,
 }
 
-/// A connect-time config for `cgroup` with `balancers` in this order.
+/// A config for `cgroup` (forwarding `connect` unless a balancer says otherwise) with
+/// `balancers` in this order.
 fn config(cgroup: &std::path::Path, balancers: &[Balancer<'_>]) -> String {
     let mut text = format!(
         "[datapath]\nmode = \"bpf\"\ncgroup = \"{}\"\nforwarding = \"connect\"\n",
@@ -37,41 +40,86 @@ fn config(cgroup: &std::path::Path, balancers: &[Balancer<'_>]) -> String {
     );
     for b in balancers {
         text.push_str(&format!(
-            "\n[[balancer]]\nname = \"{}\"\nlisten = [\"{}\"]\nservers = [\"{}\"]\n\n\
+            "\n[[balancer]]\nname = \"{}\"\nlisten = [\"{}\"]\nservers = [\"{}\"]\n{}\n\n\
              [balancer.health]\n{}\n",
-            b.name, b.listen, b.server, b.health
+            b.name, b.listen, b.server, b.extra, b.health
         ));
     }
     text
 }
 
-/// Two connect-time balancers, `a` in front of host `s0` and `b` in front of `s1`, each on a
+/// The config of `layout`: `a` serves `s0`, `b` serves `s1` (with `b_forwarding`), both
+/// checked every second over TCP.
+fn text(
+    cg: &TestCgroup,
+    hosts: &[Host],
+    listen: [SocketAddr; 2],
+    b_forwarding: &str,
+    layout: Layout,
+) -> String {
+    let swap = usize::from(layout.listeners_swapped);
+    let balancers: Vec<Balancer<'_>> = layout
+        .order
+        .iter()
+        .map(|name| {
+            let i = usize::from(*name == "b");
+            Balancer {
+                name,
+                listen: listen[i ^ swap],
+                server: hosts[i].addr(9000),
+                extra: if i == 1 { b_forwarding } else { "" },
+                health: "kind = \"tcp\"\ninterval = \"1s\"",
+            }
+        })
+        .collect();
+    config(&cg.path, &balancers)
+}
+
+/// How a [`Setup`]'s config lays its two balancers out.
+#[derive(Clone, Copy)]
+struct Layout {
+    /// Balancer names in config order.
+    order: [&'static str; 2],
+    /// `a` listens on `listen[1]` and `b` on `listen[0]` (else the other way round).
+    listeners_swapped: bool,
+}
+
+/// `a` then `b`, `a` on `listen[0]`.
+const FIRST: Layout = Layout {
+    order: ["a", "b"],
+    listeners_swapped: false,
+};
+
+/// Two balancers, `a` (connect-time) in front of host `s0` and `b` in front of `s1`, each on a
 /// loopback port of its own, behind an lb whose config file the test rewrites.
 struct Setup {
     hosts: Vec<Host>,
     cg: TestCgroup,
-    /// `a`'s and `b`'s listeners.
+    /// Two loopback listeners, `a`'s and `b`'s at first.
     listen: [SocketAddr; 2],
+    /// `b`'s `forwarding` line (empty: connect-time, as `a`).
+    b_forwarding: &'static str,
     /// Holds the config file; removed on drop.
     dir: TempDir,
     lb: UpLb,
 }
 
 impl Setup {
-    /// lb with `a` then `b` in its config and `env` added to its environment; returns once
-    /// each listener's clients reach its own server.
-    fn new(env: &[(&str, &str)]) -> Result<Setup> {
+    /// lb with the [`FIRST`] layout, `b_forwarding` in `b`'s table and `env` added to its
+    /// environment; returns once each listener's clients reach its own balancer's server.
+    fn new(env: &[(&str, &str)], b_forwarding: &'static str) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
         let cg = TestCgroup::new()?;
         let listen = [free_port()?, free_port()?].map(|p| SocketAddr::from(([127, 0, 0, 1], p)));
         let dir = TempDir::new("lb-upgrade-ids")?;
         let path = dir.join("lb.toml");
-        std::fs::write(&path, Setup::text(&cg, &hosts, listen, ["a", "b"]))?;
+        std::fs::write(&path, text(&cg, &hosts, listen, b_forwarding, FIRST))?;
         let lb = UpLb::start(&["--config", &path.display().to_string()], env)?;
         let s = Setup {
             hosts,
             cg,
             listen,
+            b_forwarding,
             dir,
             lb,
         };
@@ -85,26 +133,15 @@ impl Setup {
         Ok(s)
     }
 
-    /// The config with the balancers in `order` (`a` serves `s0` on `listen[0]`, `b` `s1` on
-    /// `listen[1]`), checked every second over TCP.
-    fn text(cg: &TestCgroup, hosts: &[Host], listen: [SocketAddr; 2], order: [&str; 2]) -> String {
-        let all = [("a", 0), ("b", 1)];
-        let balancers: Vec<Balancer<'_>> = order
-            .iter()
-            .filter_map(|name| all.iter().find(|(n, _)| n == name))
-            .map(|(name, i)| Balancer {
-                name,
-                listen: listen[*i],
-                server: hosts[*i].addr(9000),
-                health: "kind = \"tcp\"\ninterval = \"1s\"",
-            })
-            .collect();
-        config(&cg.path, &balancers)
-    }
-
-    /// Rewrite the config with the balancers in `order`.
-    fn write(&self, order: [&str; 2]) -> Result<()> {
-        let text = Setup::text(&self.cg, &self.hosts, self.listen, order);
+    /// Rewrite the config with `layout`.
+    fn write(&self, layout: Layout) -> Result<()> {
+        let text = text(
+            &self.cg,
+            &self.hosts,
+            self.listen,
+            self.b_forwarding,
+            layout,
+        );
         std::fs::write(self.dir.join("lb.toml"), text)?;
         Ok(())
     }
@@ -115,9 +152,18 @@ impl Setup {
 
     /// The server (`s0`, `s1`) a new client of listener `i` reaches.
     fn reaches(&self, i: usize) -> Result<String> {
+        Ok(self.peer(i)?.0)
+    }
+
+    /// The server a new client of listener `i` reaches, and whether it reaches it directly
+    /// (the server sees the client's own socket: the connect programs rewrote its connect).
+    fn peer(&self, i: usize) -> Result<(String, bool)> {
         let v = run_client(&self.place(), self.listen[i], &["peer"], T)?;
         ensure!(v["ok"] == true, "peer client of listener {i} failed: {v}");
-        Ok(v["server"].as_str().unwrap_or_default().to_string())
+        Ok((
+            v["server"].as_str().unwrap_or_default().to_string(),
+            v["server_sees"] == v["local"],
+        ))
     }
 
     /// Established connect-time connections of balancer `name`'s only server, from `/status`.
@@ -162,12 +208,15 @@ fn upgrade_with_balancers_swapped_keeps_their_ids() -> Result<()> {
     if skip("upgrade_with_balancers_swapped_keeps_their_ids") {
         return Ok(());
     }
-    let mut s = Setup::new(&[])?;
+    let mut s = Setup::new(&[], "")?;
     let held = [s.hold(0)?, s.hold(1)?];
     lb_tests::wait_until(Duration::from_secs(5), || {
         Ok(s.connections("a")? == 1 && s.connections("b")? == 1)
     })?;
-    s.write(["b", "a"])?;
+    s.write(Layout {
+        order: ["b", "a"],
+        listeners_swapped: false,
+    })?;
     s.lb.upgrade_ok()?;
     ensure!(
         s.reaches(0)? == "s0" && s.reaches(1)? == "s1",
@@ -203,10 +252,13 @@ fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
     if skip("upgrade_failing_before_done_leaves_the_listener_maps_alone") {
         return Ok(());
     }
-    let mut s = Setup::new(&[("LB_UPGRADE_FAULT", "before_done")])?;
+    let mut s = Setup::new(&[("LB_UPGRADE_FAULT", "before_done")], "")?;
     let held = [s.hold(0)?, s.hold(1)?];
     let pid = s.lb.pid;
-    s.write(["b", "a"])?;
+    s.write(Layout {
+        order: ["b", "a"],
+        listeners_swapped: false,
+    })?;
     let out = s.lb.upgrade()?;
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     ensure!(
@@ -230,6 +282,35 @@ fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
     );
     untouched(&held[0], "a's connection")?;
     untouched(&held[1], "b's connection")
+}
+
+/// An upgrade that swaps the listeners of a connect-time balancer `a` and a splice one `b`
+/// (names and forwarding kept): the listener `b` takes is no longer rewritten by the connect
+/// programs (its clients go through lb to `b`'s server), the one `a` takes is.
+#[test]
+fn upgrade_moving_listeners_rewrites_only_connect_time_ones() -> Result<()> {
+    if skip("upgrade_moving_listeners_rewrites_only_connect_time_ones") {
+        return Ok(());
+    }
+    let mut s = Setup::new(&[], "forwarding = \"splice\"")?;
+    let before = [s.peer(0)?, s.peer(1)?];
+    let want = [("s0".to_string(), true), ("s1".to_string(), false)];
+    ensure!(
+        before == want,
+        "before the upgrade (server, direct): {before:?}"
+    );
+    s.write(Layout {
+        order: ["a", "b"],
+        listeners_swapped: true,
+    })?;
+    s.lb.upgrade_ok()?;
+    let after = [s.peer(0)?, s.peer(1)?];
+    ensure!(
+        after == [want[1].clone(), want[0].clone()],
+        "after swapping the listeners (server, direct) per listener: {after:?}\n{}",
+        s.lb.log_text()
+    );
+    Ok(())
 }
 
 /// `TcpPassiveOpens` of host `h`'s network namespace: connections its servers accepted.
@@ -271,6 +352,7 @@ fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
                 name: "a",
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                 server: hosts[0].addr(9000),
+                extra: "",
                 health,
             }],
         )
