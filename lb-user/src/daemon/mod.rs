@@ -663,9 +663,10 @@ impl Daemon {
         Ok(daemon)
     }
 
-    /// Tell the kernel programs which listener belongs to which balancer id (and which of them
-    /// are connect-time). A fresh lb does it at start; a new lb taking over once the old one
-    /// let go (`Stopped`), so a failed hand-over leaves the old one's maps as they were.
+    /// Tell the kernel programs which listener belongs to which balancer id, and which of them
+    /// are connect-time (a listener that moved to a splice balancer in an upgrade is taken out
+    /// of the connect-time map). A fresh lb does it at start; a new lb taking over once the old
+    /// one let go (`Stopped`), so a failed hand-over leaves the old one's maps as they were.
     ///
     /// # Errors
     /// A map write failed (named with the listener).
@@ -684,6 +685,8 @@ impl Daemon {
                 if connect {
                     dp.add_connect_listener(*addr, b.id)
                         .with_context(|| format!("registering connect-time listener {addr}"))?;
+                } else {
+                    dp.remove_connect_listener(*addr);
                 }
             }
         }

@@ -342,6 +342,15 @@ impl Datapath {
             .insert(&maps::listener_key(addr), id)
     }
 
+    /// Tell the connect programs that `addr` is not a connect-time listener (any more): its
+    /// connects reach it unrewritten. Absent is fine.
+    pub fn remove_connect_listener(&self, addr: SocketAddr) {
+        self.maps
+            .connect
+            .listeners
+            .remove(&maps::listener_key(addr));
+    }
+
     /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
     /// [`MAX_CONNECT_SERVERS`] are kept). An empty list stops rewriting: connects then reach
     /// the listener.
