@@ -27,7 +27,8 @@ use serde::{Deserialize, Serialize};
 /// old process keeps serving. Bump it whenever a message, the meaning of a field, or the kernel
 /// map contract (`lb-common`) changes: the new process adopts the old one's maps and programs.
 ///
-/// Version 2: [`Hello::balancer_ids`] and [`Message::Stopped`].
+/// Version 2: [`Hello::balancer_ids`], [`Hello::retired_balancer_ids`] and
+/// [`Message::Stopped`].
 pub const VERSION: u32 = 2;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
@@ -89,6 +90,10 @@ pub struct Hello {
     /// parses and is refused by its version).
     #[serde(default)]
     pub balancer_ids: Vec<(String, u32)>,
+    /// Ids of balancers that earlier upgrades dropped: the new process never gives them again
+    /// (their sockets may still be in the kernel's records), nor do its successors.
+    #[serde(default)]
+    pub retired_balancer_ids: Vec<u32>,
 }
 
 /// The kernel data path as handed over: maps and cgroup links by descriptor.

@@ -88,7 +88,8 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     })?;
     compatible(&cfg, &hello).map_err(refuse)?;
     let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
-    let ids = ids::carried_over(&names, &hello.balancer_ids).map_err(|e| refuse(e.to_string()))?;
+    let ids = ids::carried_over(&names, &hello.balancer_ids, &hello.retired_balancer_ids)
+        .map_err(|e| refuse(e.to_string()))?;
     info!(from_pid = hello.pid, from_version = %hello.lb_version, "taking over from the running lb");
     let mut fds: HashMap<usize, OwnedFd> = fds.into_iter().enumerate().collect();
     let mut take = |i: usize| {

@@ -39,6 +39,8 @@ pub struct Daemon {
     overrides: Overrides,
     /// Balancers, in config order.
     balancers: ArcSwap<Vec<Arc<Balancer>>>,
+    /// Balancer ids earlier upgrades retired (see [`ids`]); handed on to the next lb.
+    retired_ids: Vec<u32>,
     datapath: Option<Arc<Datapath>>,
     datapath_mode: DatapathMode,
     /// Why `auto` fell back to userspace, if it did.
@@ -79,9 +81,8 @@ pub struct Takeover {
     pub datapath: Option<Datapath>,
     /// Its listening sockets by address; these are served, never bound again.
     pub listeners: std::collections::HashMap<SocketAddr, std::os::fd::OwnedFd>,
-    /// Each balancer's id by name, the old process's where it had the balancer (see
-    /// [`ids::carried_over`]).
-    pub ids: std::collections::HashMap<String, u32>,
+    /// Each balancer's id and the retired ones (see [`ids::carried_over`]).
+    pub ids: ids::Assigned,
     /// Fired when the old process let go: only then does this one accept, check, and write
     /// the kernel's tables. Its listener maps are written before, with
     /// [`Daemon::register_listeners`].
@@ -422,7 +423,7 @@ impl Daemon {
                 )
             }
         };
-        let id_of = |name: &str| ids.get(name).copied().unwrap_or_default();
+        let id_of = |name: &str| ids.ids.get(name).copied().unwrap_or_default();
         let taking_over = adopted.is_some();
         let (datapath, datapath_mode, datapath_fallback) = match adopted {
             Some(Some(dp)) => (Some(Arc::new(dp)), DatapathMode::Bpf, None),
@@ -509,6 +510,7 @@ impl Daemon {
             config_path,
             overrides,
             balancers: ArcSwap::from_pointee(balancers.clone()),
+            retired_ids: ids.retired.clone(),
             datapath,
             datapath_mode,
             datapath_fallback,

@@ -462,6 +462,7 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
             .iter()
             .map(|b| (b.name.clone(), b.id))
             .collect(),
+        retired_balancer_ids: d.retired_ids.clone(),
     };
     Ok((hello, fds))
 }
