@@ -2,6 +2,7 @@
 //! keeps the control loop's heartbeat, reloads on SIGHUP ([`reload`]) and drains on SIGTERM.
 //! The admin API sees it only through a [`Handle`].
 
+mod adopt;
 pub mod ids;
 pub mod reload;
 pub mod upgrade;
