@@ -1,7 +1,8 @@
 //! The hand-over between a running lb and the lb that replaces it (`lb upgrade`, `SIGUSR2`):
 //! the versioned messages, their framing over a unix stream socket with descriptors passed by
 //! `SCM_RIGHTS`, and the descriptors a process inherited or must be able to give away (its
-//! listening sockets). The procedure itself lives in `daemon::upgrade`.
+//! listening sockets). The procedure itself lives in `daemon::upgrade` (old process) and
+//! `cli::takeover` (new process).
 //!
 //! One frame is a 12-byte header (JSON length, raw length, descriptor count, each a
 //! little-endian `u32`) sent with its descriptors in one `sendmsg`, then the JSON message, then
@@ -25,6 +26,9 @@ use serde::{Deserialize, Serialize};
 /// The hand-over protocol version. A process refuses a hand-over from another version, and the
 /// old process keeps serving. Bump it whenever a message, the meaning of a field, or the kernel
 /// map contract (`lb-common`) changes: the new process adopts the old one's maps and programs.
+///
+/// Version 2: [`Hello::balancer_ids`], [`Hello::retired_balancer_ids`], [`Message::Stopped`],
+/// and the splice map layout in which `FlowState` and `PairCtl` carry the client socket's cookie.
 pub const VERSION: u32 = 2;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
@@ -79,6 +83,17 @@ pub struct Hello {
     /// balancer name: an upgrade cannot change it (the connect-time programs and tables belong
     /// to the running data path).
     pub forwarding: Vec<(String, String)>,
+    /// Each of the old process's balancers' id, by name: the key of its entries in the kernel's
+    /// maps (listeners, connect-time tables, counts and socket records, splice counters). The
+    /// new process keeps them, whatever the order of its config, and gives a balancer the old
+    /// process lacks an id none of them has. Absent from version 1 (so that its Hello still
+    /// parses and is refused by its version).
+    #[serde(default)]
+    pub balancer_ids: Vec<(String, u32)>,
+    /// Ids of balancers that earlier upgrades dropped: the new process never gives them again
+    /// (their sockets may still be in the kernel's records), nor do its successors.
+    #[serde(default)]
+    pub retired_balancer_ids: Vec<u32>,
 }
 
 /// The kernel data path as handed over: maps and cgroup links by descriptor.
@@ -202,11 +217,15 @@ pub enum Message {
         /// Whether the first round of checks had finished.
         first_checks_done: bool,
     },
-    /// new → old: everything taken; the old process exits.
+    /// new → old: everything taken; the old process stops its background work and exits.
     Done {
         /// Connections adopted.
         conns: usize,
     },
+    /// old → new, the last message: after Done the old process stopped every task that
+    /// changes balancers or writes the kernel's maps (health checks, discovery, connect-time
+    /// table sync) and every reader of the kernel's rings; the new process may start its own.
+    Stopped,
 }
 
 impl Message {
@@ -218,6 +237,7 @@ impl Message {
             Message::Conns { .. } => "conns",
             Message::State { .. } => "state",
             Message::Done { .. } => "done",
+            Message::Stopped => "stopped",
         }
     }
 
@@ -450,6 +470,20 @@ mod tests {
         assert!(matches!(f.message, Message::Done { conns: 3 }));
         drop(a);
         assert!(matches!(recv(&b), Err(HandoverError::Closed)));
+    }
+
+    /// A version 1 Hello (no balancer ids) still parses, so the new process can refuse it by
+    /// its version, naming both.
+    #[test]
+    fn version_1_hello_parses_for_its_refusal() {
+        let v1 = r#"{"type":"hello","version":1,"pid":7,"lb_version":"0.1.0","listeners":[],
+            "admin_tcp":null,"admin_unix":null,"datapath":null,"forwarding":[]}"#;
+        let Message::Hello(h) = serde_json::from_str(v1).unwrap() else {
+            panic!("not a Hello");
+        };
+        assert_eq!(h.version, 1);
+        assert_ne!(h.version, VERSION);
+        assert!(h.balancer_ids.is_empty());
     }
 
     #[test]

@@ -401,9 +401,15 @@ impl Scheduler {
                         let balancer = self.balancer.clone();
                         let spec = st.address.clone();
                         let tx = done_tx.clone();
+                        let cancel = cancel.clone();
                         self.shared.tasks.spawn(async move {
                             let started = Instant::now();
-                            service.check_and_record(&balancer, &spec).await;
+                            // A check still running when the loop is cancelled (shutdown, a
+                            // hand-over) is dropped and records nothing.
+                            tokio::select! {
+                                () = cancel.cancelled() => return,
+                                _ = service.check_and_record(&balancer, &spec) => {}
+                            }
                             let _ = tx.send((spec, started));
                         });
                     } else {

@@ -1,8 +1,8 @@
 //! Test support for lb's privileged integration tests and the benchmark: test hosts in network
-//! namespaces (198.18.0.0/15 only), a child cgroup for clients, an `lb` process, the `lbt`
-//! client/server, and the servers server discovery is tested against: an etcd cluster with a
-//! supervisor beside each member, and a DNS server whose answers a test changes. Everything
-//! made here is removed on drop, also when a test fails.
+//! namespaces (198.18.0.0/15 only), a child cgroup for clients, an `lb` process (also one
+//! followed across `lb upgrade`), the `lbt` client/server, and the servers server discovery is
+//! tested against: an etcd cluster with a supervisor beside each member, and a DNS server whose
+//! answers a test changes. Everything made here is removed on drop, also when a test fails.
 //!
 //! One module per concern; everything the tests, `lbt` and xtask use is re-exported here.
 
@@ -19,6 +19,7 @@ mod maps;
 mod skip;
 mod stream;
 mod tmp;
+mod upgrading;
 
 pub use cgroup::{TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, placed_command, run_client};
@@ -41,3 +42,4 @@ pub use skip::{
 };
 pub use stream::{Digest, PatternStream};
 pub use tmp::TempDir;
+pub use upgrading::{Answer, UpLb};

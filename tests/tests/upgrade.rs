@@ -7,15 +7,14 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Place, TempDir, TestCgroup, free_port, http_get, lb_bin, output_within,
-    run_client, skip_unless_root,
+    Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within, run_client,
+    skip_unless_root,
 };
 use serde_json::Value;
 
@@ -32,193 +31,6 @@ fn timed() -> bool {
 /// `n` on the host; a sixteenth of it in a TCG guest, which moves bytes many times slower.
 fn scaled(n: u64) -> String {
     if timed() { n } else { (n / 16).max(1) }.to_string()
-}
-
-/// An lb started from its own copy of the binary, followed across upgrades (its pid changes);
-/// the serving process is terminated on drop, whichever it is.
-struct UpLb {
-    dir: TempDir,
-    admin: SocketAddr,
-    log: PathBuf,
-    first: Child,
-    pid: u32,
-}
-
-impl UpLb {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> Result<UpLb> {
-        // Orphaned lbs (the old one exits after a hand-over) come back to this process, which
-        // reaps them.
-        let _ = nix::sys::prctl::set_child_subreaper(true);
-        let dir = TempDir::new("lb-upgrade-test")?;
-        let bin = dir.join("lb");
-        std::fs::copy(lb_bin(), &bin).context("copying lb")?;
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let log = dir.join("lb.log");
-        let logf = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(&bin);
-        cmd.arg("run")
-            .args(args)
-            .args(["--admin-listen", &admin.to_string()])
-            .env("LB_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(logf.try_clone()?)
-            .stderr(logf);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut first = cmd.spawn()?;
-        let pid = first.id();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(st) = first.try_wait()? {
-                bail!("lb exited with {st}: {}", std::fs::read_to_string(&log)?);
-            }
-            if http_get(admin, "/livez").is_ok_and(|(c, _)| c == 200) {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "lb did not answer /livez: {}",
-                    std::fs::read_to_string(&log)?
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(UpLb {
-            dir,
-            admin,
-            log,
-            first,
-            pid,
-        })
-    }
-
-    fn bin(&self) -> PathBuf {
-        self.dir.join("lb")
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Run `lb upgrade` (the CLI of the binary now at lb's path); on success follow the new pid.
-    fn upgrade(&mut self) -> Result<Output> {
-        let mut cmd = Command::new(lb_bin());
-        cmd.args([
-            "upgrade",
-            "--admin",
-            &self.admin.to_string(),
-            "--output",
-            "json",
-        ]);
-        let out = output_within(cmd, Duration::from_secs(120))?;
-        if out.status.success() {
-            let v: Value = serde_json::from_slice(&out.stdout)
-                .with_context(|| format!("lb upgrade printed {:?}", out.stdout))?;
-            let new = u32::try_from(v["new_pid"].as_u64().context("new_pid")?)?;
-            ensure!(v["old_pid"] == self.pid, "upgraded another lb: {v}");
-            ensure!(new != self.pid, "the pid did not change: {v}");
-            println!(
-                "upgrade {} -> {new}: {} connections in {} ms, accepting paused {} ms",
-                self.pid, v["connections"], v["elapsed_ms"], v["accept_pause_ms"]
-            );
-            self.wait_gone(self.pid, Duration::from_secs(10))?;
-            self.pid = new;
-        }
-        Ok(out)
-    }
-
-    /// `lb upgrade` that must succeed.
-    fn upgrade_ok(&mut self) -> Result<Value> {
-        let out = self.upgrade()?;
-        ensure!(
-            out.status.success(),
-            "lb upgrade failed ({}): {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            self.log_text()
-        );
-        Ok(serde_json::from_slice(&out.stdout)?)
-    }
-
-    /// Wait until process `pid` has exited (and reap it when it is our child).
-    fn wait_gone(&mut self, pid: u32, within: Duration) -> Result<()> {
-        let deadline = Instant::now() + within;
-        loop {
-            if pid == self.first.id() {
-                if self.first.try_wait()?.is_some() {
-                    return Ok(());
-                }
-            } else {
-                let p = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
-                let _ = nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
-                if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                    return Ok(());
-                }
-            }
-            if Instant::now() > deadline {
-                bail!("pid {pid} still runs after {within:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn status(&self) -> Result<Value> {
-        let (code, body) = http_get(self.admin, "/status")?;
-        ensure!(code == 200, "/status {code}: {body}");
-        Ok(serde_json::from_str(&body)?)
-    }
-
-    fn metric(&self, name: &str, label: &str) -> f64 {
-        let (_, body) = http_get(self.admin, "/metrics").unwrap_or_default();
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-
-    /// Every server's address, state, connections and consecutive failures.
-    fn servers(&self) -> Result<Vec<(String, String, u64, u64)>> {
-        let st = self.status()?;
-        let mut out = Vec::new();
-        for b in st["balancers"].as_array().context("balancers")? {
-            for s in b["servers"].as_array().context("servers")? {
-                out.push((
-                    format!("{}/{}", b["name"], s["address"]),
-                    s["state"].as_str().unwrap_or_default().to_string(),
-                    s["connections"].as_u64().unwrap_or(0),
-                    s["consecutive_failures"].as_u64().unwrap_or(0),
-                ));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Replace the binary at lb's path as a package manager does (new file, rename).
-    fn replace_binary(&self, content: &[u8]) -> Result<()> {
-        use std::os::unix::fs::PermissionsExt as _;
-        let tmp = self.dir.join("lb.new");
-        std::fs::write(&tmp, content)?;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
-        std::fs::rename(&tmp, self.bin())?;
-        Ok(())
-    }
-}
-
-impl Drop for UpLb {
-    fn drop(&mut self) {
-        let pid = self.pid;
-        if let Ok(p) = i32::try_from(pid).map(nix::unistd::Pid::from_raw) {
-            let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGTERM);
-            if self.wait_gone(pid, Duration::from_secs(5)).is_err() {
-                let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL);
-                let _ = self.wait_gone(pid, Duration::from_secs(5));
-            }
-        }
-        let _ = self.first.kill();
-        let _ = self.first.wait();
-    }
 }
 
 struct Setup {
@@ -311,7 +123,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     let mut streams = Vec::new();
     // 80 echo streams: every byte goes both ways and is compared. Under TCG a round trip
     // takes some 70 times longer (and the holders below start slower too).
@@ -421,16 +233,6 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     Ok(())
 }
 
-fn wait_settled(lb: &UpLb) -> Result<()> {
-    lb_tests::wait_until(Duration::from_secs(20), || {
-        Ok(lb
-            .servers()?
-            .iter()
-            .all(|s| s.1 != "UNCHECKED" && s.1 != "RECOVERING"))
-    })?;
-    Ok(())
-}
-
 /// Clients connecting in a tight loop (a round trip each), spliced and copied, see no refused
 /// or reset connection across two upgrades.
 #[test]
@@ -439,7 +241,7 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     // Long enough for both upgrades, which take seconds each under TCG.
     let loop_ms = if timed() { "6000" } else { "15000" };
     let loops: Vec<_> = [true, false]
@@ -476,7 +278,7 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
     let good = std::fs::read(s.lb.bin())?;
@@ -523,7 +325,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     let good = std::fs::read(s.lb.bin())?;
     // The new "lb" takes 3 s to fail: the first upgrade holds its turn that long.
     s.lb.replace_binary(b"#!/bin/sh\nsleep 3\nexit 3\n")?;
@@ -656,7 +458,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     let bulk = scaled(256 * MIB);
     let stalled = scaled(32 * MIB);
     // Under TCG starting a client takes seconds, so the bulk streams may be over before the
@@ -750,7 +552,7 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
         return Ok(());
     }
     let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
-    wait_settled(&s.lb)?;
+    s.lb.wait_settled()?;
     // Wait for the table (the first dial makes the preferred server ACTIVE).
     std::thread::sleep(Duration::from_millis(500));
     let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
@@ -805,7 +607,7 @@ fn upgrade_back_to_back_admin_follows_and_forwarding_is_kept() -> Result<()> {
         }
     };
     let r = (|| -> Result<()> {
-        wait_settled(&lb)?;
+        lb.wait_settled()?;
         let raw_upgrade = |admin: SocketAddr| -> Result<Value> {
             let mut cmd = Command::new(lb_bin());
             cmd.args(["upgrade", "--admin", &admin.to_string(), "--output", "json"]);

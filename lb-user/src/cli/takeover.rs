@@ -1,7 +1,9 @@
 //! `lb run` started by `lb upgrade`: the new process's side of the hand-over (the old side is
-//! `daemon::upgrade`). It takes the listeners and the kernel data path, builds its balancers,
-//! answers Ready, takes the connections and the states, answers Done, and only then serves.
-//! Before Done it serves nothing, so a failure here leaves the old process in charge, whole.
+//! `daemon::upgrade`). It takes the listeners and the kernel data path, builds its balancers
+//! (with the old process's balancer ids), answers Ready, takes the connections and the states,
+//! answers Done, waits until the old process stopped its checks, table sync and ring readers
+//! (Stopped), and only then writes its listener maps and serves. Before Done it writes and
+//! serves nothing, so a failure here leaves the old process in charge, whole.
 
 use std::{
     collections::HashMap,
@@ -14,12 +16,12 @@ use std::{
 };
 
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use super::RunArgs;
 use crate::{
     config::{Config, DatapathMode},
-    daemon::{Daemon, Takeover},
+    daemon::{Daemon, Takeover, ids, upgrade::STOP_TIMEOUT},
     datapath::Datapath,
     handover::{self, Frame, Hello, ListenerKey, Message, VERSION},
 };
@@ -85,6 +87,9 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
         code: super::EXIT_USAGE,
     })?;
     compatible(&cfg, &hello).map_err(refuse)?;
+    let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
+    let ids = ids::carried_over(&names, &hello.balancer_ids, &hello.retired_balancer_ids)
+        .map_err(|e| refuse(e.to_string()))?;
     info!(from_pid = hello.pid, from_version = %hello.lb_version, "taking over from the running lb");
     let mut fds: HashMap<usize, OwnedFd> = fds.into_iter().enumerate().collect();
     let mut take = |i: usize| {
@@ -139,6 +144,7 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
         let takeover = Takeover {
             datapath,
             listeners,
+            ids,
             go: go.clone(),
         };
         let d = Daemon::start_with(cfg, config_path, overrides, Some(takeover)).await?;
@@ -193,6 +199,10 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     }
     handover::send(sock, &Message::Done { conns: adopted }, &[], &[])
         .map_err(|e| refuse(e.to_string()))?;
+    wait_stopped(sock);
+    if let Err(e) = daemon.register_listeners() {
+        error!(error = %format!("{e:#}"), "cannot write the listener maps: connects to these listeners may reach the wrong balancer until lb restarts");
+    }
     go.cancel();
     // The old admin unix socket this config no longer names: its file goes with the old lb.
     for key in unused {
@@ -203,6 +213,23 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     info!(connections = adopted, "took over: serving");
     super::run::sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
     Ok(super::run::serve(&rt, &daemon))
+}
+
+/// Wait (at most [`STOP_TIMEOUT`] and a second) for the old process to say it stopped its
+/// background work, or to be gone.
+fn wait_stopped(sock: &UnixStream) {
+    let _ = sock.set_read_timeout(Some(STOP_TIMEOUT + std::time::Duration::from_secs(1)));
+    match handover::recv(sock) {
+        Ok(Frame {
+            message: Message::Stopped,
+            ..
+        })
+        | Err(handover::HandoverError::Closed) => {}
+        Ok(f) => {
+            warn!(message = %f.message.unexpected(), "the previous lb sent something else than Stopped; starting")
+        }
+        Err(e) => warn!(error = %e, "the previous lb did not say it stopped; starting"),
+    }
 }
 
 /// What an upgrade cannot change: the listeners, the data path, the cgroup, a balancer's

@@ -2,6 +2,8 @@
 //! keeps the control loop's heartbeat, reloads on SIGHUP ([`reload`]) and drains on SIGTERM.
 //! The admin API sees it only through a [`Handle`].
 
+mod adopt;
+pub mod ids;
 pub mod reload;
 pub mod upgrade;
 
@@ -38,6 +40,8 @@ pub struct Daemon {
     overrides: Overrides,
     /// Balancers, in config order.
     balancers: ArcSwap<Vec<Arc<Balancer>>>,
+    /// Balancer ids earlier upgrades retired (see [`ids`]); handed on to the next lb.
+    retired_ids: Vec<u32>,
     datapath: Option<Arc<Datapath>>,
     datapath_mode: DatapathMode,
     /// Why `auto` fell back to userspace, if it did.
@@ -54,7 +58,11 @@ pub struct Daemon {
     first_checks_done: AtomicBool,
     /// Fired when shutdown starts.
     shutdown: CancellationToken,
-    /// Background tasks (health loops, heartbeat).
+    /// Fired when this process stops its background work: at shutdown (a child of `shutdown`)
+    /// and once it handed over (see [`upgrade`]). Health checks, discovery, the connect-time
+    /// table sync, the kernel's ring readers and the heartbeat end with it.
+    background: CancellationToken,
+    /// Background tasks (health loops and their checks, discovery, table sync, heartbeat).
     tasks: TaskTracker,
     listeners: Mutex<Vec<(SocketAddr, CancellationToken)>>,
     runtime: tokio::runtime::Handle,
@@ -74,8 +82,11 @@ pub struct Takeover {
     pub datapath: Option<Datapath>,
     /// Its listening sockets by address; these are served, never bound again.
     pub listeners: std::collections::HashMap<SocketAddr, std::os::fd::OwnedFd>,
+    /// Each balancer's id and the retired ones (see [`ids::carried_over`]).
+    pub ids: ids::Assigned,
     /// Fired when the old process let go: only then does this one accept, check, and write
-    /// the kernel's tables.
+    /// the kernel's tables. Its listener maps are written before, with
+    /// [`Daemon::register_listeners`].
     pub go: CancellationToken,
 }
 
@@ -429,14 +440,21 @@ impl Daemon {
         overrides: Overrides,
         takeover: Option<Takeover>,
     ) -> anyhow::Result<Arc<Daemon>> {
-        let (go, mut inherited, adopted) = match takeover {
-            Some(t) => (t.go, t.listeners, Some(t.datapath)),
+        let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
+        let (go, mut inherited, adopted, ids) = match takeover {
+            Some(t) => (t.go, t.listeners, Some(t.datapath), t.ids),
             None => {
                 let go = CancellationToken::new();
                 go.cancel();
-                (go, std::collections::HashMap::new(), None)
+                (
+                    go,
+                    std::collections::HashMap::new(),
+                    None,
+                    ids::fresh(&names),
+                )
             }
         };
+        let id_of = |name: &str| ids.ids.get(name).copied().unwrap_or_default();
         let taking_over = adopted.is_some();
         let (datapath, datapath_mode, datapath_fallback) = match adopted {
             Some(Some(dp)) => (Some(Arc::new(dp)), DatapathMode::Bpf, None),
@@ -488,13 +506,12 @@ impl Daemon {
         let connect_ids: std::collections::HashSet<u32> = cfg
             .balancers
             .iter()
-            .enumerate()
-            .filter(|(_, b)| {
+            .filter(|b| {
                 forwarding
                     .get(&b.name)
                     .is_some_and(|f| f.0 == Forwarding::Connect)
             })
-            .filter_map(|(i, _)| u32::try_from(i).ok())
+            .map(|b| id_of(&b.name))
             .collect();
         let mut direct = std::collections::HashMap::new();
         let mut direct_rx = std::collections::HashMap::new();
@@ -510,20 +527,21 @@ impl Daemon {
         let balancers: Vec<Arc<Balancer>> = cfg
             .balancers
             .iter()
-            .enumerate()
-            .map(|(i, b)| {
+            .map(|b| {
                 let opts = Options {
                     observer: observer.clone(),
                     seed: None,
                 };
-                Balancer::build(u32::try_from(i).unwrap_or(0), b.clone(), opts)
+                Balancer::build(id_of(&b.name), b.clone(), opts)
             })
             .collect();
+        let shutdown = CancellationToken::new();
         let daemon = Arc::new(Daemon {
             config: ArcSwap::from_pointee(cfg),
             config_path,
             overrides,
             balancers: ArcSwap::from_pointee(balancers.clone()),
+            retired_ids: ids.retired.clone(),
             datapath,
             datapath_mode,
             datapath_fallback,
@@ -533,7 +551,8 @@ impl Daemon {
             proxy: proxy_ctx.clone(),
             heartbeat_ms: AtomicU64::new(now_ms()),
             first_checks_done: AtomicBool::new(false),
-            shutdown: CancellationToken::new(),
+            background: shutdown.child_token(),
+            shutdown,
             tasks: tasks.clone(),
             listeners: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
@@ -570,15 +589,12 @@ impl Daemon {
                 bound.push((b.clone(), *addr, l));
             }
         }
+        // A new process writes its listener maps once the old one let go (they name balancer
+        // ids, and the old one serves on with its own if the hand-over fails).
+        if !taking_over {
+            daemon.register_listeners()?;
+        }
         for (b, addr, l) in bound {
-            if let Some(dp) = &daemon.datapath {
-                dp.add_listener(addr, b.id)
-                    .with_context(|| format!("registering listener {addr}"))?;
-                if connect_ids.contains(&b.id) {
-                    dp.add_connect_listener(addr, b.id)
-                        .with_context(|| format!("registering connect-time listener {addr}"))?;
-                }
-            }
             let stop = CancellationToken::new();
             daemon
                 .listeners
@@ -600,7 +616,7 @@ impl Daemon {
                         dp.clone(),
                         daemon.metrics.clone(),
                         rx,
-                        daemon.shutdown.clone(),
+                        daemon.background.clone(),
                     );
                     let go = go.clone();
                     tasks.spawn(async move {
@@ -619,21 +635,21 @@ impl Daemon {
                 );
                 tasks.spawn(async move {
                     go.cancelled().await;
-                    let mut started = dp.start_refresher(daemon2.shutdown.clone());
+                    let mut started = dp.start_refresher(daemon2.background.clone());
                     if want_passive && started.is_ok() {
                         started =
-                            dp.start_passive(daemon2.shutdown.clone(), passive_sink(&daemon2));
+                            dp.start_passive(daemon2.background.clone(), passive_sink(&daemon2));
                     }
                     if let Err(e) = started {
                         error!(error = %e, "cannot start the kernel data path's readers");
                     }
                 });
             } else {
-                dp.start_refresher(daemon.shutdown.clone())?;
+                dp.start_refresher(daemon.background.clone())?;
                 if !connect_ids.is_empty() {
-                    dp.start_passive(daemon.shutdown.clone(), passive_sink(&daemon))?;
+                    dp.start_passive(daemon.background.clone(), passive_sink(&daemon))?;
                 }
-                dp.start_kernel_log(daemon.shutdown.clone());
+                dp.start_kernel_log(daemon.background.clone());
             }
         }
 
@@ -652,7 +668,7 @@ impl Daemon {
                 }
                 daemon.first_checks_done.store(true, Ordering::Relaxed);
                 for b in bs.iter() {
-                    daemon.health.start(b.clone(), daemon.shutdown.clone());
+                    daemon.health.start(b.clone(), daemon.background.clone());
                 }
             });
         }
@@ -661,7 +677,7 @@ impl Daemon {
                 b.clone(),
                 daemon.metrics.clone(),
                 &tasks,
-                daemon.shutdown.clone(),
+                daemon.background.clone(),
             );
         }
         // Heartbeat of the control loop.
@@ -671,13 +687,43 @@ impl Daemon {
                 loop {
                     daemon.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
                     tokio::select! {
-                        () = daemon.shutdown.cancelled() => return,
+                        () = daemon.background.cancelled() => return,
                         () = tokio::time::sleep(Duration::from_millis(500)) => {}
                     }
                 }
             });
         }
         Ok(daemon)
+    }
+
+    /// Tell the kernel programs which listener belongs to which balancer id, and which of them
+    /// are connect-time (a listener that moved to a splice balancer in an upgrade is taken out
+    /// of the connect-time map). A fresh lb does it at start; a new lb taking over once the old
+    /// one let go (`Stopped`), so a failed hand-over leaves the old one's maps as they were.
+    ///
+    /// # Errors
+    /// A map write failed (named with the listener).
+    pub fn register_listeners(&self) -> anyhow::Result<()> {
+        let Some(dp) = &self.datapath else {
+            return Ok(());
+        };
+        for b in self.balancers.load().iter() {
+            let connect = self
+                .forwarding
+                .get(&b.name)
+                .is_some_and(|f| f.0 == Forwarding::Connect);
+            for addr in &b.config().listen {
+                dp.add_listener(*addr, b.id)
+                    .with_context(|| format!("registering listener {addr}"))?;
+                if connect {
+                    dp.add_connect_listener(*addr, b.id)
+                        .with_context(|| format!("registering connect-time listener {addr}"))?;
+                } else {
+                    dp.remove_connect_listener(*addr);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The narrow view the admin API gets.

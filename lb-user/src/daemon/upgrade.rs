@@ -14,15 +14,20 @@
 //!    of its copy loop; a client still being dialed goes over undialed.
 //! 3. Conns (sockets, unwritten bytes, counts) in batches, then State (servers' states and
 //!    counters, taken after the freeze so nothing moves afterwards).
-//! 4. The new process answers Done, starts accepting and serving, and this one exits 0 without
-//!    closing anything (the sockets, maps and links live on in the new process).
+//! 4. The new process answers Done. This one stops everything that changes its balancers or
+//!    writes the kernel's maps (health checks, discovery, connect-time table sync) and the
+//!    readers of the kernel's rings, says Stopped, and exits 0 without closing anything (the
+//!    sockets, maps and links live on in the new process). Only then does the new process
+//!    write its listener maps (keeping this one's balancer ids, see `daemon::ids`) and start
+//!    accepting, checking and reading the rings: no ring event is read twice and no table is
+//!    written by both.
 //!
 //! Any failure before Done (the binary does not start or exits, no answer within
 //! [`STEP_TIMEOUT`], Refused, a broken socket) kills the new process if it still runs, and this
 //! one serves on unchanged: frozen connections are adopted back, listeners served again.
+//! What the new process does with the connections and states is in `daemon::adopt`.
 
 use std::{
-    collections::HashMap,
     os::{
         fd::{AsFd, BorrowedFd, OwnedFd},
         linux::net::SocketAddrExt as _,
@@ -39,7 +44,6 @@ use tracing::{error, info, warn};
 
 use super::Daemon;
 use crate::{
-    addr::ServerAddr,
     handover::{
         self, BalancerSnapshot, ConnSnapshot, DatapathOffer, DirSnapshot, Hello, ListenerKey,
         Message, VERSION,
@@ -51,6 +55,10 @@ use crate::{
 /// Bound on each step of the hand-over: the new process connecting, answering Hello, and
 /// answering the connections.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bound on the old process stopping its background work after Done (a check or a ring batch
+/// in flight); the new one waits this long and a second more for Stopped.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Connections per Conns frame (two descriptors each).
 const CONNS_PER_FRAME: usize = handover::MAX_FDS_PER_FRAME / 2;
@@ -292,6 +300,10 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
             child.release();
             // The new process holds the sockets now: closing our descriptors ends nothing.
             drop(frozen);
+            stop_background(d, rt);
+            if let Err(e) = handover::send(&sock, &Message::Stopped, &[], &[]) {
+                warn!(error = %e, "upgrade: cannot tell the new lb this one stopped; it starts after a timeout");
+            }
             Ok(Upgraded {
                 old_pid: std::process::id(),
                 new_pid,
@@ -311,6 +323,36 @@ fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String>
             resume(d, rt, frozen, &stopped);
             Err(why)
         }
+    }
+}
+
+/// After Done: end every task that changes balancers or writes the kernel's maps (health
+/// loops and the checks they run, discovery, connect-time table sync), the heartbeat and the
+/// readers of the kernel's rings, before the new process starts its own. Bounded by
+/// [`STOP_TIMEOUT`]; what still runs then is logged.
+fn stop_background(d: &Daemon, rt: &tokio::runtime::Handle) {
+    let began = Instant::now();
+    d.background.cancel();
+    d.tasks.close();
+    let tasks_ended = rt.block_on(async {
+        tokio::time::timeout(STOP_TIMEOUT, d.tasks.wait())
+            .await
+            .is_ok()
+    });
+    let left = STOP_TIMEOUT.saturating_sub(began.elapsed());
+    let readers_ended = d.datapath.as_ref().is_none_or(|dp| dp.wait_readers(left));
+    if tasks_ended && readers_ended {
+        info!(
+            ms = millis(began.elapsed()),
+            "upgrade: stopped checks, table sync and ring readers"
+        );
+    } else {
+        warn!(
+            tasks_ended,
+            readers_ended,
+            "upgrade: background work still running {} s after Done",
+            STOP_TIMEOUT.as_secs()
+        );
     }
 }
 
@@ -413,6 +455,13 @@ fn hello(d: &Daemon) -> Result<(Hello, Vec<OwnedFd>), String> {
                 .map(|b| (b.name.clone(), cfg.forwarding_of(b).to_string()))
                 .collect()
         },
+        balancer_ids: d
+            .balancers
+            .load()
+            .iter()
+            .map(|b| (b.name.clone(), b.id))
+            .collect(),
+        retired_balancer_ids: d.retired_ids.clone(),
     };
     Ok((hello, fds))
 }
@@ -605,104 +654,5 @@ impl Daemon {
     /// Whether this process handed everything to a new lb and must exit now.
     pub fn handed_over(&self) -> bool {
         self.handed_over.is_cancelled()
-    }
-
-    /// Take the old process's balancer states and counters (new process, before serving).
-    pub fn restore(&self, balancers: &[BalancerSnapshot], first_checks_done: bool) {
-        let m = &self.metrics;
-        for s in balancers {
-            let Some(b) = self.balancer(&s.name) else {
-                warn!(balancer = %s.name, "the previous lb had a balancer this config lacks; its state is dropped");
-                continue;
-            };
-            b.restore_servers(&s.servers);
-            let label = BalancerLabel {
-                balancer: s.name.clone(),
-            };
-            m.connections_total
-                .get_or_create(&label)
-                .inc_by(s.connections_total);
-            m.copied_counter(&s.name, "client_to_server")
-                .inc_by(s.copied_up);
-            m.copied_counter(&s.name, "server_to_client")
-                .inc_by(s.copied_down);
-            for (server, result, n) in &s.checks {
-                m.health_checks
-                    .get_or_create(&CheckLabels {
-                        balancer: s.name.clone(),
-                        server: server.clone(),
-                        result: result.clone(),
-                    })
-                    .inc_by(*n);
-            }
-            for (server, reason, n) in &s.killed {
-                m.connections_killed
-                    .get_or_create(&KillLabels {
-                        balancer: s.name.clone(),
-                        server: server.clone(),
-                        reason: reason.clone(),
-                    })
-                    .inc_by(*n);
-            }
-        }
-        if first_checks_done {
-            self.first_checks_done
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// Serve a handed-over connection once `go` fires. `raw` holds its unwritten bytes
-    /// (client→server first) and is advanced past them.
-    ///
-    /// # Errors
-    /// Its balancer is unknown here, a descriptor index or the raw bytes are out of range.
-    pub fn adopt_connection(
-        &self,
-        c: ConnSnapshot,
-        fds: &mut HashMap<usize, OwnedFd>,
-        raw: &mut &[u8],
-        go: &CancellationToken,
-    ) -> Result<(), String> {
-        let b = self
-            .balancer(&c.balancer)
-            .ok_or_else(|| format!("no balancer {} here", c.balancer))?;
-        let mut take_raw = |n: u64| -> Result<Vec<u8>, String> {
-            let n = usize::try_from(n).map_err(|e| e.to_string())?;
-            if n > raw.len() {
-                return Err("raw bytes short".into());
-            }
-            let (head, tail) = raw.split_at(n);
-            *raw = tail;
-            Ok(head.to_vec())
-        };
-        let up_bytes = take_raw(c.up.unwritten)?;
-        let down_bytes = take_raw(c.down.unwritten)?;
-        let client = fds
-            .remove(&c.client_fd)
-            .ok_or("client descriptor missing")?;
-        let server = match c.server {
-            None => None,
-            Some((spec, i)) => {
-                let fd = fds.remove(&i).ok_or("server descriptor missing")?;
-                let addr = b
-                    .server_specs()
-                    .into_iter()
-                    .find(|s| s.to_string() == spec)
-                    .or_else(|| spec.parse::<ServerAddr>().ok())
-                    .ok_or_else(|| format!("server {spec} unknown"))?;
-                Some((addr, fd))
-            }
-        };
-        let f = Frozen {
-            balancer: b,
-            peer: c.peer,
-            client,
-            server,
-            up: Dir::resumed(c.up.written, c.up.chunk, up_bytes),
-            down: Dir::resumed(c.down.written, c.down.chunk, down_bytes),
-            spliced: c.spliced,
-        };
-        proxy::adopt(&self.proxy, f, go.clone());
-        Ok(())
     }
 }

@@ -152,7 +152,7 @@ impl Datapath {
             return Ok(());
         };
         let this = self.clone();
-        super::spawn_ring_reader(
+        self.spawn_ring_reader(
             "lb-credit",
             cancel,
             ring,

@@ -136,6 +136,7 @@ impl Datapath {
             maps,
             refresh: Mutex::new(Some(ring)),
             events: Mutex::new(Some(events)),
+            readers: Mutex::new(Vec::new()),
             ignored: Mutex::new(HashMap::new()),
             kernel_log: Mutex::new(None),
             pairs: Mutex::new(HashMap::new()),

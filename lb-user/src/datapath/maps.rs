@@ -274,6 +274,11 @@ impl Listeners {
             .insert(key, id, 0)
             .map_err(map_err(MAP_LISTENERS))
     }
+
+    /// Forget `key`; absent is fine.
+    pub(super) fn remove(&self, key: &ListenerKey) {
+        let _ = self.0.lock().expect("poisoned").remove(key);
+    }
 }
 
 /// The connect-time maps: listeners of connect-mode balancers, their server tables, the

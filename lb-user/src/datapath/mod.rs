@@ -161,6 +161,9 @@ pub struct Datapath {
     refresh: Mutex<Option<maps::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
     events: Mutex<Option<maps::EventRing>>,
+    /// The ring reader threads started, to wake and wait for at their end (see
+    /// [`Datapath::wait_readers`]).
+    readers: Mutex<Vec<Reader>>,
     /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
     ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
@@ -323,6 +326,7 @@ impl Datapath {
             maps,
             refresh: Mutex::new(Some(ring)),
             events: Mutex::new(Some(events)),
+            readers: Mutex::new(Vec::new()),
             ignored: Mutex::new(HashMap::new()),
             kernel_log: Mutex::new(kernel_log),
             pairs: Mutex::new(HashMap::new()),
@@ -348,6 +352,15 @@ impl Datapath {
             .connect
             .listeners
             .insert(&maps::listener_key(addr), id)
+    }
+
+    /// Tell the connect programs that `addr` is not a connect-time listener (any more): its
+    /// connects reach it unrewritten. Absent is fine.
+    pub fn remove_connect_listener(&self, addr: SocketAddr) {
+        self.maps
+            .connect
+            .listeners
+            .remove(&maps::listener_key(addr));
     }
 
     /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
@@ -560,19 +573,74 @@ fn attach_connect(
     Ok(links)
 }
 
-/// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
-/// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an empty
-/// one). The credit refresher and the passive-event reader share it.
-///
-/// # Errors
-/// The thread could not be spawned.
-fn spawn_ring_reader<R, T>(
+impl Datapath {
+    /// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
+    /// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an
+    /// empty one). The credit refresher and the passive-event reader share it; the thread is
+    /// kept for [`Datapath::wait_readers`].
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    fn spawn_ring_reader<R, T>(
+        &self,
+        name: &str,
+        cancel: tokio_util::sync::CancellationToken,
+        ring: R,
+        next: fn(&mut R) -> Option<T>,
+        handle: impl FnMut(Vec<T>) + Send + 'static,
+    ) -> std::io::Result<()>
+    where
+        R: std::os::fd::AsFd + Send + 'static,
+        T: 'static,
+    {
+        let (wake, woken) = std::os::unix::net::UnixStream::pair()?;
+        let thread = ring_reader(name, cancel, ring, woken, next, handle)?;
+        self.readers
+            .lock()
+            .expect("poisoned")
+            .push(Reader { thread, wake });
+        Ok(())
+    }
+
+    /// Once the ring readers' cancel token fired: wake every reader thread, so it sees it at
+    /// once (ending without reading another record), and wait until they all ended, at most
+    /// `within` (a batch being handled finishes first). Returns whether they all did.
+    pub fn wait_readers(&self, within: std::time::Duration) -> bool {
+        use std::io::Write as _;
+        let deadline = std::time::Instant::now() + within;
+        let mut readers = self.readers.lock().expect("poisoned");
+        for r in readers.iter() {
+            let _ = (&r.wake).write_all(&[1]);
+        }
+        while readers.iter().any(|r| !r.thread.is_finished()) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        for r in readers.drain(..) {
+            let _ = r.thread.join();
+        }
+        true
+    }
+}
+
+/// A ring reader thread and the socket that wakes it.
+struct Reader {
+    thread: std::thread::JoinHandle<()>,
+    /// A byte written here makes the thread's poll return.
+    wake: std::os::unix::net::UnixStream,
+}
+
+/// The thread of [`Datapath::spawn_ring_reader`].
+fn ring_reader<R, T>(
     name: &str,
     cancel: tokio_util::sync::CancellationToken,
     mut ring: R,
+    woken: std::os::unix::net::UnixStream,
     next: fn(&mut R) -> Option<T>,
     mut handle: impl FnMut(Vec<T>) + Send + 'static,
-) -> std::io::Result<()>
+) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     R: std::os::fd::AsFd + Send + 'static,
     T: 'static,
@@ -581,12 +649,17 @@ where
         .name(name.into())
         .spawn(move || {
             while !cancel.is_cancelled() {
-                let mut fds = [nix::poll::PollFd::new(
-                    ring.as_fd(),
-                    nix::poll::PollFlags::POLLIN,
-                )];
+                let mut fds = [
+                    nix::poll::PollFd::new(ring.as_fd(), nix::poll::PollFlags::POLLIN),
+                    nix::poll::PollFd::new(woken.as_fd(), nix::poll::PollFlags::POLLIN),
+                ];
                 if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
                     continue;
+                }
+                // Cancelled while waiting (a hand-over): what is in the ring is the next
+                // process's to read.
+                if cancel.is_cancelled() {
+                    break;
                 }
                 let mut batch = Vec::new();
                 while let Some(record) = next(&mut ring) {
@@ -596,8 +669,7 @@ where
                     handle(batch);
                 }
             }
-        })?;
-    Ok(())
+        })
 }
 
 #[cfg(test)]
