@@ -712,7 +712,8 @@ fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
 
 /// Servers `s0:9001` (host up, nothing listening: a connect is refused with a reset) and
 /// `s1:9000`; the check asks port 9000 of each host (`{host}`), so both pass it, and its 30 s
-/// interval leaves only passive signals to fail `s0:9001` during the test.
+/// interval leaves only passive signals to fail `s0:9001` during the test. A refused connect
+/// counts toward `passive_reset_limit`; at 1, each is one failed check.
 const PASSIVE_CONFIG: &str = r#"
 [datapath]
 mode = "bpf"
@@ -733,6 +734,7 @@ timeout = "1s"
 rise = 1
 fall = {fall}
 passive = true
+passive_reset_limit = 1
 on_unhealthy = "kill"
 "#;
 

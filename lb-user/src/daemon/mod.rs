@@ -282,9 +282,9 @@ fn kill_direct(
 }
 
 /// Where connect-time sockets' reports go: counted in `lb_passive_events_total`, then, with
-/// `health.passive`, a failed connect as a failed dial of its server (one failed check, as the
-/// proxy's) and an RTO as a reset by it (toward `passive_reset_limit`). Runs on the
-/// `lb-passive` thread.
+/// `health.passive`, a connect the server failed (refused, timed out, unreachable) and an RTO
+/// (at most one per check interval) as a reset by it, toward `passive_reset_limit`; a connect
+/// its client abandoned counts nowhere else. Runs on the `lb-passive` thread.
 fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
     let weak = Arc::downgrade(daemon);
     Arc::new(move |id, addr, kind| {
@@ -307,12 +307,12 @@ fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
             .inc();
         tracing::debug!(balancer = %b.name, %server, kind = kind.label(), "connect-time passive signal");
         match kind {
-            PassiveKind::ConnectFailed => b.record_dial(
-                &server,
-                Err("connect-time connect failed (refused, timed out or abandoned)".into()),
-            ),
+            PassiveKind::ConnectFailed => {
+                b.record_connect_failure(&server);
+            }
+            PassiveKind::ConnectAbandoned => {}
             PassiveKind::Rto => {
-                b.record_server_reset(&server);
+                b.record_rto(&server);
             }
         }
     })

@@ -491,6 +491,8 @@ pub(super) fn decode_event(bytes: &[u8]) -> Option<ConnectEvent> {
         balancer: u32_at(offset_of!(ConnectEvent, balancer))?,
         kind: u32_at(offset_of!(ConnectEvent, kind))?,
         cookie: u64_at(offset_of!(ConnectEvent, cookie))?,
+        err: u32_at(offset_of!(ConnectEvent, err))?,
+        _pad: 0,
     })
 }
 
@@ -619,7 +621,8 @@ mod tests {
     }
 
     /// A connect-time event as the sockops program writes it (24 server bytes: four address
-    /// words, port, family; then balancer, kind, and the u64 cookie) decodes to every field.
+    /// words, port, family; then balancer, kind, the u64 cookie, the errno and padding)
+    /// decodes to every field.
     #[test]
     fn connect_event_record_round_trips() {
         let mut rec = Vec::new();
@@ -631,6 +634,8 @@ mod tests {
         rec.extend_from_slice(&3u32.to_ne_bytes());
         rec.extend_from_slice(&lb_common::EVENT_RTO.to_ne_bytes());
         rec.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
+        rec.extend_from_slice(&111u32.to_ne_bytes());
+        rec.extend_from_slice(&0u32.to_ne_bytes());
         assert_eq!(rec.len(), size_of::<ConnectEvent>());
         let ev = decode_event(&rec).expect("decodes");
         assert_eq!(
@@ -638,8 +643,8 @@ mod tests {
             Some("198.18.0.2:9001".parse().unwrap())
         );
         assert_eq!(
-            (ev.balancer, ev.kind, ev.cookie),
-            (3, lb_common::EVENT_RTO, 0x0102_0304_0506_0708)
+            (ev.balancer, ev.kind, ev.cookie, ev.err),
+            (3, lb_common::EVENT_RTO, 0x0102_0304_0506_0708, 111)
         );
         assert_eq!(decode_event(&rec[..rec.len() - 1]), None);
     }

@@ -29,14 +29,16 @@ use std::{
 use aya::{
     Ebpf,
     maps::MapError,
-    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink},
+    programs::{
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink,
+    },
 };
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OWN_TGID,
-    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
-    PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OWN_TGID, MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT_RELEASE, PROG_CONNECT4,
+    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -220,6 +222,14 @@ impl Datapath {
         };
         let blocking = u32::from(offsets.is_some());
         let offsets = offsets.unwrap_or_default();
+        let sk_err = if want_connect {
+            probe::probe_sk_err().unwrap_or_else(|why| {
+                warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
+                0
+            })
+        } else {
+            0
+        };
         let log_level = kernel_log::level();
         let own_tgid = std::process::id();
         let mut ebpf = aya::EbpfLoader::new()
@@ -230,6 +240,7 @@ impl Datapath {
             .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
             .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
             .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
+            .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
             .load(EBPF_OBJ)
             .map_err(DatapathError::Load)?;
         let (maps, ring, events) = maps::Maps::take(&mut ebpf)?;
@@ -505,7 +516,38 @@ fn attach_connect(
         })?;
         links.push((name, link));
     }
+    match attach_release(ebpf, cgroup) {
+        Ok(link) => links.push((PROG_CONNECT_RELEASE, link)),
+        Err(e) => {
+            warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
+        }
+    }
     Ok(links)
+}
+
+/// Load and attach `lb_connect_release` (cgroup `sock_release`, 5.9+), which forgets a
+/// connect-time socket's record when its descriptor is closed.
+///
+/// # Errors
+/// [`DatapathError::Program`] or [`DatapathError::Link`].
+fn attach_release(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<FdLink, DatapathError> {
+    let name = PROG_CONNECT_RELEASE;
+    let err = |source| DatapathError::Program {
+        program: name,
+        source,
+    };
+    let prog: &mut CgroupSock = ebpf
+        .program_mut(name)
+        .ok_or(DatapathError::Missing(name))?
+        .try_into()
+        .map_err(err)?;
+    prog.load().map_err(err)?;
+    let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
+    let link = prog.take_link(link).map_err(err)?;
+    FdLink::try_from(link).map_err(|source| DatapathError::Link {
+        program: name,
+        source,
+    })
 }
 
 /// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
