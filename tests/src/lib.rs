@@ -9,6 +9,7 @@
 mod cgroup;
 mod client;
 mod cmd;
+mod connect;
 mod dns;
 mod etcd;
 mod host;
@@ -21,6 +22,7 @@ mod tmp;
 pub use cgroup::{TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, placed_command, run_client};
 pub use cmd::{lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
+pub use connect::ConnectLb;
 pub use dns::{DNS_PORT, DnsAnswer, DnsServer, RecordType, dns_query};
 pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
