@@ -90,13 +90,22 @@ impl ConnectLb {
         ))
     }
 
-    /// Entries in this lb's kernel map `name` (the kernel keeps 15 characters of a map's name),
-    /// found among the maps lb's process holds (the `map_id` of its descriptors in
-    /// `/proc/<pid>/fdinfo`), counted with `bpftool`.
+    /// Entries in this lb's kernel map `name` (see [`ConnectLb::map_dump`]).
+    ///
+    /// # Errors
+    /// As [`ConnectLb::map_dump`].
+    pub fn map_entries(&self, name: &str) -> Result<usize> {
+        let entries: serde_json::Value = serde_json::from_str(&self.map_dump(name)?)?;
+        Ok(entries.as_array().map_or(0, Vec::len))
+    }
+
+    /// `bpftool -j map dump` of this lb's kernel map `name` (the kernel keeps 15 characters of
+    /// a map's name), found among the maps lb's process holds (the `map_id` of its descriptors
+    /// in `/proc/<pid>/fdinfo`).
     ///
     /// # Errors
     /// `bpftool` fails or lb holds no such map.
-    pub fn map_entries(&self, name: &str) -> Result<usize> {
+    pub fn map_dump(&self, name: &str) -> Result<String> {
         let short: String = name.chars().take(15).collect();
         let dir = format!("/proc/{}/fdinfo", self.lb.pid());
         let mut ids: Vec<String> = std::fs::read_dir(&dir)?
@@ -112,9 +121,7 @@ impl ConnectLb {
             let show: serde_json::Value =
                 serde_json::from_str(&crate::sh("bpftool", &["-j", "map", "show", "id", &id])?)?;
             if show["name"] == short.as_str() {
-                let dump = crate::sh("bpftool", &["-j", "map", "dump", "id", &id])?;
-                let entries: serde_json::Value = serde_json::from_str(&dump)?;
-                return Ok(entries.as_array().map_or(0, Vec::len));
+                return crate::sh("bpftool", &["-j", "map", "dump", "id", &id]);
             }
         }
         anyhow::bail!("lb holds no map {short}")

@@ -277,6 +277,55 @@ fn connect_time_connects_failing_before_their_syn_leave_no_record() -> Result<()
     Ok(())
 }
 
+#[test]
+fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
+    if skip("connect_time_counts_of_servers_that_left_are_deleted") {
+        return Ok(());
+    }
+    const SERVERS: u16 = 12;
+    let mut host = Host::new()?;
+    for i in 0..SERVERS {
+        host.serve(9100 + i, &format!("p{i}"))?;
+    }
+    let first = host.addr(9100).to_string();
+    let text = CONFIG
+        .replace("{servers}", &format!("\"{first}\""))
+        .replace("{check}", &first)
+        .replace("{interval}", "200ms")
+        .replace("{limit}", "10");
+    let s = ConnectLb::start(vec![host], &text)?;
+    // Discovery churn: the set is one server at a time, each dialed once (its count key is
+    // made when the connect is established, and its count is back at 0 once it closed).
+    for i in 0..SERVERS {
+        let addr = s.hosts[0].addr(9100 + i).to_string();
+        let out = std::process::Command::new(lb_tests::lb_bin())
+            .args(["servers", "set", "--balancer", "api", &addr])
+            .args(["--admin", &s.lb.admin.to_string()])
+            .output()?;
+        ensure!(out.status.success(), "lb servers set {addr}: {out:?}");
+        let name = format!("p{i}");
+        lb_tests::wait_until(Duration::from_secs(5), || {
+            let v = run_client(&s.place(), s.listen, &["dial"], T)?;
+            Ok(v["ok"] == true && v["server"] == name.as_str())
+        })
+        .with_context(|| format!("no connect reached {addr}\n{}", s.lb.log_text()))?;
+    }
+    let counts = || s.map_entries("LB_CONNECT_COUNTS");
+    let left = lb_tests::wait_until(Duration::from_secs(5), || Ok(counts()? <= 1));
+    eprintln!(
+        "after {SERVERS} servers one at a time, LB_CONNECT_COUNTS holds {} keys",
+        counts()?
+    );
+    left.with_context(|| {
+        format!(
+            "{} count keys left: {}",
+            counts().unwrap_or(0),
+            s.map_dump("LB_CONNECT_COUNTS").unwrap_or_default()
+        ) + &s.lb.log_text()
+    })?;
+    Ok(())
+}
+
 /// What these tests read from lb.
 trait Read {
     /// `lb_connections_killed_total`, every reason.

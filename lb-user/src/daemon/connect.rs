@@ -5,7 +5,7 @@
 use std::{net::SocketAddr, sync::Arc};
 
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Daemon;
 use crate::{
@@ -19,10 +19,16 @@ use crate::{
 /// A server whose connect-time sockets are to be ended, and why.
 pub(super) type DirectKill = (ServerAddr, KillReason);
 
+/// After a kill or abort swept a server's sockets, how long until it sweeps once more: a
+/// connect program that read the table just before it was rewritten records its socket a
+/// moment later, possibly after the first sweep's snapshot.
+const SWEEP_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Keep balancer `b`'s connect-time table current: written now and after every change of its
 /// servers' states, set or config, until `stop`. Kills of a server's connections arrive on
 /// `kills`: the table is rewritten first (so a client that reconnects at once is not sent back
-/// to that server), then the sockets the kernel sent there are destroyed.
+/// to that server), then the sockets the kernel sent there are destroyed, twice
+/// ([`SWEEP_AGAIN_AFTER`]).
 pub(super) async fn sync_table(
     b: Arc<Balancer>,
     dp: Arc<Datapath>,
@@ -34,65 +40,15 @@ pub(super) async fn sync_table(
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
     let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
     loop {
-        // A server that just turned FAILED: with `on_unhealthy = "kill"` its kill aborts every
-        // connect-time socket sent there; otherwise the connects still in SYN_SENT are
-        // aborted here, so no client waits out the kernel's SYN retries.
-        let failed_now: std::collections::HashSet<ServerAddr> = b
-            .status()
-            .into_iter()
-            .filter(|s| s.state == crate::balancer::ServerState::Failed)
-            .map(|s| s.address)
-            .collect();
-        if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
-            for server in failed_now.difference(&failed) {
-                let (dp, name, id, server) = (dp.clone(), b.name.clone(), b.id, server.clone());
-                drop(tokio::task::spawn_blocking(move || {
-                    abort_connecting(&dp, &name, id, &server);
-                }));
-            }
-        }
-        failed = failed_now;
-        let policy = match b.config().policy {
-            Policy::Failover => ConnectPolicy::First,
-            Policy::RoundRobin => ConnectPolicy::RoundRobin,
-            Policy::Random => ConnectPolicy::Random,
-            Policy::LeastConnections => ConnectPolicy::LeastConnections,
-        };
-        let servers: Vec<SocketAddr> = b
-            .connect_table()
-            .iter()
-            .filter_map(ServerAddr::socket_addr)
-            .collect();
-        let now = (policy, servers);
-        if last.as_ref() != Some(&now) {
-            match dp.set_connect_table(b.id, now.0, &now.1) {
-                Ok(()) => {
-                    let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
-                    info!(balancer = %b.name, policy = ?now.0, servers = %list.join(","), "connect-time table updated");
-                }
-                Err(e) => {
-                    warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
-                }
-            }
-            last = Some(now);
-        }
+        write_table(&b, &dp, &mut last);
+        abort_newly_failed(&b, &dp, &mut failed);
         tokio::select! {
             () = stop.cancelled() => return,
             r = changed.changed() => if r.is_err() { return },
             k = kills.recv() => {
                 let Some((server, reason)) = k else { return };
                 // Rewrite the table before the kill (the loop does it when the state moved).
-                let servers: Vec<SocketAddr> = b
-                    .connect_table()
-                    .iter()
-                    .filter_map(ServerAddr::socket_addr)
-                    .collect();
-                if last.as_ref().is_none_or(|l| l.1 != servers) {
-                    let policy = last.as_ref().map_or(ConnectPolicy::First, |l| l.0);
-                    if dp.set_connect_table(b.id, policy, &servers).is_ok() {
-                        last = Some((policy, servers));
-                    }
-                }
+                write_table(&b, &dp, &mut last);
                 let (dp, metrics, name, id) = (dp.clone(), metrics.clone(), b.name.clone(), b.id);
                 drop(tokio::task::spawn_blocking(move || {
                     kill_direct(&dp, &metrics, &name, id, &server, reason);
@@ -102,9 +58,71 @@ pub(super) async fn sync_table(
     }
 }
 
+/// Write `b`'s connect-time table when it differs from `last` (the last one written), then
+/// delete the count keys of servers no longer in it.
+fn write_table(
+    b: &Arc<Balancer>,
+    dp: &Datapath,
+    last: &mut Option<(ConnectPolicy, Vec<SocketAddr>)>,
+) {
+    let policy = match b.config().policy {
+        Policy::Failover => ConnectPolicy::First,
+        Policy::RoundRobin => ConnectPolicy::RoundRobin,
+        Policy::Random => ConnectPolicy::Random,
+        Policy::LeastConnections => ConnectPolicy::LeastConnections,
+    };
+    let servers: Vec<SocketAddr> = b
+        .connect_table()
+        .iter()
+        .filter_map(ServerAddr::socket_addr)
+        .collect();
+    let now = (policy, servers);
+    if last.as_ref() == Some(&now) {
+        return;
+    }
+    match dp.set_connect_table(b.id, now.0, &now.1) {
+        Ok(()) => {
+            let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
+            info!(balancer = %b.name, policy = ?now.0, servers = %list.join(","), "connect-time table updated");
+            let pruned = dp.prune_connect_counts(b.id, &now.1);
+            debug!(balancer = %b.name, pruned, "count keys of servers gone from the table deleted");
+        }
+        Err(e) => {
+            warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
+        }
+    }
+    *last = Some(now);
+}
+
+/// A server of `b` that just turned FAILED (not in `failed`, which is updated): with
+/// `on_unhealthy = "kill"` its kill aborts every connect-time socket sent there; otherwise the
+/// connects still in `SYN_SENT` are aborted here, so no client waits out the kernel's SYN
+/// retries. Call after the table write, so no new connect is sent there once the abort looked.
+fn abort_newly_failed(
+    b: &Balancer,
+    dp: &Arc<Datapath>,
+    failed: &mut std::collections::HashSet<ServerAddr>,
+) {
+    let failed_now: std::collections::HashSet<ServerAddr> = b
+        .status()
+        .into_iter()
+        .filter(|s| s.state == crate::balancer::ServerState::Failed)
+        .map(|s| s.address)
+        .collect();
+    if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
+        for server in failed_now.difference(failed) {
+            let (dp, name, id, server) = (dp.clone(), b.name.clone(), b.id, server.clone());
+            drop(tokio::task::spawn_blocking(move || {
+                abort_connecting(&dp, &name, id, &server);
+            }));
+        }
+    }
+    *failed = failed_now;
+}
+
 /// Destroy the connect-time sockets balancer `id`'s programs sent to `server` (netlink
 /// `SOCK_DESTROY`, in each socket's own network namespace) and count them in
-/// `lb_connections_killed_total`. Blocking.
+/// `lb_connections_killed_total`; once more after [`SWEEP_AGAIN_AFTER`]. Blocking.
 fn kill_direct(
     dp: &Datapath,
     metrics: &Metrics,
@@ -116,6 +134,20 @@ fn kill_direct(
     let Some(addr) = server.socket_addr() else {
         return;
     };
+    sweep(dp, metrics, balancer, id, (server, addr), reason);
+    std::thread::sleep(SWEEP_AGAIN_AFTER);
+    sweep(dp, metrics, balancer, id, (server, addr), reason);
+}
+
+/// One sweep of [`kill_direct`].
+fn sweep(
+    dp: &Datapath,
+    metrics: &Metrics,
+    balancer: &str,
+    id: u32,
+    (server, addr): (&ServerAddr, SocketAddr),
+    reason: KillReason,
+) {
     let began = std::time::Instant::now();
     let sockets = dp.connect_sockets(id, addr);
     // Their close is lb's doing: not a failed connect of the server.
@@ -180,11 +212,19 @@ pub(super) fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
 
 /// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
 /// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
-/// its established connections to `on_unhealthy`. Blocking.
+/// its established connections to `on_unhealthy`; once more after [`SWEEP_AGAIN_AFTER`].
+/// Blocking.
 fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr) {
     let Some(addr) = server.socket_addr() else {
         return;
     };
+    abort_sweep(dp, balancer, id, (server, addr));
+    std::thread::sleep(SWEEP_AGAIN_AFTER);
+    abort_sweep(dp, balancer, id, (server, addr));
+}
+
+/// One sweep of [`abort_connecting`].
+fn abort_sweep(dp: &Datapath, balancer: &str, id: u32, (server, addr): (&ServerAddr, SocketAddr)) {
     let sockets = dp.connect_sockets(id, addr);
     dp.ignore_events_of(&sockets);
     match crate::kill::destroy_connecting(addr, &sockets) {
@@ -197,4 +237,3 @@ fn abort_connecting(dp: &Datapath, balancer: &str, id: u32, server: &ServerAddr)
         }
     }
 }
-

@@ -410,8 +410,10 @@ impl Daemon {
                     go.cancelled().await;
                     let mut started = dp.start_refresher(daemon2.shutdown.clone());
                     if want_passive && started.is_ok() {
-                        started =
-                            dp.start_passive(daemon2.shutdown.clone(), connect::passive_sink(&daemon2));
+                        started = dp.start_passive(
+                            daemon2.shutdown.clone(),
+                            connect::passive_sink(&daemon2),
+                        );
                     }
                     if let Err(e) = started {
                         error!(error = %e, "cannot start the kernel data path's readers");

@@ -310,6 +310,29 @@ impl ConnectMaps {
             .collect()
     }
 
+    /// Delete balancer `id`'s count keys of servers not in `keep` whose count is 0 or below
+    /// (a decrement that found its key deleted). Returns how many were deleted.
+    ///
+    /// A socket the programs sent to such a server before the table changed can still be
+    /// counted once it establishes: its key comes back (the increment creates it), and goes
+    /// at a later prune once the socket closed. An increment that looked its key up just
+    /// before this delete is lost, and its socket's decrement leaves the recreated key at -1,
+    /// which the programs read as 0 and the next prune deletes.
+    pub(super) fn prune_counts(&self, id: u32, keep: &[ConnectServer]) -> usize {
+        let mut counts = self.counts.lock().expect("poisoned");
+        let stale: Vec<ConnectCountKey> = counts
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, n)| {
+                k.balancer == id
+                    && !keep.contains(&k.server)
+                    && !i64::try_from(*n).is_ok_and(|v| v > 0)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        stale.iter().filter(|k| counts.remove(k).is_ok()).count()
+    }
+
     /// The sockets the connect programs sent to `server` for balancer `id`: cookie and what
     /// the programs recorded.
     pub(super) fn sockets(&self, id: u32, server: &ConnectServer) -> Vec<(u64, ConnectOrig)> {

@@ -377,6 +377,14 @@ impl Datapath {
         self.maps.connect.set_table(id, &table)
     }
 
+    /// Forget balancer `id`'s per-server counts of servers not in `servers` that count no
+    /// socket, so servers that come and go (discovery) do not fill the count map (4,096 keys
+    /// for every balancer together). Returns how many keys were deleted.
+    pub fn prune_connect_counts(&self, id: u32, servers: &[SocketAddr]) -> usize {
+        let keep: Vec<_> = servers.iter().map(|a| maps::connect_server(*a)).collect();
+        self.maps.connect.prune_counts(id, &keep)
+    }
+
     /// Established connect-time sockets of balancer `id`, per server address.
     pub fn connect_counts(&self, id: u32) -> HashMap<SocketAddr, u64> {
         let mut out = HashMap::new();
