@@ -111,8 +111,11 @@ pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
 /// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
 /// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
 pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";
-/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb (an update swaps the
-/// element, so the programs never see half a table).
+/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb. An update links a new
+/// element in place of the old one, but the kernel reuses the old one at once (preallocated
+/// hash: it becomes the CPU's spare element, `htab->extra_elems`, and the next update of any key
+/// on that CPU is copied into it), so a program still reading it can see a mix of two tables if
+/// lb writes twice within that read (microseconds). lb writes tables rarely (on state changes).
 pub const MAP_CONNECT_TABLES: &str = "LB_CONNECT_TABLES";
 /// Per-CPU array indexed by balancer id → round-robin counter (`u32`, one per CPU).
 pub const MAP_CONNECT_RR: &str = "LB_CONNECT_RR";

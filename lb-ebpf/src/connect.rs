@@ -223,7 +223,9 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let Some(table) = LB_CONNECT_TABLES.get_ptr(&balancer) else {
         return Ok(());
     };
-    // SAFETY: lb replaces the element whole (hash update), so this pointer is a stable copy.
+    // SAFETY: a live map value. lb replaces it whole, but the kernel reuses the replaced
+    // element for the next update at once (see lb_common::MAP_CONNECT_TABLES): two table
+    // writes during this read could mix two tables. The read is a few loads long.
     let table = unsafe { &*table };
     let count = table.count as usize;
     if count == 0 || count > MAX_CONNECT_SERVERS {
