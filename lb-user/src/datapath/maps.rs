@@ -496,6 +496,9 @@ impl AsFd for EventRing {
 /// order); `None` when the record is shorter than the struct.
 pub(super) fn decode_event(bytes: &[u8]) -> Option<ConnectEvent> {
     use core::mem::offset_of;
+    if bytes.len() < size_of::<ConnectEvent>() {
+        return None;
+    }
     let u64_at = |i: usize| -> Option<u64> {
         Some(u64::from_ne_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
     };
