@@ -153,7 +153,7 @@ pub struct Datapath {
     /// The credit request ring, until [`Datapath::start_refresher`] takes it.
     refresh: Mutex<Option<maps::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
-    events: Mutex<Option<maps::EventRing>>,
+    events: Mutex<Option<passive::EventRing>>,
     /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
     ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;

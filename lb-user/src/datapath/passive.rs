@@ -11,11 +11,13 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
+    os::fd::{AsFd, BorrowedFd},
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use lb_common::{EVENT_CONNECT_FAILED, EVENT_RTO};
+use aya::maps::{MapData, RingBuf};
+use lb_common::{ConnectEvent, ConnectServer, EVENT_CONNECT_FAILED, EVENT_RTO};
 
 use super::{Datapath, maps};
 
@@ -99,7 +101,7 @@ impl Datapath {
             "lb-passive",
             cancel,
             ring,
-            maps::EventRing::next_event,
+            EventRing::next_event,
             move |evs| {
                 let ignored: HashMap<u64, Instant> = this.ignored.lock().expect("poisoned").clone();
                 for ev in evs {
@@ -117,6 +119,62 @@ impl Datapath {
             },
         )
     }
+}
+
+/// `LB_CONNECT_EVENTS`: passive health signals of connect-time sockets. Read by one thread.
+pub(super) struct EventRing(RingBuf<MapData>);
+
+impl EventRing {
+    /// The ring of `LB_CONNECT_EVENTS`.
+    pub(super) fn new(ring: RingBuf<MapData>) -> EventRing {
+        EventRing(ring)
+    }
+
+    /// The next event, skipping records that do not decode; `None` when the ring is empty.
+    pub(super) fn next_event(&mut self) -> Option<ConnectEvent> {
+        loop {
+            let item = self.0.next()?;
+            if let Some(ev) = decode_event(&item) {
+                return Some(ev);
+            }
+        }
+    }
+}
+
+impl AsFd for EventRing {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+/// Decode one [`ConnectEvent`] record field by field at its `#[repr(C)]` offsets (native byte
+/// order); `None` when the record is shorter than the struct.
+fn decode_event(bytes: &[u8]) -> Option<ConnectEvent> {
+    use core::mem::offset_of;
+    if bytes.len() < size_of::<ConnectEvent>() {
+        return None;
+    }
+    let u64_at = |i: usize| -> Option<u64> {
+        Some(u64::from_ne_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
+    };
+    let u32_at = |i: usize| -> Option<u32> {
+        Some(u32::from_ne_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
+    };
+    let s = offset_of!(ConnectEvent, server);
+    let mut server = ConnectServer::default();
+    for (n, w) in server.ip_be.iter_mut().enumerate() {
+        *w = u32_at(s + offset_of!(ConnectServer, ip_be) + n * 4)?;
+    }
+    server.port = u32_at(s + offset_of!(ConnectServer, port))?;
+    server.family = u32_at(s + offset_of!(ConnectServer, family))?;
+    Some(ConnectEvent {
+        server,
+        balancer: u32_at(offset_of!(ConnectEvent, balancer))?,
+        kind: u32_at(offset_of!(ConnectEvent, kind))?,
+        cookie: u64_at(offset_of!(ConnectEvent, cookie))?,
+        err: u32_at(offset_of!(ConnectEvent, err))?,
+        _pad: 0,
+    })
 }
 
 #[cfg(test)]
@@ -139,5 +197,34 @@ mod tests {
             Some(PassiveKind::Rto)
         );
         assert_eq!(PassiveKind::from_kernel(99, 0), None);
+    }
+
+    /// A connect-time event as the sockops program writes it (24 server bytes: four address
+    /// words, port, family; then balancer, kind, the u64 cookie, the errno and padding)
+    /// decodes to every field.
+    #[test]
+    fn connect_event_record_round_trips() {
+        let mut rec = Vec::new();
+        for w in [u32::from_ne_bytes([198, 18, 0, 2]), 0, 0, 0] {
+            rec.extend_from_slice(&w.to_ne_bytes());
+        }
+        rec.extend_from_slice(&9001u32.to_ne_bytes());
+        rec.extend_from_slice(&lb_common::AF_INET.to_ne_bytes());
+        rec.extend_from_slice(&3u32.to_ne_bytes());
+        rec.extend_from_slice(&lb_common::EVENT_RTO.to_ne_bytes());
+        rec.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
+        rec.extend_from_slice(&111u32.to_ne_bytes());
+        rec.extend_from_slice(&0u32.to_ne_bytes());
+        assert_eq!(rec.len(), size_of::<ConnectEvent>());
+        let ev = decode_event(&rec).expect("decodes");
+        assert_eq!(
+            maps::server_addr(&ev.server),
+            Some("198.18.0.2:9001".parse().unwrap())
+        );
+        assert_eq!(
+            (ev.balancer, ev.kind, ev.cookie, ev.err),
+            (3, lb_common::EVENT_RTO, 0x0102_0304_0506_0708, 111)
+        );
+        assert_eq!(decode_event(&rec[..rec.len() - 1]), None);
     }
 }
