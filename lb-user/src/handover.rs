@@ -25,7 +25,9 @@ use serde::{Deserialize, Serialize};
 /// The hand-over protocol version. A process refuses a hand-over from another version, and the
 /// old process keeps serving. Bump it whenever a message, the meaning of a field, or the kernel
 /// map contract (`lb-common`) changes: the new process adopts the old one's maps and programs.
-pub const VERSION: u32 = 1;
+/// 2: `ConnectEvent` carries the socket's error (48 bytes), and the `lb_connect_release`
+/// program's link is handed over.
+pub const VERSION: u32 = 2;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
 pub const ENV_SOCKET: &str = "LB_UPGRADE_SOCKET";
