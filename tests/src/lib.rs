@@ -19,7 +19,7 @@ mod skip;
 mod stream;
 mod tmp;
 
-pub use cgroup::{TestCgroup, cgroup2_root};
+pub use cgroup::{RttCallbacks, TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, placed_command, run_client};
 pub use cmd::{lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
 pub use connect::ConnectLb;

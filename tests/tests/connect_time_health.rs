@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    ConnectLb, Holder, Host, free_port, run_client, skip_unless_kernel, skip_unless_root,
+    ConnectLb, Holder, Host, Place, free_port, run_client, skip_unless_kernel, skip_unless_root,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -170,7 +170,11 @@ fn connect_time_connects_their_client_gives_up_on_fail_no_server() -> Result<()>
         s.lb.metric("lb_passive_events_total", "kind=\"connect_failed\"");
     let abandoned =
         s.lb.metric("lb_passive_events_total", "kind=\"connect_abandoned\"");
-    eprintln!("s0 {state}; passive events: {failed} connect_failed, {abandoned} connect_abandoned");
+    eprintln!(
+        "s0 {state}; passive events: {} connect_failed, {} connect_abandoned",
+        failed + 0.0,
+        abandoned + 0.0
+    );
     ensure!(
         state == "ACTIVE",
         "s0 should stay ACTIVE: {state}\n{}",
@@ -323,6 +327,39 @@ fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
             s.map_dump("LB_CONNECT_COUNTS").unwrap_or_default()
         ) + &s.lb.log_text()
     })?;
+    Ok(())
+}
+
+#[test]
+fn connect_time_keeps_another_sockops_programs_flags() -> Result<()> {
+    if skip("connect_time_keeps_another_sockops_programs_flags") {
+        return Ok(());
+    }
+    let s = start(0, "1s", 10)?;
+    // Another tool's sockops program in a child cgroup: it runs before lb's on the same
+    // callbacks and asks for RTT callbacks, which it counts.
+    let child = s.cg.child("other-sockops")?;
+    let rtt = child.count_rtt_callbacks()?;
+    // 50 echo round trips of a connect-time connection: each acknowledged send is an RTT
+    // sample, so the other program gets about 50 callbacks unless lb took its flag away.
+    const ROUND_TRIPS: u64 = 50;
+    let v = run_client(
+        &Place::cgroup(&child.path),
+        s.listen,
+        &["rr", &ROUND_TRIPS.to_string(), "64"],
+        T,
+    )?;
+    ensure!(v["ok"] == true, "echo client: {v}");
+    ensure!(
+        s.lb.metric("lb_connections_total", "") == 0.0,
+        "the echo client should go straight to a server, not through lb's listener"
+    );
+    let n = rtt.count()?;
+    eprintln!("the other program saw {n} RTT callbacks over {ROUND_TRIPS} round trips");
+    ensure!(
+        n >= ROUND_TRIPS / 2,
+        "lb cleared the other sockops program's flags: {n} RTT callbacks"
+    );
     Ok(())
 }
 
