@@ -49,9 +49,14 @@ pub(super) async fn sync_table(
                 let Some((server, reason)) = k else { return };
                 // Rewrite the table before the kill (the loop does it when the state moved).
                 write_table(&b, &dp, &mut last);
+                // Sweep again only when no new connect can be sent there: a server still in
+                // the table (`lb servers kill`, a failback) gets new, wanted connections.
+                let gone = server.socket_addr().is_some_and(|a| {
+                    last.as_ref().is_none_or(|l| !l.1.contains(&a))
+                });
                 let (dp, metrics, name, id) = (dp.clone(), metrics.clone(), b.name.clone(), b.id);
                 drop(tokio::task::spawn_blocking(move || {
-                    kill_direct(&dp, &metrics, &name, id, &server, reason);
+                    kill_direct(&dp, &metrics, &name, id, &server, reason, gone);
                 }));
             }
         }
@@ -122,7 +127,8 @@ fn abort_newly_failed(
 
 /// Destroy the connect-time sockets balancer `id`'s programs sent to `server` (netlink
 /// `SOCK_DESTROY`, in each socket's own network namespace) and count them in
-/// `lb_connections_killed_total`; once more after [`SWEEP_AGAIN_AFTER`]. Blocking.
+/// `lb_connections_killed_total`; with `again` (the server is out of the table), once more
+/// after [`SWEEP_AGAIN_AFTER`]. Blocking.
 fn kill_direct(
     dp: &Datapath,
     metrics: &Metrics,
@@ -130,13 +136,16 @@ fn kill_direct(
     id: u32,
     server: &ServerAddr,
     reason: KillReason,
+    again: bool,
 ) {
     let Some(addr) = server.socket_addr() else {
         return;
     };
     sweep(dp, metrics, balancer, id, (server, addr), reason);
-    std::thread::sleep(SWEEP_AGAIN_AFTER);
-    sweep(dp, metrics, balancer, id, (server, addr), reason);
+    if again {
+        std::thread::sleep(SWEEP_AGAIN_AFTER);
+        sweep(dp, metrics, balancer, id, (server, addr), reason);
+    }
 }
 
 /// One sweep of [`kill_direct`].
