@@ -54,6 +54,10 @@ pub const GLOBAL_OFF_ULP_OPS: &str = "LB_OFF_ULP_OPS";
 /// client's socket. 0: lb never pairs and every byte is copied; the verifier drops the code
 /// behind it, so such kernels still load the program.
 pub const GLOBAL_KERNEL_READS: &str = "LB_KERNEL_READS";
+/// Global of the sockops program: byte offset (`u32`) of `struct sock::sk_err` (an `int`), from
+/// the running kernel's BTF; 0 when lb could not have it (no BTF, or `bpf_probe_read_kernel`
+/// refused to sockops programs), and then [`ConnectEvent::err`] is always 0.
+pub const GLOBAL_OFF_SK_ERR: &str = "LB_OFF_SK_ERR";
 /// `u32`, 1 to let blocking clients splice past the credit (`datapath.blocking_splice` and the
 /// kernel features it needs), 0 to treat every client as non-blocking. The verifier drops the
 /// code behind a 0, so kernels without the helpers it calls still load the program.
@@ -92,13 +96,14 @@ const _: () =
     assert!(kernel_log_due(3 * KERNEL_LOG_EVERY) && !kernel_log_due(3 * KERNEL_LOG_EVERY + 2));
 
 /// Every program name, for the ELF check.
-pub const PROG_NAMES: [&str; 6] = [
+pub const PROG_NAMES: [&str; 7] = [
     PROG_SOCKOPS,
     PROG_SK_MSG,
     PROG_CONNECT4,
     PROG_CONNECT6,
     PROG_GETPEERNAME4,
     PROG_GETPEERNAME6,
+    PROG_CONNECT_RELEASE,
 ];
 
 /// cgroup `connect4` program (4.17+): rewrites a TCP `connect()` to a connect-mode listener into
@@ -112,17 +117,25 @@ pub const PROG_CONNECT6: &str = "lb_connect6";
 pub const PROG_GETPEERNAME4: &str = "lb_getpeername4";
 /// cgroup `getpeername6` program (5.8+): as [`PROG_GETPEERNAME4`] for IPv6 sockets.
 pub const PROG_GETPEERNAME6: &str = "lb_getpeername6";
+/// cgroup `sock_release` program (5.9+): when a socket's last descriptor is closed, removes its
+/// [`MAP_CONNECT_SOCKS`] record (uncounting it if it was counted), also of a connect that failed
+/// before the sockops program saw it (its record would otherwise stay until the LRU evicts it).
+pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
 
 /// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
 /// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
 pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";
-/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb (an update swaps the
-/// element, so the programs never see half a table).
+/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb. An update links a new
+/// element in place of the old one, but the kernel reuses the old one at once (preallocated
+/// hash: it becomes the CPU's spare element, `htab->extra_elems`, and the next update of any key
+/// on that CPU is copied into it), so a program still reading it can see a mix of two tables if
+/// lb writes twice within that read (microseconds). lb writes tables rarely (on state changes).
 pub const MAP_CONNECT_TABLES: &str = "LB_CONNECT_TABLES";
 /// Per-CPU array indexed by balancer id → round-robin counter (`u32`, one per CPU).
 pub const MAP_CONNECT_RR: &str = "LB_CONNECT_RR";
 /// LRU hash: socket cookie (`u64`) → [`ConnectOrig`] of every socket a connect program
-/// rewrote; the sockops program removes it when the socket closes.
+/// rewrote; removed when the socket's descriptor is released ([`PROG_CONNECT_RELEASE`]) or
+/// when the sockops program sees it close, whichever comes first.
 pub const MAP_CONNECT_SOCKS: &str = "LB_CONNECT_SOCKS";
 /// Hash: [`ConnectCountKey`] → established connect-time sockets (`u64`, changed with atomic
 /// adds by the sockops program; a decrement is an add of `u64::MAX`).
@@ -130,12 +143,13 @@ pub const MAP_CONNECT_COUNTS: &str = "LB_CONNECT_COUNTS";
 /// Ring buffer of [`ConnectEvent`]s: passive health signals of connect-time sockets (a
 /// rewritten connect that failed, a retransmission timeout on an established one).
 pub const MAP_CONNECT_EVENTS: &str = "LB_CONNECT_EVENTS";
-/// Size of [`MAP_CONNECT_EVENTS`] in bytes (a power of two, a multiple of the page size): 1638
-/// events of 40 bytes (plus the ring's 8-byte header each) before the kernel drops and counts
+/// Size of [`MAP_CONNECT_EVENTS`] in bytes (a power of two, a multiple of the page size): 1170
+/// events of 48 bytes (plus the ring's 8-byte header each) before the kernel drops and counts
 /// [`BalancerStats::connect_event_drops`].
 pub const CONNECT_EVENTS_RING_BYTES: u32 = 64 * 1024;
 /// [`ConnectEvent::kind`]: a rewritten connect went from `SYN_SENT` to `CLOSE` (refused by a
-/// reset, its SYN retries ran out, or the client gave up on it).
+/// reset, its SYN retries ran out, or the client gave up on it: [`ConnectEvent::err`] tells
+/// which).
 pub const EVENT_CONNECT_FAILED: u32 = 1;
 /// [`ConnectEvent::kind`]: the first retransmission timeout of an established connect-time
 /// socket (one per socket).
@@ -245,12 +259,20 @@ pub struct ConnectEvent {
     pub kind: u32,
     /// The socket's cookie (lb ignores the failures of sockets it destroyed itself).
     pub cookie: u64,
+    /// For [`EVENT_CONNECT_FAILED`], the socket's error (`sk_err`, a positive errno) when it
+    /// closed: `ECONNREFUSED` (reset by the server), `ETIMEDOUT` (SYN retries ran out),
+    /// `EHOSTUNREACH`/`ENETUNREACH` (ICMP), 0 when the client closed it itself (or lb cannot
+    /// read it, see [`GLOBAL_OFF_SK_ERR`]). 0 for [`EVENT_RTO`].
+    pub err: u32,
+    /// Explicit padding, always 0.
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<ConnectEvent>() == 40);
+const _: () = assert!(size_of::<ConnectEvent>() == 48);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 10] = [
+pub const GLOBAL_NAMES: [&str; 11] = [
     GLOBAL_OWN_TGID,
+    GLOBAL_OFF_SK_ERR,
     GLOBAL_OFF_WRITE_SEQ,
     GLOBAL_OFF_ULP_OPS,
     GLOBAL_KERNEL_READS,

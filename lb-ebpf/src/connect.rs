@@ -5,34 +5,45 @@
 //! rewritten socket is recorded by its cookie; the sockops program counts it per server once
 //! it is established and forgets it when it closes ([`on_established`], [`on_state`]).
 //!
+//! `lb_connect_release` (cgroup `sock_release`) removes a socket's record when its last
+//! descriptor is closed ([`on_release`]): a connect that fails before `TCP_CONNECT_CB`
+//! (`EINVAL`, `ENETUNREACH`, `EADDRNOTAVAIL`, `EPERM` from another hook) never reaches
+//! `STATE_CB`, and its record would stay in the LRU map, evicting live ones.
+//!
 //! Passive health: from its `connect()` on ([`on_connect`], sockops `TCP_CONNECT_CB`) a
 //! rewritten socket reports its state changes and retransmission timeouts. A connect that goes
-//! from `SYN_SENT` to `CLOSE` (refused, timed out, or given up) and the first RTO of an
-//! established socket reach lb as [`ConnectEvent`]s on `LB_CONNECT_EVENTS`: at most one of each
-//! kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the ring
-//! is full, so a storm of failing connects cannot flood lb.
+//! from `SYN_SENT` to `CLOSE` while its descriptor is open (refused, timed out; a client that
+//! gives up closes it, and [`on_release`] forgets it first) and the first RTO of an
+//! established socket reach lb as [`ConnectEvent`]s on `LB_CONNECT_EVENTS`, a failed connect
+//! with the socket's error (`sk_err`) so lb counts only the server's failures: at most one of
+//! each kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the
+//! ring is full, so a storm of failing connects cannot flood lb.
 //!
 //! Minimum kernel: 4.17 for connect4/6, 5.8 for getpeername4/6 (lb attaches all four or
-//! none); `bpf_get_socket_cookie` in sock_addr and sockops programs.
+//! none), 5.9 for sock_release (optional: without it failed connects leak records until the
+//! LRU evicts them); `bpf_get_socket_cookie` in sock_addr, sock and sockops programs.
 
 use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB_FLAG,
         BPF_TCP_SYN_SENT,
     },
-    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie},
-    macros::{cgroup_sock_addr, map},
+    cty::c_void,
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_skc_to_tcp_sock,
+    },
+    macros::{cgroup_sock, cgroup_sock_addr, map},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
-    programs::{SockAddrContext, SockOpsContext},
+    programs::{SockAddrContext, SockContext, SockOpsContext},
 };
 use lb_common::{
     AF_INET, AF_INET6, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
     CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable,
-    EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OWN_TGID, ListenerKey, MAP_CONNECT_COUNTS,
-    MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SOCKS,
-    MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS,
-    MAX_LISTENERS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
-    REPORTED_RTO,
+    EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, GLOBAL_OWN_TGID, ListenerKey,
+    MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR,
+    MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS,
+    MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6,
+    PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO,
 };
 
 named_as!(
@@ -43,6 +54,8 @@ named_as!(
     LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
     LB_CONNECT_EVENTS = MAP_CONNECT_EVENTS,
     LB_OWN_TGID = GLOBAL_OWN_TGID,
+    LB_OFF_SK_ERR = GLOBAL_OFF_SK_ERR,
+    lb_connect_release = PROG_CONNECT_RELEASE,
     lb_connect4 = PROG_CONNECT4,
     lb_connect6 = PROG_CONNECT6,
     lb_getpeername4 = PROG_GETPEERNAME4,
@@ -77,6 +90,9 @@ const CB_FLAGS: i32 = (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as
 // lb's own tgid, set at load time: its sockets are never rewritten.
 #[unsafe(no_mangle)]
 static LB_OWN_TGID: u32 = 0;
+// `struct sock::sk_err` offset (bytes), set at load time from the kernel's BTF; 0 when unknown.
+#[unsafe(no_mangle)]
+static LB_OFF_SK_ERR: u32 = 0;
 
 /// Allow the syscall (the only verdict these programs give; a getpeername program may return
 /// nothing else).
@@ -98,6 +114,12 @@ pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
     match try_connect(&ctx, true) {
         Ok(()) | Err(()) => ALLOW,
     }
+}
+
+#[cgroup_sock(sock_release)]
+pub fn lb_connect_release(ctx: SockContext) -> i32 {
+    on_release(&ctx);
+    ALLOW
 }
 
 #[cgroup_sock_addr(getpeername4)]
@@ -201,7 +223,9 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let Some(table) = LB_CONNECT_TABLES.get_ptr(&balancer) else {
         return Ok(());
     };
-    // SAFETY: lb replaces the element whole (hash update), so this pointer is a stable copy.
+    // SAFETY: a live map value. lb replaces it whole, but the kernel reuses the replaced
+    // element for the next update at once (see lb_common::MAP_CONNECT_TABLES): two table
+    // writes during this read could mix two tables. The read is a few loads long.
     let table = unsafe { &*table };
     let count = table.count as usize;
     if count == 0 || count > MAX_CONNECT_SERVERS {
@@ -373,7 +397,7 @@ pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
     };
     // SAFETY: a live map value; one socket's callbacks run under its lock.
     let orig = unsafe { &mut *orig };
-    if orig.established == 0 && ctx.set_cb_flags(CB_FLAGS).is_ok() {
+    if orig.established == 0 && crate::add_cb_flags(ctx, CB_FLAGS).is_ok() {
         orig.established = 1;
         count_add(&orig.count, 1);
     }
@@ -390,7 +414,7 @@ pub(crate) fn on_connect(ctx: &SockOpsContext) {
     let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
         return;
     };
-    let _ = ctx.set_cb_flags(CB_FLAGS);
+    let _ = crate::add_cb_flags(ctx, CB_FLAGS);
     // The source port is bound by now: record the socket's own address for lb's kills.
     if let Some(tuple) = crate::client_tuple(ctx) {
         // SAFETY: a live map value; one socket's callbacks run under its lock.
@@ -403,12 +427,14 @@ pub(crate) fn on_connect(ctx: &SockOpsContext) {
 
 /// Send one event to lb; a full ring drops it and counts the drop for the balancer.
 #[inline(always)]
-fn report(orig: &ConnectOrig, kind: u32, cookie: u64) {
+fn report(orig: &ConnectOrig, kind: u32, cookie: u64, err: u32) {
     let ev = ConnectEvent {
         server: orig.count.server,
         balancer: orig.count.balancer,
         kind,
         cookie,
+        err,
+        _pad: 0,
     };
     if LB_CONNECT_EVENTS.output::<ConnectEvent>(&ev, 0).is_err()
         && let Some(stats) = crate::LB_STATS.get_ptr_mut(orig.count.balancer)
@@ -432,13 +458,14 @@ pub(crate) fn on_rto(ctx: &SockOpsContext) {
     if orig.established == 1 && orig.reported & REPORTED_RTO == 0 {
         orig.reported |= REPORTED_RTO;
         let copy = *orig;
-        report(&copy, EVENT_RTO, cookie);
+        report(&copy, EVENT_RTO, cookie, 0);
     }
 }
 
 /// Sockops `STATE_CB` to `TCP_CLOSE` (only sockets [`on_connect`] or [`on_established`] asked
 /// for it, and lb's registered clients): for a connect-time socket, report a connect that never
-/// got established, uncount the socket and forget it. Returns whether it was one.
+/// got established (with the socket's error), uncount the socket and forget it. Returns
+/// whether it was one.
 #[inline(always)]
 pub(crate) fn on_state(ctx: &SockOpsContext) -> bool {
     // SAFETY: the program's own context.
@@ -447,11 +474,68 @@ pub(crate) fn on_state(ctx: &SockOpsContext) -> bool {
     let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
         return false;
     };
-    if orig.established == 1 {
-        count_add(&orig.count, u64::MAX);
-    } else if ctx.arg(0) == BPF_TCP_SYN_SENT {
-        report(&orig, EVENT_CONNECT_FAILED, cookie);
+    if orig.established == 0 && ctx.arg(0) == BPF_TCP_SYN_SENT {
+        report(&orig, EVENT_CONNECT_FAILED, cookie, sock_err(ctx));
     }
-    let _ = LB_CONNECT_SOCKS.remove(&cookie);
+    forget(cookie, &orig);
     true
+}
+
+/// Remove a socket's record and, if it was counted, uncount it. Only the caller whose delete
+/// succeeds uncounts (the delete is atomic under the map's bucket lock), so the sockets'
+/// release and its close, which may run at once on two CPUs, uncount it once.
+#[inline(always)]
+fn forget(cookie: u64, orig: &ConnectOrig) {
+    if LB_CONNECT_SOCKS.remove(&cookie).is_ok() && orig.established == 1 {
+        count_add(&orig.count, u64::MAX);
+    }
+}
+
+/// cgroup `sock_release` (the socket's last descriptor is being closed, before the protocol's
+/// close): forget a connect-time socket, uncounting it if it was counted. The sockops program
+/// then finds no record when it closes: a connect the client gave up on is not reported.
+///
+/// A narrow race is left: a socket whose handshake completes on another CPU while its
+/// descriptor is being closed can be counted after this copy was taken, and stays counted
+/// (+1) until its server leaves the table. Closing the window needs a compare-and-swap,
+/// which this target does not offer (see [`count_add`]).
+#[inline(always)]
+fn on_release(ctx: &SockContext) {
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock.cast()) };
+    // SAFETY: copied out at once.
+    let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
+        return;
+    };
+    forget(cookie, &orig);
+}
+
+/// The socket's pending error (`sk->sk_err`, a positive errno; `tcp_done_with_error` sets it
+/// before the state moves to `CLOSE`): `ECONNREFUSED` after a reset in `SYN_SENT`, `ETIMEDOUT`
+/// (or the ICMP error kept in `sk_err_soft`) when the SYN retries ran out, 0 when the socket
+/// was closed by its owner. 0 also when lb could not give the field's offset.
+#[inline(always)]
+fn sock_err(ctx: &SockOpsContext) -> u32 {
+    // SAFETY: reading a global lb set at load time (frozen: with 0 the verifier drops the rest,
+    // so a kernel that refuses `bpf_probe_read_kernel` to sockops still loads the program).
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_SK_ERR) };
+    if off == 0 {
+        return 0;
+    }
+    // SAFETY: one 8-byte load of bpf_sock_ops.sk (a full socket in STATE_CB, else null).
+    let sk =
+        unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.ops).__bindgen_anon_2.sk)) };
+    if sk.is_null() {
+        return 0;
+    }
+    // The verifier refuses arithmetic on the context's `sk` (a `PTR_TO_SOCKET`); the BTF
+    // pointer `bpf_skc_to_tcp_sock` returns for the same socket may be offset.
+    // SAFETY: sk is this callback's full socket; the helper returns null for anything but TCP.
+    let tp = unsafe { bpf_skc_to_tcp_sock(sk.cast::<c_void>()) } as *const u8;
+    if tp.is_null() {
+        return 0;
+    }
+    crate::read_kernel::<i32>(tp, off)
+        .and_then(|e| u32::try_from(e).ok())
+        .unwrap_or(0)
 }

@@ -249,12 +249,20 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         return Err(1);
     }
     // Its close then forgets the flow and namespace entries (forget_client).
-    let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
+    let _ = add_cb_flags(ctx, BPF_SOCK_OPS_STATE_CB_FLAG as i32);
     if let Some(stats) = LB_STATS.get_ptr_mut(balancer) {
         // SAFETY: per-CPU slot, no other writer on this CPU while we run.
         unsafe { (*stats).registered += 1 };
     }
     Ok(1)
+}
+
+/// Ask for the sockops callbacks in `flags` on this socket, keeping those it already asks for:
+/// `bpf_sock_ops_cb_flags_set` replaces the socket's whole set, which another sockops program
+/// (or lb's other callback) may have chosen.
+#[inline(always)]
+fn add_cb_flags(ctx: &SockOpsContext, flags: i32) -> Result<(), i32> {
+    ctx.set_cb_flags(ctx.cb_flags() as i32 | flags)
 }
 
 /// The tuple of a client socket: its own address as `client`, the address it connected to as

@@ -27,8 +27,10 @@ use serde::{Deserialize, Serialize};
 /// old process keeps serving. Bump it whenever a message, the meaning of a field, or the kernel
 /// map contract (`lb-common`) changes: the new process adopts the old one's maps and programs.
 ///
-/// Version 2: [`Hello::balancer_ids`], [`Hello::retired_balancer_ids`], [`Message::Stopped`],
-/// and the splice map layout in which `FlowState` and `PairCtl` carry the client socket's cookie.
+/// Version 2: [`Hello::balancer_ids`], [`Hello::retired_balancer_ids`], [`Message::Stopped`];
+/// the splice map layout in which `FlowState` and `PairCtl` carry the client socket's cookie;
+/// `ConnectEvent` carrying the socket's error (48 bytes); the `lb_connect_release` program's
+/// link handed over.
 pub const VERSION: u32 = 2;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.

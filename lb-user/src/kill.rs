@@ -186,7 +186,8 @@ pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError>
 }
 
 /// Destroy `targets`, 64 requests per `sendmsg`, each acknowledged; a socket that closed
-/// meanwhile (`ENOENT`) is skipped.
+/// meanwhile is skipped: `ENOENT` when no socket has its addresses, `ESTALE` when another
+/// socket has them now (its cookie differs; `sock_diag_check_cookie` in the kernel).
 ///
 /// # Errors
 /// [`KillError::Unsupported`] at the first refusal; the first other error only when nothing
@@ -205,7 +206,7 @@ fn destroy_all(nl: &Netlink, targets: Vec<Target>) -> Result<NodeKill, KillError
         let mut unsupported = false;
         nl.receive_acks(first, n, |r| match r {
             Ok(()) => done.destroyed += 1,
-            Err(Errno::ENOENT) => {}
+            Err(Errno::ENOENT | Errno::ESTALE) => {}
             Err(Errno::EOPNOTSUPP) => unsupported = true,
             Err(e) => {
                 first_error.get_or_insert(KillError::Destroy(e));
@@ -229,7 +230,7 @@ fn own_target(local: SocketAddr, peer: SocketAddr) -> Target {
 }
 
 /// The socket id of the socket `local` → `peer` with cookie bytes `cookie` (the kernel
-/// compares them with the socket's own and answers `ENOENT` on a mismatch).
+/// compares them with the socket's own and answers `ESTALE` on a mismatch).
 fn target(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Target {
     let family = if local.is_ipv4() {
         libc::AF_INET

@@ -110,6 +110,117 @@ impl TestCgroup {
     }
 }
 
+/// `bpf(2)` commands and constants from `<linux/bpf.h>` for [`TestCgroup::count_rtt_callbacks`].
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
+const BPF_CGROUP_SOCK_OPS: u32 = 3;
+const BPF_F_ALLOW_MULTI: u32 = 2;
+
+/// The count of `BPF_SOCK_OPS_RTT_CB` callbacks a sockops program of the test's own saw
+/// ([`TestCgroup::count_rtt_callbacks`]).
+#[derive(Debug)]
+pub struct RttCallbacks {
+    map: std::os::fd::OwnedFd,
+}
+
+impl RttCallbacks {
+    /// RTT callbacks so far.
+    ///
+    /// # Errors
+    /// The map lookup failed.
+    pub fn count(&self) -> Result<u64> {
+        use std::os::fd::AsRawFd as _;
+        let key = 0u32;
+        let mut value = 0u64;
+        let mut attr = [0u8; ATTR_BYTES];
+        attr[0..4].copy_from_slice(&(self.map.as_raw_fd() as u32).to_ne_bytes());
+        attr[8..16].copy_from_slice(&(&raw const key as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(&raw mut value as u64).to_ne_bytes());
+        bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).context("BPF_MAP_LOOKUP_ELEM")?;
+        Ok(value)
+    }
+}
+
+impl TestCgroup {
+    /// Attach a sockops program of another user (not lb) to this cgroup, beside any other
+    /// (`BPF_F_ALLOW_MULTI`): at every callback it asks for RTT callbacks too, keeping the
+    /// socket's other flags (`bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags |
+    /// BPF_SOCK_OPS_RTT_CB_FLAG)`), and counts the `BPF_SOCK_OPS_RTT_CB` callbacks it gets. A
+    /// program that runs after it and sets the flags outright takes its RTT callbacks away.
+    /// The attachment lasts until the cgroup is removed.
+    ///
+    /// # Errors
+    /// The kernel refused the map, the load or the attach (errno in the message).
+    pub fn count_rtt_callbacks(&self) -> Result<RttCallbacks> {
+        use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+        let mut attr = [0u8; ATTR_BYTES];
+        for (i, v) in [BPF_MAP_TYPE_ARRAY, 4, 8, 1].iter().enumerate() {
+            attr[i * 4..i * 4 + 4].copy_from_slice(&v.to_ne_bytes());
+        }
+        let map = bpf(BPF_MAP_CREATE, &mut attr).context("BPF_MAP_CREATE of an array")?;
+        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        let map = unsafe { OwnedFd::from_raw_fd(map) };
+        let insns = rtt_counter_insns(map.as_raw_fd());
+        let license = b"GPL\0";
+        let mut attr = [0u8; ATTR_BYTES];
+        attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SOCK_OPS.to_ne_bytes());
+        attr[4..8].copy_from_slice(&((insns.len() / 8) as u32).to_ne_bytes());
+        attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+        let prog = bpf(BPF_PROG_LOAD, &mut attr).context("BPF_PROG_LOAD of a sockops program")?;
+        // SAFETY: as above.
+        let prog = unsafe { OwnedFd::from_raw_fd(prog) };
+        let cg = std::fs::File::open(&self.path)?;
+        let mut attr = [0u8; ATTR_BYTES];
+        attr[0..4].copy_from_slice(&(cg.as_raw_fd() as u32).to_ne_bytes());
+        attr[4..8].copy_from_slice(&(prog.as_raw_fd() as u32).to_ne_bytes());
+        attr[8..12].copy_from_slice(&BPF_CGROUP_SOCK_OPS.to_ne_bytes());
+        attr[12..16].copy_from_slice(&BPF_F_ALLOW_MULTI.to_ne_bytes());
+        bpf(BPF_PROG_ATTACH, &mut attr).context("BPF_PROG_ATTACH to cgroup/sock_ops")?;
+        Ok(RttCallbacks { map })
+    }
+}
+
+/// The instructions of [`TestCgroup::count_rtt_callbacks`]'s program, `map` the counter array.
+/// `struct bpf_sock_ops` offsets: `op` 0, `bpf_sock_ops_cb_flags` 84; `BPF_SOCK_OPS_RTT_CB`
+/// is 12, `BPF_SOCK_OPS_RTT_CB_FLAG` 8, helpers 1 (`map_lookup_elem`) and 59
+/// (`sock_ops_cb_flags_set`), all from `<linux/bpf.h>`.
+fn rtt_counter_insns(map: i32) -> Vec<u8> {
+    // (opcode, dst, src, off, imm) in the kernel's `struct bpf_insn` layout.
+    let insns: [(u8, u8, u8, i16, i32); 20] = [
+        (0xbf, 6, 1, 0, 0),   // r6 = r1
+        (0x61, 2, 6, 0, 0),   // r2 = ctx->op
+        (0x15, 2, 0, 6, 12),  // if r2 == RTT_CB goto count
+        (0x61, 2, 6, 84, 0),  // r2 = ctx->bpf_sock_ops_cb_flags
+        (0x47, 2, 0, 0, 8),   // r2 |= RTT_CB_FLAG
+        (0xbf, 1, 6, 0, 0),   // r1 = r6
+        (0x85, 0, 0, 0, 59),  // call sock_ops_cb_flags_set
+        (0xb7, 0, 0, 0, 1),   // r0 = 1
+        (0x95, 0, 0, 0, 0),   // exit
+        (0x18, 1, 1, 0, map), // count: r1 = map (ld_imm64, pseudo map fd)
+        (0x00, 0, 0, 0, 0),   //   (second half)
+        (0xbf, 2, 10, 0, 0),  // r2 = r10
+        (0x07, 2, 0, 0, -4),  // r2 += -4
+        (0x62, 10, 0, -4, 0), // *(u32 *)(r10 - 4) = 0
+        (0x85, 0, 0, 0, 1),   // call map_lookup_elem
+        (0x15, 0, 0, 2, 0),   // if r0 == 0 goto out
+        (0xb7, 1, 0, 0, 1),   // r1 = 1
+        (0xdb, 0, 1, 0, 0),   // lock *(u64 *)(r0 + 0) += r1
+        (0xb7, 0, 0, 0, 1),   // out: r0 = 1
+        (0x95, 0, 0, 0, 0),   // exit
+    ];
+    let mut out = Vec::with_capacity(insns.len() * 8);
+    for (op, dst, src, off, imm) in insns {
+        out.push(op);
+        out.push(dst | (src << 4));
+        out.extend_from_slice(&off.to_ne_bytes());
+        out.extend_from_slice(&imm.to_ne_bytes());
+    }
+    out
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
         // Processes still inside (a failed test's clients) are killed first.

@@ -9,6 +9,7 @@
 mod cgroup;
 mod client;
 mod cmd;
+mod connect;
 mod deploy;
 mod dns;
 mod etcd;
@@ -21,9 +22,10 @@ mod stream;
 mod tmp;
 mod upgrading;
 
-pub use cgroup::{TestCgroup, cgroup2_root};
+pub use cgroup::{RttCallbacks, TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, placed_command, run_client};
 pub use cmd::{lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
+pub use connect::ConnectLb;
 pub use deploy::{
     configmap_entry, container_args, repo_file, setpriv_as, unit_values, yaml_scalar,
 };

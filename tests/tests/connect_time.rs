@@ -10,13 +10,12 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
+    ConnectLb, Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
     skip_unless_root,
 };
 use serde_json::Value;
@@ -66,17 +65,19 @@ fall = {fall}
 on_unhealthy = "kill"
 "#;
 
-struct Setup {
-    hosts: Vec<Host>,
-    cg: TestCgroup,
-    lb: Lb,
-    listen: SocketAddr,
-    config: PathBuf,
+/// [`ConnectLb`] and what these tests do with it.
+struct Setup(ConnectLb);
+
+impl std::ops::Deref for Setup {
+    type Target = ConnectLb;
+    fn deref(&self) -> &ConnectLb {
+        &self.0
+    }
 }
 
-impl Drop for Setup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.config);
+impl std::ops::DerefMut for Setup {
+    fn deref_mut(&mut self) -> &mut ConnectLb {
+        &mut self.0
     }
 }
 
@@ -103,40 +104,7 @@ impl Setup {
     /// lb with config `text` (its `{port}` replaced by a free port for the listener) in front
     /// of `hosts`; returns once no server is UNCHECKED and the table was written.
     fn with_config(hosts: Vec<Host>, text: &str) -> Result<Setup> {
-        let cg = TestCgroup::new()?;
-        let port = free_port()?;
-        let text = text.replace("{port}", &port.to_string());
-        let config =
-            std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
-        std::fs::write(&config, &text)?;
-        let lb = Lb::start(&[
-            "--config",
-            &config.display().to_string(),
-            "--cgroup",
-            &cg.path.display().to_string(),
-        ])?;
-        let s = Setup {
-            hosts,
-            cg,
-            lb,
-            listen: format!("127.0.0.1:{port}").parse()?,
-            config,
-        };
-        s.lb.wait_settled(Duration::from_secs(10))?;
-        lb_tests::wait_until(Duration::from_secs(5), || {
-            Ok(s.lb.log_text().contains("connect-time table updated"))
-        })?;
-        let st = s.lb.status()?;
-        ensure!(
-            st["balancers"][0]["forwarding"] == "connect",
-            "forwarding should be connect: {st}\n{}",
-            s.lb.log_text()
-        );
-        Ok(s)
-    }
-
-    fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
+        Ok(Setup(ConnectLb::start(hosts, text)?))
     }
 
     fn server(&self, i: usize) -> String {
@@ -176,21 +144,6 @@ impl Setup {
             let (r, done) = client.join().expect("client thread");
             Ok((r?, done, failed, t0))
         })
-    }
-
-    /// State and connection count of the server at `addr` from `/status`.
-    fn status_of(&self, addr: &str) -> Result<(String, u64)> {
-        let st = self.lb.status()?;
-        let s = st["balancers"][0]["servers"]
-            .as_array()
-            .context("servers")?
-            .iter()
-            .find(|s| s["address"] == addr)
-            .with_context(|| format!("{addr} not in /status: {st}"))?;
-        Ok((
-            s["state"].as_str().unwrap_or("").to_string(),
-            s["connections"].as_u64().unwrap_or(0),
-        ))
     }
 
     /// `lb servers --balancer api <args>` through the CLI (the admin API).
@@ -712,7 +665,8 @@ fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
 
 /// Servers `s0:9001` (host up, nothing listening: a connect is refused with a reset) and
 /// `s1:9000`; the check asks port 9000 of each host (`{host}`), so both pass it, and its 30 s
-/// interval leaves only passive signals to fail `s0:9001` during the test.
+/// interval leaves only passive signals to fail `s0:9001` during the test. A refused connect
+/// counts toward `passive_reset_limit`; at 1, each is one failed check.
 const PASSIVE_CONFIG: &str = r#"
 [datapath]
 mode = "bpf"
@@ -733,6 +687,7 @@ timeout = "1s"
 rise = 1
 fall = {fall}
 passive = true
+passive_reset_limit = 1
 on_unhealthy = "kill"
 "#;
 

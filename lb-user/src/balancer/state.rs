@@ -138,7 +138,8 @@ pub enum Failure {
     Check(String),
     /// A dial by the proxy failed (counted with `health.passive`).
     Dial(String),
-    /// This many consecutive connections were reset by the server (`passive_reset_limit`).
+    /// This many consecutive connections were reset by the server, or connect-time connects
+    /// refused or timed out (`passive_reset_limit`).
     Resets(u32),
 }
 
@@ -147,7 +148,10 @@ impl fmt::Display for Failure {
         match self {
             Failure::Check(e) => f.write_str(e),
             Failure::Dial(e) => write!(f, "dial: {e}"),
-            Failure::Resets(n) => write!(f, "{n} connections reset by the server"),
+            Failure::Resets(n) => write!(
+                f,
+                "{n} connections reset, refused or timed out by the server"
+            ),
         }
     }
 }
@@ -179,6 +183,9 @@ pub(super) struct Server {
     pub(super) consecutive_successes: u32,
     /// Resets by the server since the last passing check (passive signal).
     pub(super) passive_resets: u32,
+    /// When a retransmission timeout last counted as a reset of this server: RTOs within one
+    /// check interval after it (one network blip hits many sockets) count no more.
+    pub(super) rto_counted_at: Option<Instant>,
     pub(super) last_check: Option<SystemTime>,
     pub(super) last_check_at: Option<Instant>,
     pub(super) last_error: Option<String>,
@@ -209,6 +216,7 @@ impl Server {
             consecutive_failures: 0,
             consecutive_successes: 0,
             passive_resets: 0,
+            rto_counted_at: None,
             last_check: None,
             last_check_at: None,
             last_error: None,

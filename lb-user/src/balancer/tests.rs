@@ -136,6 +136,26 @@ fn passive_resets_fail_a_server_only_at_the_limit() {
     assert_eq!(states(&b), [ServerState::Failed]);
 }
 
+/// Retransmission timeouts within one check interval (1 s here) count as one reset, however
+/// many sockets a blip hits; a server-failed connect counts as one reset each.
+#[test]
+fn rtos_count_once_per_interval_and_failed_connects_as_resets() {
+    let s = a("198.18.0.2:1");
+    let b = balancer(&["198.18.0.2:1"], None, Policy::Failover);
+    b.record_check(&s, Ok(()));
+    b.record_check(&s, Ok(()));
+    for _ in 0..20 {
+        assert!(!b.record_rto(&s));
+    }
+    // One reset counted so far: eight more stay below the limit of 10, the ninth reaches it.
+    for _ in 0..8 {
+        assert!(!b.record_connect_failure(&s));
+    }
+    assert_eq!(states(&b), [ServerState::Preferred]);
+    assert!(b.record_connect_failure(&s));
+    assert_eq!(states(&b), [ServerState::Failed]);
+}
+
 #[test]
 fn round_robin_spreads_over_usable() {
     let b = balancer(

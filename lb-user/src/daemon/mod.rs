@@ -3,6 +3,7 @@
 //! The admin API sees it only through a [`Handle`].
 
 mod adopt;
+mod connect;
 pub mod ids;
 pub mod reload;
 pub mod upgrade;
@@ -26,10 +27,10 @@ use tracing::{error, info, warn};
 use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
-    config::{Config, DatapathMode, Forwarding, Overrides, Policy},
-    datapath::{ConnectPolicy, Datapath, PassiveKind, PassiveSink},
+    config::{Config, DatapathMode, Forwarding, Overrides},
+    datapath::Datapath,
     health::HealthService,
-    metrics::{KillLabels, Metrics, ModeLabel, PassiveLabels},
+    metrics::{KillLabels, Metrics, ModeLabel},
     proxy::{self, PreDial, ProxyCtx},
 };
 
@@ -167,224 +168,12 @@ fn decide_forwarding(
     out
 }
 
-/// A server whose connect-time sockets are to be ended, and why.
-type DirectKill = (ServerAddr, KillReason);
-
-/// Keep balancer `b`'s connect-time table current: written now and after every change of its
-/// servers' states, set or config, until `stop`. Kills of a server's connections arrive on
-/// `kills`: the table is rewritten first (so a client that reconnects at once is not sent back
-/// to that server), then the sockets the kernel sent there are destroyed.
-async fn sync_connect_table(
-    b: Arc<Balancer>,
-    dp: Arc<Datapath>,
-    metrics: Arc<Metrics>,
-    mut kills: tokio::sync::mpsc::UnboundedReceiver<DirectKill>,
-    stop: CancellationToken,
-) {
-    let mut changed = b.changed.subscribe();
-    let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
-    let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
-    loop {
-        // A server that just turned FAILED: with `on_unhealthy = "kill"` its kill aborts every
-        // connect-time socket sent there; otherwise the connects still in SYN_SENT are
-        // aborted here, so no client waits out the kernel's SYN retries.
-        let failed_now: std::collections::HashSet<ServerAddr> = b
-            .status()
-            .into_iter()
-            .filter(|s| s.state == crate::balancer::ServerState::Failed)
-            .map(|s| s.address)
-            .collect();
-        if b.config().health.on_unhealthy != crate::config::OnUnhealthy::Kill {
-            for server in failed_now.difference(&failed) {
-                let (dp, metrics, name, id, server) = (
-                    dp.clone(),
-                    metrics.clone(),
-                    b.name.clone(),
-                    b.id,
-                    server.clone(),
-                );
-                drop(tokio::task::spawn_blocking(move || {
-                    abort_connecting(&dp, &metrics, &name, id, &server);
-                }));
-            }
-        }
-        failed = failed_now;
-        let policy = match b.config().policy {
-            Policy::Failover => ConnectPolicy::First,
-            Policy::RoundRobin => ConnectPolicy::RoundRobin,
-            Policy::Random => ConnectPolicy::Random,
-            Policy::LeastConnections => ConnectPolicy::LeastConnections,
-        };
-        let servers: Vec<SocketAddr> = b
-            .connect_table()
-            .iter()
-            .filter_map(ServerAddr::socket_addr)
-            .collect();
-        let now = (policy, servers);
-        if last.as_ref() != Some(&now) {
-            match dp.set_connect_table(b.id, now.0, &now.1) {
-                Ok(()) => {
-                    let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
-                    info!(balancer = %b.name, policy = ?now.0, servers = %list.join(","), "connect-time table updated");
-                }
-                Err(e) => {
-                    warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
-                }
-            }
-            last = Some(now);
-        }
-        tokio::select! {
-            () = stop.cancelled() => return,
-            r = changed.changed() => if r.is_err() { return },
-            k = kills.recv() => {
-                let Some((server, reason)) = k else { return };
-                // Rewrite the table before the kill (the loop does it when the state moved).
-                let servers: Vec<SocketAddr> = b
-                    .connect_table()
-                    .iter()
-                    .filter_map(ServerAddr::socket_addr)
-                    .collect();
-                if last.as_ref().is_none_or(|l| l.1 != servers) {
-                    let policy = last.as_ref().map_or(ConnectPolicy::First, |l| l.0);
-                    if dp.set_connect_table(b.id, policy, &servers).is_ok() {
-                        last = Some((policy, servers));
-                    }
-                }
-                let (dp, metrics, name, id) = (dp.clone(), metrics.clone(), b.name.clone(), b.id);
-                drop(tokio::task::spawn_blocking(move || {
-                    kill_direct(&dp, &metrics, &name, id, &server, reason);
-                }));
-            }
-        }
-    }
-}
-
-/// Destroy the connect-time sockets balancer `id`'s programs sent to `server` (netlink
-/// `SOCK_DESTROY`, in each socket's own network namespace) and count them in
-/// `lb_connections_killed_total`. Blocking.
-fn kill_direct(
-    dp: &Datapath,
-    metrics: &Metrics,
-    balancer: &str,
-    id: u32,
-    server: &ServerAddr,
-    reason: KillReason,
-) {
-    let Some(addr) = server.socket_addr() else {
-        return;
-    };
-    let began = std::time::Instant::now();
-    let sockets = dp.connect_sockets(id, addr);
-    // Their close is lb's doing: not a failed connect of the server.
-    dp.ignore_events_of(&sockets);
-    match crate::kill::destroy_connect_sockets(addr, &sockets) {
-        Ok(k) => {
-            count_netns_failures(metrics, balancer, k.netns_failures);
-            if k.destroyed > 0 {
-                let ms = began.elapsed().as_millis();
-                warn!(%balancer, %server, found = k.found, destroyed = k.destroyed, reason = reason.label(), ms, "killed connect-time connections");
-                metrics
-                    .connections_killed
-                    .get_or_create(&KillLabels {
-                        balancer: balancer.to_string(),
-                        server: server.to_string(),
-                        reason: reason.label().into(),
-                    })
-                    .inc_by(k.destroyed as u64);
-            }
-        }
-        Err(e) => {
-            warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot kill connect-time connections");
-        }
-    }
-}
-
-/// Count connect-time sockets a kill could not reach in their own network namespace (each
-/// process was logged with its pid by the kill) in `lb_connect_kill_netns_failures_total`.
-fn count_netns_failures(metrics: &Metrics, balancer: &str, n: usize) {
-    if n > 0 {
-        metrics
-            .connect_kill_netns_failures
-            .get_or_create(&crate::metrics::BalancerLabel {
-                balancer: balancer.to_string(),
-            })
-            .inc_by(n as u64);
-    }
-}
-
-/// Where connect-time sockets' reports go: counted in `lb_passive_events_total`, then, with
-/// `health.passive`, a failed connect as a failed dial of its server (one failed check, as the
-/// proxy's) and an RTO as a reset by it (toward `passive_reset_limit`). Runs on the
-/// `lb-passive` thread.
-fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
-    let weak = Arc::downgrade(daemon);
-    Arc::new(move |id, addr, kind| {
-        let Some(d) = weak.upgrade() else { return };
-        let _rt = d.runtime.enter();
-        let bs = d.balancers.load();
-        let Some(b) = bs.iter().find(|b| b.id == id) else {
-            return;
-        };
-        let Some(server) = b.server_at(addr) else {
-            return;
-        };
-        d.metrics
-            .passive_events
-            .get_or_create(&PassiveLabels {
-                balancer: b.name.clone(),
-                server: server.to_string(),
-                kind: kind.label().into(),
-            })
-            .inc();
-        tracing::debug!(balancer = %b.name, %server, kind = kind.label(), "connect-time passive signal");
-        match kind {
-            PassiveKind::ConnectFailed => b.record_dial(
-                &server,
-                Err("connect-time connect failed (refused, timed out or abandoned)".into()),
-            ),
-            PassiveKind::Rto => {
-                b.record_server_reset(&server);
-            }
-        }
-    })
-}
-
-/// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
-/// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
-/// its established connections to `on_unhealthy`. Blocking.
-fn abort_connecting(
-    dp: &Datapath,
-    metrics: &Metrics,
-    balancer: &str,
-    id: u32,
-    server: &ServerAddr,
-) {
-    let Some(addr) = server.socket_addr() else {
-        return;
-    };
-    let sockets = dp.connect_sockets(id, addr);
-    dp.ignore_events_of(&sockets);
-    let r = crate::kill::destroy_connecting(addr, &sockets);
-    if let Ok(k) = &r {
-        count_netns_failures(metrics, balancer, k.netns_failures);
-    }
-    match r {
-        Ok(k) if k.destroyed > 0 => {
-            warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
-        }
-        Ok(_) => {}
-        Err(e) => {
-            warn!(%balancer, %server, error = %crate::errors::chain(&e), "cannot abort connect-time connects");
-        }
-    }
-}
-
 /// Counts kills in `lb_connections_killed_total`, runs the node-wide kill and ends the
 /// connect-time sockets of a killed server.
 struct KillCounter {
     metrics: Arc<Metrics>,
     /// Per connect-mode balancer id, its table task's kill queue.
-    direct: std::collections::HashMap<u32, tokio::sync::mpsc::UnboundedSender<DirectKill>>,
+    direct: std::collections::HashMap<u32, tokio::sync::mpsc::UnboundedSender<connect::DirectKill>>,
 }
 
 impl Observer for KillCounter {
@@ -611,7 +400,7 @@ impl Daemon {
         if let Some(dp) = &daemon.datapath {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
-                    let sync = sync_connect_table(
+                    let sync = connect::sync_table(
                         b.clone(),
                         dp.clone(),
                         daemon.metrics.clone(),
@@ -637,8 +426,10 @@ impl Daemon {
                     go.cancelled().await;
                     let mut started = dp.start_refresher(daemon2.background.clone());
                     if want_passive && started.is_ok() {
-                        started =
-                            dp.start_passive(daemon2.background.clone(), passive_sink(&daemon2));
+                        started = dp.start_passive(
+                            daemon2.background.clone(),
+                            connect::passive_sink(&daemon2),
+                        );
                     }
                     if let Err(e) = started {
                         error!(error = %e, "cannot start the kernel data path's readers");
@@ -647,7 +438,7 @@ impl Daemon {
             } else {
                 dp.start_refresher(daemon.background.clone())?;
                 if !connect_ids.is_empty() {
-                    dp.start_passive(daemon.background.clone(), passive_sink(&daemon))?;
+                    dp.start_passive(daemon.background.clone(), connect::passive_sink(&daemon))?;
                 }
                 dp.start_kernel_log(daemon.background.clone());
             }

@@ -129,6 +129,19 @@ pub fn sock_offsets(path: &Path) -> Result<SockOffsets, BtfError> {
     })
 }
 
+/// Read the offset of `struct sock::sk_err` (an `int`: the socket's pending error, which the
+/// sockops program reports with a failed connect-time connect) from the BTF file at `path`.
+///
+/// # Errors
+/// [`BtfError`], as [`sock_offsets`].
+pub fn sk_err_offset(path: &Path) -> Result<u32, BtfError> {
+    let data = std::fs::read(path).map_err(|source| BtfError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Btf::parse(&data)?.member_offset("sock", "sk_err")
+}
+
 /// One struct or union: its name and members (name offset, type id, bit offset).
 struct Composite {
     name_off: u32,
@@ -286,6 +299,8 @@ mod tests {
             o.ulp_ops > o.sk_socket && o.ulp_ops < 4096 && o.ulp_ops.is_multiple_of(8),
             "{o:?}"
         );
+        let err = sk_err_offset(path).expect("sk_err");
+        assert!(err > 100 && err < 1024 && err.is_multiple_of(4), "{err}");
     }
 
     #[test]

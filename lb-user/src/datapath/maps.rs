@@ -1,6 +1,7 @@
 //! The BPF maps, behind small typed wrappers: the only place that takes maps out of the loaded
 //! object (by the names in `lb_common`), builds their keys from socket addresses, and decodes
-//! what the kernel writes (ring buffer records). Each wrapper serialises its own operations.
+//! the credit refresh ring's records (the connect-time event ring is read in `passive`). Each
+//! wrapper serialises its own operations.
 //!
 //! Minimum kernel: 5.8 for the ring buffer; the rest is older than the data path's 5.15.
 
@@ -18,13 +19,13 @@ use aya::{
     },
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer,
-    ConnectTable, FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS,
+    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
+    FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS,
     MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS,
     MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
 };
 
-use super::DatapathError;
+use super::{DatapathError, passive::EventRing};
 
 fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
     move |source| DatapathError::Map { map, source }
@@ -166,7 +167,7 @@ impl Maps {
     ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
         let ring =
             RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
-        let events = EventRing(
+        let events = EventRing::new(
             RingBuf::try_from(take(MAP_CONNECT_EVENTS)?).map_err(map_err(MAP_CONNECT_EVENTS))?,
         );
         let dup = |name: &'static str, fd: BorrowedFd<'_>| {
@@ -315,6 +316,29 @@ impl ConnectMaps {
             .collect()
     }
 
+    /// Delete balancer `id`'s count keys of servers not in `keep` whose count is 0 or below
+    /// (a decrement that found its key deleted). Returns how many were deleted.
+    ///
+    /// A socket the programs sent to such a server before the table changed can still be
+    /// counted once it establishes: its key comes back (the increment creates it), and goes
+    /// at a later prune once the socket closed. An increment that looked its key up just
+    /// before this delete is lost, and its socket's decrement leaves the recreated key at -1,
+    /// which the programs read as 0 and the next prune deletes.
+    pub(super) fn prune_counts(&self, id: u32, keep: &[ConnectServer]) -> usize {
+        let mut counts = self.counts.lock().expect("poisoned");
+        let stale: Vec<ConnectCountKey> = counts
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, n)| {
+                k.balancer == id
+                    && !keep.contains(&k.server)
+                    && !i64::try_from(*n).is_ok_and(|v| v > 0)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        stale.iter().filter(|k| counts.remove(k).is_ok()).count()
+    }
+
     /// The sockets the connect programs sent to `server` for balancer `id`: cookie and what
     /// the programs recorded.
     pub(super) fn sockets(&self, id: u32, server: &ConnectServer) -> Vec<(u64, ConnectOrig)> {
@@ -453,52 +477,6 @@ impl AsFd for RefreshRing {
     }
 }
 
-/// `LB_CONNECT_EVENTS`: passive health signals of connect-time sockets. Read by one thread.
-pub(super) struct EventRing(RingBuf<MapData>);
-
-impl EventRing {
-    /// The next event, skipping records that do not decode; `None` when the ring is empty.
-    pub(super) fn next_event(&mut self) -> Option<ConnectEvent> {
-        loop {
-            let item = self.0.next()?;
-            if let Some(ev) = decode_event(&item) {
-                return Some(ev);
-            }
-        }
-    }
-}
-
-impl AsFd for EventRing {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-}
-
-/// Decode one [`ConnectEvent`] record field by field at its `#[repr(C)]` offsets (native byte
-/// order); `None` when the record is shorter than the struct.
-pub(super) fn decode_event(bytes: &[u8]) -> Option<ConnectEvent> {
-    use core::mem::offset_of;
-    let u64_at = |i: usize| -> Option<u64> {
-        Some(u64::from_ne_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
-    };
-    let u32_at = |i: usize| -> Option<u32> {
-        Some(u32::from_ne_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
-    };
-    let s = offset_of!(ConnectEvent, server);
-    let mut server = ConnectServer::default();
-    for (n, w) in server.ip_be.iter_mut().enumerate() {
-        *w = u32_at(s + offset_of!(ConnectServer, ip_be) + n * 4)?;
-    }
-    server.port = u32_at(s + offset_of!(ConnectServer, port))?;
-    server.family = u32_at(s + offset_of!(ConnectServer, family))?;
-    Some(ConnectEvent {
-        server,
-        balancer: u32_at(offset_of!(ConnectEvent, balancer))?,
-        kind: u32_at(offset_of!(ConnectEvent, kind))?,
-        cookie: u64_at(offset_of!(ConnectEvent, cookie))?,
-    })
-}
-
 /// Decode one ring buffer record: a [`RefreshRequest`] as the kernel laid it out (`#[repr(C)]`,
 /// native byte order), read field by field at its offsets so no unaligned or unsafe read is
 /// needed. `None` when the record is shorter than the struct.
@@ -621,32 +599,6 @@ mod tests {
         let one = listener_key("127.0.0.1:6443".parse().unwrap());
         assert_eq!((one.family, one.port), (AF_INET, 6443));
         assert_eq!(one.ip_be[0].to_ne_bytes(), [127, 0, 0, 1]);
-    }
-
-    /// A connect-time event as the sockops program writes it (24 server bytes: four address
-    /// words, port, family; then balancer, kind, and the u64 cookie) decodes to every field.
-    #[test]
-    fn connect_event_record_round_trips() {
-        let mut rec = Vec::new();
-        for w in [u32::from_ne_bytes([198, 18, 0, 2]), 0, 0, 0] {
-            rec.extend_from_slice(&w.to_ne_bytes());
-        }
-        rec.extend_from_slice(&9001u32.to_ne_bytes());
-        rec.extend_from_slice(&AF_INET.to_ne_bytes());
-        rec.extend_from_slice(&3u32.to_ne_bytes());
-        rec.extend_from_slice(&lb_common::EVENT_RTO.to_ne_bytes());
-        rec.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
-        assert_eq!(rec.len(), size_of::<ConnectEvent>());
-        let ev = decode_event(&rec).expect("decodes");
-        assert_eq!(
-            server_addr(&ev.server),
-            Some("198.18.0.2:9001".parse().unwrap())
-        );
-        assert_eq!(
-            (ev.balancer, ev.kind, ev.cookie),
-            (3, lb_common::EVENT_RTO, 0x0102_0304_0506_0708)
-        );
-        assert_eq!(decode_event(&rec[..rec.len() - 1]), None);
     }
 
     /// A ring buffer record as `lb_sk_msg` writes it (`bpf_ringbuf_output` of a

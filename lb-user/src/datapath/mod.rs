@@ -29,15 +29,17 @@ use std::{
 use aya::{
     Ebpf,
     maps::MapError,
-    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink},
+    programs::{
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink,
+    },
 };
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
-    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
-    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID, MAX_CONNECT_SERVERS,
-    NETNS_AMBIGUOUS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
-    PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
+    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID,
+    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6,
+    PROG_GETPEERNAME4, PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -160,7 +162,7 @@ pub struct Datapath {
     /// The credit request ring, until [`Datapath::start_refresher`] takes it.
     refresh: Mutex<Option<maps::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
-    events: Mutex<Option<maps::EventRing>>,
+    events: Mutex<Option<passive::EventRing>>,
     /// The ring reader threads started, to wake and wait for at their end (see
     /// [`Datapath::wait_readers`]).
     readers: Mutex<Vec<Reader>>,
@@ -231,6 +233,14 @@ impl Datapath {
             );
         }
         let offsets = offsets.unwrap_or_default();
+        let sk_err = if want_connect {
+            probe::probe_sk_err().unwrap_or_else(|why| {
+                warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
+                0
+            })
+        } else {
+            0
+        };
         let log_level = kernel_log::level();
         let own_tgid = std::process::id();
         let mut ebpf = aya::EbpfLoader::new()
@@ -244,6 +254,7 @@ impl Datapath {
             .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
             .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
             .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
+            .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
             .load(EBPF_OBJ)
             .map_err(DatapathError::Load)?;
         let (maps, ring, events) = maps::Maps::take(&mut ebpf)?;
@@ -389,6 +400,14 @@ impl Datapath {
         }
         table.count = u32::try_from(servers.len().min(MAX_CONNECT_SERVERS)).unwrap_or(0);
         self.maps.connect.set_table(id, &table)
+    }
+
+    /// Forget balancer `id`'s per-server counts of servers not in `servers` that count no
+    /// socket, so servers that come and go (discovery) do not fill the count map (4,096 keys
+    /// for every balancer together). Returns how many keys were deleted.
+    pub fn prune_connect_counts(&self, id: u32, servers: &[SocketAddr]) -> usize {
+        let keep: Vec<_> = servers.iter().map(|a| maps::connect_server(*a)).collect();
+        self.maps.connect.prune_counts(id, &keep)
     }
 
     /// Established connect-time sockets of balancer `id`, per server address.
@@ -570,7 +589,38 @@ fn attach_connect(
         })?;
         links.push((name, link));
     }
+    match attach_release(ebpf, cgroup) {
+        Ok(link) => links.push((PROG_CONNECT_RELEASE, link)),
+        Err(e) => {
+            warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
+        }
+    }
     Ok(links)
+}
+
+/// Load and attach `lb_connect_release` (cgroup `sock_release`, 5.9+), which forgets a
+/// connect-time socket's record when its descriptor is closed.
+///
+/// # Errors
+/// [`DatapathError::Program`] or [`DatapathError::Link`].
+fn attach_release(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<FdLink, DatapathError> {
+    let name = PROG_CONNECT_RELEASE;
+    let err = |source| DatapathError::Program {
+        program: name,
+        source,
+    };
+    let prog: &mut CgroupSock = ebpf
+        .program_mut(name)
+        .ok_or(DatapathError::Missing(name))?
+        .try_into()
+        .map_err(err)?;
+    prog.load().map_err(err)?;
+    let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
+    let link = prog.take_link(link).map_err(err)?;
+    FdLink::try_from(link).map_err(|source| DatapathError::Link {
+        program: name,
+        source,
+    })
 }
 
 impl Datapath {

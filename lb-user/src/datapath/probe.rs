@@ -248,6 +248,25 @@ pub(super) fn probe_kernel_reads() -> Result<SockOffsets, DatapathError> {
     Ok(btf::sock_offsets(Path::new(btf::VMLINUX_BTF))?)
 }
 
+/// What reading a failed connect-time connect's error needs: `bpf_skc_to_tcp_sock` and
+/// `bpf_probe_read_kernel` in sockops programs (`CAP_PERFMON`, no lockdown) and the kernel's BTF
+/// for `struct sock::sk_err`. Returns the field's offset.
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] or [`DatapathError::Btf`].
+pub(super) fn probe_sk_err() -> Result<u32, DatapathError> {
+    use aya::{programs::ProgramType, sys};
+    use sys::BpfHelper as H;
+    for helper in [H::BPF_FUNC_skc_to_tcp_sock, H::BPF_FUNC_probe_read_kernel] {
+        if !sys::is_helper_supported(ProgramType::SockOps, helper).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(
+                "bpf_skc_to_tcp_sock and bpf_probe_read_kernel in sockops programs (5.9+, CAP_PERFMON, no lockdown)",
+            ));
+        }
+    }
+    Ok(btf::sk_err_offset(Path::new(btf::VMLINUX_BTF))?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

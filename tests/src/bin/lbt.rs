@@ -107,7 +107,20 @@ enum Action {
     /// One blocking `connect()` without a time limit of its own (the kernel's SYN retries
     /// bound it): reports whether it connected, and if not its errno and error, with the
     /// milliseconds it took; a connected socket also reports the server's name.
-    Dial,
+    Dial {
+        /// Bind the socket to this address first (`SO_REUSEADDR`), e.g. to pick its source port.
+        #[arg(long)]
+        bind: Option<SocketAddr>,
+        /// Give up after this many milliseconds (the socket is closed still connecting);
+        /// reported as `"error": "timed out"` without an errno.
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// Dial this many times, one after another; with more than one, reports only how many
+        /// ended with each errno (`"errnos": {"0": connected, "22": ...}`, `-1` for a timeout
+        /// of its own).
+        #[arg(long, default_value_t = 1)]
+        times: u32,
+    },
     /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
     Many {
         conns: u32,
@@ -624,7 +637,14 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
                 json!({"ok": true, "local": local.to_string(), "peer": peer.to_string(), "server": name, "server_sees": seen}),
             )
         }
-        Action::Dial => {
+        Action::Dial {
+            bind,
+            timeout_ms,
+            times,
+        } if times > 1 || bind.is_some() || timeout_ms.is_some() => {
+            dial_times(addr, bind, timeout_ms.map(Duration::from_millis), times)
+        }
+        Action::Dial { .. } => {
             let t = Instant::now();
             match TcpStream::connect(addr) {
                 Ok(mut s) => {
@@ -988,4 +1008,57 @@ fn epoll_up(
             "reply": reply.trim(),
         }))
     })
+}
+
+/// `times` dials of `addr` from a socket bound to `bind` (when given), each given up after
+/// `timeout` (when given) by closing it. One dial reports as `dial` does; more report how many
+/// ended with each errno (0 connected, -1 given up).
+fn dial_times(
+    addr: SocketAddr,
+    bind: Option<SocketAddr>,
+    timeout: Option<Duration>,
+    times: u32,
+) -> io::Result<serde_json::Value> {
+    let mut errnos = std::collections::BTreeMap::<String, u32>::new();
+    let mut last = json!({});
+    for _ in 0..times {
+        let t = Instant::now();
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        if let Some(bind) = bind {
+            sock.set_reuse_address(true)?;
+            sock.bind(&bind.into())?;
+        }
+        let r = match timeout {
+            Some(d) => sock.connect_timeout(&addr.into(), d),
+            None => sock.connect(&addr.into()),
+        };
+        let ms = t.elapsed().as_millis() as u64;
+        let errno = match &r {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(-1),
+        };
+        *errnos.entry(errno.to_string()).or_default() += 1;
+        last = match r {
+            Ok(()) => {
+                let mut s: TcpStream = sock.into();
+                write_retry(&mut s, b"NAME\n")?;
+                let name = read_line(&mut s)?;
+                json!({"ok": true, "ms": ms, "server": name})
+            }
+            Err(e) => json!({
+                "ok": false,
+                "ms": ms,
+                "errno": e.raw_os_error(),
+                "error": e.kind().to_string(),
+            }),
+        };
+    }
+    if times == 1 {
+        return Ok(last);
+    }
+    Ok(json!({"ok": errnos.keys().all(|k| k == "0"), "errnos": errnos}))
 }

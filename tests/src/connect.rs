@@ -1,0 +1,129 @@
+//! A connect-time balancer under test: `lb` with `forwarding = "connect"` in front of test hosts,
+//! its programs attached to a cgroup made for the test, and what the tests read back (server
+//! states from `/status`, entries of lb's kernel maps through `bpftool`).
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::{Context as _, Result, ensure};
+
+use crate::{Host, Lb, Place, TestCgroup, free_port, wait_until};
+
+/// lb with a connect-time balancer named `api` and the hosts behind it; the config file is
+/// removed on drop (the hosts, cgroup and lb clean up after themselves).
+pub struct ConnectLb {
+    /// The servers' hosts.
+    pub hosts: Vec<Host>,
+    /// The cgroup lb attaches to; clients run in it.
+    pub cg: TestCgroup,
+    /// The lb process.
+    pub lb: Lb,
+    /// The balancer's listener (127.0.0.1 and a free port).
+    pub listen: SocketAddr,
+    config: PathBuf,
+}
+
+impl Drop for ConnectLb {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl ConnectLb {
+    /// lb with config `text` (its `{port}` replaced by a free port for the listener) in front
+    /// of `hosts`; returns once no server is UNCHECKED and the table was written.
+    ///
+    /// # Errors
+    /// lb does not start or settle, or the balancer does not forward at connect time.
+    pub fn start(hosts: Vec<Host>, text: &str) -> Result<ConnectLb> {
+        let cg = TestCgroup::new()?;
+        let port = free_port()?;
+        let text = text.replace("{port}", &port.to_string());
+        let config =
+            std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, &text)?;
+        let lb = Lb::start(&[
+            "--config",
+            &config.display().to_string(),
+            "--cgroup",
+            &cg.path.display().to_string(),
+        ])?;
+        let s = ConnectLb {
+            hosts,
+            cg,
+            lb,
+            listen: format!("127.0.0.1:{port}").parse()?,
+            config,
+        };
+        s.lb.wait_settled(Duration::from_secs(10))?;
+        wait_until(Duration::from_secs(5), || {
+            Ok(s.lb.log_text().contains("connect-time table updated"))
+        })?;
+        let st = s.lb.status()?;
+        ensure!(
+            st["balancers"][0]["forwarding"] == "connect",
+            "forwarding should be connect: {st}\n{}",
+            s.lb.log_text()
+        );
+        Ok(s)
+    }
+
+    /// Clients in the test's cgroup (their connects are rewritten).
+    pub fn place(&self) -> Place<'_> {
+        Place::cgroup(&self.cg.path)
+    }
+
+    /// State and connection count of the server at `addr` from `/status`.
+    ///
+    /// # Errors
+    /// `/status` fails or does not list `addr`.
+    pub fn status_of(&self, addr: &str) -> Result<(String, u64)> {
+        let st = self.lb.status()?;
+        let s = st["balancers"][0]["servers"]
+            .as_array()
+            .context("servers")?
+            .iter()
+            .find(|s| s["address"] == addr)
+            .with_context(|| format!("{addr} not in /status: {st}"))?;
+        Ok((
+            s["state"].as_str().unwrap_or("").to_string(),
+            s["connections"].as_u64().unwrap_or(0),
+        ))
+    }
+
+    /// Entries in this lb's kernel map `name` (see [`ConnectLb::map_dump`]).
+    ///
+    /// # Errors
+    /// As [`ConnectLb::map_dump`].
+    pub fn map_entries(&self, name: &str) -> Result<usize> {
+        let entries: serde_json::Value = serde_json::from_str(&self.map_dump(name)?)?;
+        Ok(entries.as_array().map_or(0, Vec::len))
+    }
+
+    /// `bpftool -j map dump` of this lb's kernel map `name` (the kernel keeps 15 characters of
+    /// a map's name), found among the maps lb's process holds (the `map_id` of its descriptors
+    /// in `/proc/<pid>/fdinfo`).
+    ///
+    /// # Errors
+    /// `bpftool` fails or lb holds no such map.
+    pub fn map_dump(&self, name: &str) -> Result<String> {
+        let short: String = name.chars().take(15).collect();
+        let dir = format!("/proc/{}/fdinfo", self.lb.pid());
+        let mut ids: Vec<String> = std::fs::read_dir(&dir)?
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+            .filter_map(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("map_id:").map(|v| v.trim().to_string()))
+            })
+            .collect();
+        ids.sort();
+        ids.dedup();
+        for id in ids {
+            let show: serde_json::Value =
+                serde_json::from_str(&crate::sh("bpftool", &["-j", "map", "show", "id", &id])?)?;
+            if show["name"] == short.as_str() {
+                return crate::sh("bpftool", &["-j", "map", "dump", "id", &id]);
+            }
+        }
+        anyhow::bail!("lb holds no map {short}")
+    }
+}
