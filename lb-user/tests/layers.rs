@@ -1,6 +1,6 @@
 //! The module layering of `lb-user/src`: each module imports only from modules below it, so
 //! the dependency arrows point one way (cli → admin → daemon → discovery → proxy/health → metrics →
-//! balancer → datapath → config/addr/net leaves → lb-common). Read from the sources, so a new
+//! balancer → datapath → config/addr/net/kill → netns and the other leaves → lb-common). Read from the sources, so a new
 //! import that points up fails here with the file and the module it named.
 
 use std::{collections::BTreeMap, path::Path};
@@ -10,7 +10,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("addr", 0),
     ("singleflight", 0),
     ("errors", 0),
-    ("kill", 0),
+    ("netns", 0),
+    ("kill", 1),
     ("config", 1),
     ("handover", 1),
     ("net", 1),
