@@ -1,7 +1,8 @@
 //! The module layering of `lb-user/src`: each module imports only from modules below it, so
 //! the dependency arrows point one way (cli → admin → daemon → discovery → proxy/health → metrics →
-//! balancer → datapath → config/addr/net/kill → netns and the other leaves → lb-common). Read from the sources, so a new
-//! import that points up fails here with the file and the module it named.
+//! balancer → datapath → config/addr/net/kill → netns and the other leaves → lb-common). Read
+//! from the sources, so a new import that points up fails here with the file and the module it
+//! named.
 
 use std::{collections::BTreeMap, path::Path};
 
