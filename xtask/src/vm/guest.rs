@@ -17,14 +17,17 @@ const TARGET: &str = "x86_64-unknown-linux-musl";
 /// Integration test targets of `lb-tests` run in the guests.
 pub const TESTS: &[&str] = &[
     "datapath",
+    "splice_edges",
     "new_connections",
     "kernel_log",
     "connect_time",
+    "connect_time_health",
     "upgrade",
 ];
 
-/// Modules the tests need (with their dependencies; those built in are skipped).
-const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag"];
+/// Modules the tests need (with their dependencies; those built in are skipped). `tls` is the
+/// kTLS upper-layer protocol the splice must never redirect (the host kernel may lack it).
+const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag", "tls"];
 
 /// Host programs copied in with their shared libraries, at the same paths.
 const HOST_TOOLS: &[&str] = &["/usr/sbin/ip", "/usr/sbin/bpftool"];

@@ -82,12 +82,23 @@ fn wait_for_go() -> io::Result<()> {
 }
 
 fn socket_from(local: Option<SocketAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
+    let s = bound_socket(local, addr)?;
+    connect(s, addr)
+}
+
+/// A TCP socket for `addr`'s family with `SO_REUSEADDR`, bound to `local` when given.
+fn bound_socket(local: Option<SocketAddr>, addr: SocketAddr) -> io::Result<socket2::Socket> {
     let domain = socket2::Domain::for_address(addr);
     let s = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
     s.set_reuse_address(true)?;
     if let Some(local) = local {
         s.bind(&local.into())?;
     }
+    Ok(s)
+}
+
+/// Connect `s` to `addr` (15 s at most), with `TCP_NODELAY`.
+fn connect(s: socket2::Socket, addr: SocketAddr) -> io::Result<TcpStream> {
     s.connect_timeout(&addr.into(), Duration::from_secs(15))?;
     s.set_nodelay(true)?;
     Ok(s.into())
@@ -109,14 +120,20 @@ fn upload(s: &mut TcpStream, n: u64, seed: u64, d: &mut Digest) -> io::Result<()
 }
 
 fn reuse_tuple(addr: SocketAddr, n: u64) -> io::Result<serde_json::Value> {
-    let mut old = socket_from(None, addr)?;
+    // The old socket's port is bound explicitly, so no other connection on the machine shares
+    // it (the kernel shares a port it picks at connect across destinations, and a later bind
+    // to it would then fail); the new socket binds it before the old one goes, so nobody can
+    // take it in between (both have SO_REUSEADDR and neither listens).
+    let any = SocketAddr::new(addr.ip(), 0);
+    let mut old = socket_from(Some(any), addr)?;
     let local = old.local_addr()?;
     write_retry(&mut old, b"UP\n")?;
     event(&json!({"event": "old_ready", "local": local.to_string()}));
     wait_for_go()?;
+    let new = bound_socket(Some(local), addr)?;
     socket2::SockRef::from(&old).set_linger(Some(Duration::ZERO))?;
     drop(old);
-    let mut new = socket_from(Some(local), addr)?;
+    let mut new = connect(new, addr)?;
     write_retry(&mut new, b"UP\n")?;
     let mut d = Digest::default();
     upload(&mut new, n, 5, &mut d)?;
@@ -164,10 +181,14 @@ fn ktls_up(addr: SocketAddr, n: u64, pause_ms: u64) -> io::Result<serde_json::Va
     let mut s = socket_from(None, addr)?;
     write_retry(&mut s, b"UP\n")?;
     std::thread::sleep(Duration::from_millis(pause_ms));
-    let ulp = set_opt(&s, libc::SOL_TCP, libc::TCP_ULP, b"tls")
-        .and_then(|()| set_opt(&s, libc::SOL_TLS, libc::TLS_TX, &tls_tx_info()));
-    if let Err(e) = ulp {
+    // Two steps, told apart: the ULP itself (a kernel that refuses it on a socket in a sockhash
+    // shows the plaintext case cannot happen), then the key (a kernel without the AES-GCM
+    // cipher refuses it, which says nothing about the splice).
+    if let Err(e) = set_opt(&s, libc::SOL_TCP, libc::TCP_ULP, b"tls") {
         return Ok(json!({"ok": true, "ulp_error": e.to_string(), "errno": e.raw_os_error()}));
+    }
+    if let Err(e) = set_opt(&s, libc::SOL_TLS, libc::TLS_TX, &tls_tx_info()) {
+        return Ok(json!({"ok": true, "key_error": e.to_string(), "errno": e.raw_os_error()}));
     }
     let mut d = Digest::default();
     upload(&mut s, n, 9, &mut d)?;
