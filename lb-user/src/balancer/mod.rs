@@ -1,5 +1,6 @@
 //! Balancer: one server set with K3s states ([`state`]), the selection policy ([`select`]), the
-//! per-server connection registry ([`registry`]) and the state file ([`state_file`]).
+//! per-server connection registry ([`registry`]), the state file ([`state_file`]), its kills
+//! ([`kills`]) and the passive signals it counts ([`passive`]).
 //!
 //! All of a balancer's mutable state sits behind one lock that is never held across an
 //! `.await` or a kill: transitions return what to kill, and the kills run after the lock is
