@@ -1,11 +1,14 @@
 //! Balancer: one server set with K3s states ([`state`]), the selection policy ([`select`]), the
-//! per-server connection registry ([`registry`]) and the state file ([`state_file`]).
+//! per-server connection registry ([`registry`]), the state file ([`state_file`]), its kills
+//! ([`kills`]) and the passive signals it counts ([`passive`]).
 //!
 //! All of a balancer's mutable state sits behind one lock that is never held across an
 //! `.await` or a kill: transitions return what to kill, and the kills run after the lock is
 //! released. The config is an `ArcSwap` snapshot, so readers never lock.
 
 mod handover;
+mod kills;
+mod passive;
 mod registry;
 mod select;
 mod set;
@@ -24,21 +27,21 @@ use std::{
 use arc_swap::ArcSwap;
 use rand::{SeedableRng as _, rngs::StdRng};
 use serde::{Deserialize, Serialize};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 pub use self::{
     registry::ConnGuard,
     state::{Failure, Hold, KillReason, PREFERRED_DURATION, ServerState},
 };
 use self::{
-    registry::{ConnEntry, Registry},
-    state::{Effects, Server},
+    registry::Registry,
+    state::Server,
     state_file::{ServerSet, StateFile},
 };
 pub use crate::addr::{MAX_SERVERS, SetError};
 use crate::{
     addr::{ServerAddr, validate_set},
-    config::{BalancerConfig, KillScope, Policy},
+    config::{BalancerConfig, Policy},
     kill::OwnSocket,
 };
 
@@ -135,36 +138,6 @@ pub struct CheckOutcome {
     pub to: Option<ServerState>,
     /// Connections killed.
     pub killed: usize,
-}
-
-/// Set once the kernel refused `SOCK_DESTROY` for lb's own sockets, so it is logged once.
-static OWN_DESTROY_REFUSED: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
-/// Reset the clients of connections being killed: destroy lb's accepted sockets in the kernel
-/// (`SOCK_DESTROY`, a batch per system call), which sends each client its RST at once instead
-/// of when its connection's task next runs. Without `SOCK_DESTROY` the tasks do it alone.
-/// Returns how many were destroyed.
-fn destroy_clients(balancer: &str, server: &ServerAddr, clients: &[OwnSocket]) -> usize {
-    use std::sync::atomic::Ordering;
-    if OWN_DESTROY_REFUSED.load(Ordering::Relaxed) {
-        return 0;
-    }
-    match crate::kill::destroy_own_sockets(clients) {
-        Ok(k) => k.destroyed,
-        Err(crate::kill::KillError::Unsupported) => {
-            if !OWN_DESTROY_REFUSED.swap(true, Ordering::Relaxed) {
-                info!(
-                    "the kernel refuses SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY): killed connections are reset by their own tasks"
-                );
-            }
-            0
-        }
-        Err(e) => {
-            debug!(balancer, %server, error = %e, "cannot reset the clients in the kernel; their tasks will");
-            0
-        }
-    }
 }
 
 /// One balancer: name, listeners, server set, policy and the connection registry.
@@ -487,152 +460,6 @@ impl Balancer {
         out
     }
 
-    /// Run what a transition asked for: kill, then the node-wide kill where configured.
-    fn apply(&self, fx: Effects) -> usize {
-        let mut killed = 0;
-        for (server, reason) in fx.kill {
-            let taken = self.lock().conns.take(&server);
-            killed += self.kill_entries(&server, taken, reason);
-        }
-        for server in fx.node_kill {
-            self.node_kill(&server);
-        }
-        killed
-    }
-
-    fn node_kill(&self, server: &ServerAddr) {
-        if self.cfg.load().health.kill_scope == KillScope::Node {
-            self.observer.node_kill(server);
-        }
-    }
-
-    /// Count a reset of an established connection by `server` (passive signal): with
-    /// `health.passive`, every `passive_reset_limit` consecutive resets count as one failed
-    /// check. Returns whether one was recorded.
-    pub fn record_server_reset(self: &Arc<Self>, server: &ServerAddr) -> bool {
-        let cfg = self.config();
-        if !cfg.health.passive {
-            return false;
-        }
-        debug!(balancer = %self.name, %server, "server reset a connection; counting toward passive_reset_limit");
-        self.record_passive_reset(server, cfg.health.passive_reset_limit)
-    }
-
-    /// Count a failed connect-time connect to `server` that was the server's (refused, timed
-    /// out, unreachable; the sockets' error says so): with `health.passive`, toward
-    /// `passive_reset_limit` like a reset, so one failing client cannot fail a server alone.
-    /// Returns whether a failed check was recorded.
-    pub fn record_connect_failure(self: &Arc<Self>, server: &ServerAddr) -> bool {
-        let cfg = self.config();
-        if !cfg.health.passive {
-            return false;
-        }
-        debug!(balancer = %self.name, %server, "connect-time connect failed; counting toward passive_reset_limit");
-        self.record_passive_reset(server, cfg.health.passive_reset_limit)
-    }
-
-    /// Count a retransmission timeout of a connection to `server` as a reset, at most one per
-    /// check interval (`health.interval`): a network blip times out every busy socket at once,
-    /// and that is one sign of trouble, not many. Returns whether a failed check was recorded.
-    pub fn record_rto(self: &Arc<Self>, server: &ServerAddr) -> bool {
-        let cfg = self.config();
-        if !cfg.health.passive {
-            return false;
-        }
-        let now = Instant::now();
-        {
-            let mut inner = self.lock();
-            let Some(idx) = inner.index(server) else {
-                return false;
-            };
-            let at = &mut inner.servers[idx].rto_counted_at;
-            if at.is_some_and(|t| now.duration_since(t) < cfg.health.interval.0) {
-                debug!(balancer = %self.name, %server, "retransmission timeout within the check interval of a counted one; not counted");
-                return false;
-            }
-            *at = Some(now);
-        }
-        self.record_server_reset(server)
-    }
-
-    /// Count a reset by `server`: every `limit` consecutive resets count as one failed check.
-    /// Returns whether one was recorded.
-    pub fn record_passive_reset(self: &Arc<Self>, server: &ServerAddr, limit: u32) -> bool {
-        let due = {
-            let mut inner = self.lock();
-            let Some(idx) = inner.index(server) else {
-                return false;
-            };
-            let s = &mut inner.servers[idx];
-            s.passive_resets += 1;
-            let due = s.passive_resets >= limit;
-            if due {
-                s.passive_resets = 0;
-            }
-            due
-        };
-        if due {
-            self.record_check(server, Err(Failure::Resets(limit)));
-        }
-        due
-    }
-
-    /// Kill the connections of servers whose drain deadline passed; returns how many.
-    pub fn expire_drains(self: &Arc<Self>) -> usize {
-        let now = Instant::now();
-        let mut expired = Vec::new();
-        {
-            let mut inner = self.lock();
-            for s in &mut inner.servers {
-                if s.drain_deadline.is_some_and(|d| d <= now) {
-                    s.drain_deadline = None;
-                    expired.push(s.addr.clone());
-                }
-            }
-        }
-        expired
-            .into_iter()
-            .map(|server| {
-                let taken = self.lock().conns.take(&server);
-                let n = self.kill_entries(&server, taken, KillReason::DrainTimeout);
-                self.node_kill(&server);
-                n
-            })
-            .sum()
-    }
-
-    fn kill_entries(
-        &self,
-        server: &ServerAddr,
-        conns: Vec<ConnEntry>,
-        reason: KillReason,
-    ) -> usize {
-        let n = conns.len();
-        // Reset the clients first, all at once in the kernel; each connection's task then
-        // cleans up after its own.
-        let clients: Vec<_> = conns.iter().filter_map(|c| c.client).collect();
-        for c in &conns {
-            c.set_reason(reason);
-        }
-        let reset_in_kernel = if clients.is_empty() {
-            0
-        } else {
-            destroy_clients(&self.name, server, &clients)
-        };
-        for c in conns {
-            c.cancel();
-        }
-        if reason != KillReason::Shutdown {
-            self.observer
-                .server_killed(&self.name, self.id, server, reason);
-        }
-        if n > 0 {
-            warn!(balancer = %self.name, %server, connections = n, reset_in_kernel, reason = reason.label(), "killed connections");
-            self.observer.killed(&self.name, server, reason, n);
-        }
-        n
-    }
-
     /// The servers `spec` names, normalised: one address, or every address of a name.
     fn known(&self, spec: &str) -> Result<Vec<ServerAddr>, SetError> {
         let unknown = || SetError::UnknownServer(spec.to_string());
@@ -648,29 +475,6 @@ impl Balancer {
             return Err(unknown());
         }
         Ok(found)
-    }
-
-    /// Kill every connection to the server `spec` names (any spelling of it; a name: each of
-    /// its addresses).
-    ///
-    /// # Errors
-    /// [`SetError::UnknownServer`].
-    pub fn kill_server(&self, spec: &str, reason: KillReason) -> Result<usize, SetError> {
-        let mut killed = 0;
-        for server in self.known(spec)? {
-            let taken = self.lock().conns.take(&server);
-            killed += self.kill_entries(&server, taken, reason);
-        }
-        Ok(killed)
-    }
-
-    /// Kill every connection of the balancer (shutdown).
-    pub fn kill_all(&self, reason: KillReason) -> usize {
-        let taken = self.lock().conns.take_all();
-        taken
-            .into_iter()
-            .map(|(server, c)| self.kill_entries(&server, c, reason))
-            .sum()
     }
 
     /// Total open connections.

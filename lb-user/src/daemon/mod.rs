@@ -4,9 +4,13 @@
 
 mod adopt;
 mod connect;
+mod handle;
 pub mod ids;
+mod listeners;
 pub mod reload;
 pub mod upgrade;
+
+pub use handle::Handle;
 
 use std::{
     net::SocketAddr,
@@ -358,45 +362,13 @@ impl Daemon {
         }
 
         // Listeners first: a bind failure is fatal and nothing else has started.
-        let mut bound = Vec::new();
-        for b in &balancers {
-            for addr in &b.config().listen {
-                let l = match inherited.remove(addr) {
-                    Some(fd) => {
-                        tokio::net::TcpListener::from_std(fd.into()).with_context(|| {
-                            format!("balancer {}: handed-over listener {addr}", b.name)
-                        })?
-                    }
-                    None => proxy::bind(*addr)
-                        .with_context(|| format!("balancer {}: cannot listen on {addr}", b.name))?,
-                };
-                crate::handover::remember(
-                    crate::handover::ListenerKey::Proxy(*addr),
-                    std::os::fd::AsFd::as_fd(&l),
-                )
-                .with_context(|| format!("keeping a copy of listener {addr}"))?;
-                bound.push((b.clone(), *addr, l));
-            }
-        }
+        let bound = listeners::bind(&balancers, &mut inherited)?;
         // A new process writes its listener maps once the old one let go (they name balancer
         // ids, and the old one serves on with its own if the hand-over fails).
         if !taking_over {
             daemon.register_listeners()?;
         }
-        for (b, addr, l) in bound {
-            let stop = CancellationToken::new();
-            daemon
-                .listeners
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((addr, stop.clone()));
-            let (b2, ctx2, go2) = (b.clone(), proxy_ctx.clone(), go.clone());
-            tokio::spawn(async move {
-                go2.cancelled().await;
-                proxy::serve(l, b2, ctx2, stop).await;
-            });
-            info!(balancer = %b.name, listen = %addr, "listening");
-        }
+        daemon.serve(bound, &go);
         if let Some(dp) = &daemon.datapath {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
@@ -487,41 +459,6 @@ impl Daemon {
         Ok(daemon)
     }
 
-    /// Tell the kernel programs which listener belongs to which balancer id, and which of them
-    /// are connect-time (a listener that moved to a splice balancer in an upgrade is taken out
-    /// of the connect-time map). A fresh lb does it at start; a new lb taking over once the old
-    /// one let go (`Stopped`), so a failed hand-over leaves the old one's maps as they were.
-    ///
-    /// # Errors
-    /// A map write failed (named with the listener).
-    pub fn register_listeners(&self) -> anyhow::Result<()> {
-        let Some(dp) = &self.datapath else {
-            return Ok(());
-        };
-        for b in self.balancers.load().iter() {
-            let connect = self
-                .forwarding
-                .get(&b.name)
-                .is_some_and(|f| f.0 == Forwarding::Connect);
-            for addr in &b.config().listen {
-                dp.add_listener(*addr, b.id)
-                    .with_context(|| format!("registering listener {addr}"))?;
-                if connect {
-                    dp.add_connect_listener(*addr, b.id)
-                        .with_context(|| format!("registering connect-time listener {addr}"))?;
-                } else {
-                    dp.remove_connect_listener(*addr);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The narrow view the admin API gets.
-    pub fn handle(self: &Arc<Self>) -> Handle {
-        Handle(self.clone())
-    }
-
     /// Find a balancer by name.
     pub fn balancer(&self, name: &str) -> Option<Arc<Balancer>> {
         self.balancers
@@ -604,116 +541,5 @@ impl Daemon {
         self.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.tasks.wait()).await;
         info!(elapsed = ?start.elapsed(), "stopped; kernel programs detach as lb exits");
-    }
-}
-
-/// What the admin API may read and ask of the daemon: snapshots, lookups, checks, metrics.
-#[derive(Clone, Debug)]
-pub struct Handle(Arc<Daemon>);
-
-impl Handle {
-    /// The config in force (a snapshot).
-    pub fn config(&self) -> Arc<Config> {
-        self.0.config.load_full()
-    }
-
-    /// Every balancer, in config order.
-    pub fn balancers(&self) -> Arc<Vec<Arc<Balancer>>> {
-        self.0.balancers.load_full()
-    }
-
-    /// The balancer named `name`.
-    pub fn balancer(&self, name: &str) -> Option<Arc<Balancer>> {
-        self.0.balancer(name)
-    }
-
-    /// The data path in use (`bpf` or `userspace`).
-    pub fn datapath_mode(&self) -> DatapathMode {
-        self.0.datapath_mode
-    }
-
-    /// Why `auto` fell back to userspace, if it did.
-    pub fn datapath_fallback(&self) -> Option<&str> {
-        self.0.datapath_fallback.as_deref()
-    }
-
-    /// Balancer `name`'s forwarding in effect and, when it asked for `connect` and forwards
-    /// through lb instead, why.
-    pub fn forwarding(&self, name: &str) -> (Forwarding, Option<String>) {
-        self.0
-            .forwarding
-            .get(name)
-            .cloned()
-            .unwrap_or((Forwarding::Splice, None))
-    }
-
-    /// Established connect-time connections of balancer `id` per server address (empty
-    /// without the kernel data path).
-    pub fn connect_counts(&self, id: u32) -> std::collections::HashMap<SocketAddr, u64> {
-        self.0
-            .datapath
-            .as_ref()
-            .map(|dp| dp.connect_counts(id))
-            .unwrap_or_default()
-    }
-
-    /// Whether the kernel data path is attached.
-    pub fn datapath_attached(&self) -> bool {
-        self.0.datapath.is_some()
-    }
-
-    /// Age of the control loop's heartbeat.
-    pub fn heartbeat_age(&self) -> Duration {
-        Duration::from_millis(now_ms().saturating_sub(self.0.heartbeat_ms.load(Ordering::Relaxed)))
-    }
-
-    /// Whether the first round of checks finished.
-    pub fn first_checks_done(&self) -> bool {
-        self.0.first_checks_done.load(Ordering::Relaxed)
-    }
-
-    /// Whether the daemon is draining or stopped.
-    pub fn shutting_down(&self) -> bool {
-        self.0.proxy.tasks.is_closed() || self.0.shutdown.is_cancelled()
-    }
-
-    /// Fired when the daemon stops.
-    pub fn shutdown_token(&self) -> CancellationToken {
-        self.0.shutdown.clone()
-    }
-
-    /// Whether the admin API may accept now (see the hand-over in [`upgrade`]).
-    pub fn admin_gate(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.0.admin_gate.subscribe()
-    }
-
-    /// Hand everything to a new lb started from lb's binary (`lb upgrade`); this process
-    /// exits after answering. Runs on the daemon's runtime.
-    ///
-    /// # Errors
-    /// Why the new process did not take over; this one serves on unchanged.
-    pub async fn upgrade(&self) -> Result<upgrade::Upgraded, upgrade::UpgradeError> {
-        let d = self.0.clone();
-        self.0
-            .runtime
-            .spawn(async move { upgrade::upgrade(&d).await })
-            .await
-            .map_err(|e| upgrade::UpgradeError::Failed(format!("upgrade task failed: {e}")))?
-    }
-
-    /// The metrics in Prometheus text format.
-    pub fn render_metrics(&self) -> String {
-        self.0
-            .metrics
-            .render(&self.0.balancers.load(), self.0.datapath.as_deref())
-    }
-
-    /// Check every server of `balancers` now, on the daemon's runtime (not the caller's): the
-    /// returned task ends when every check is recorded; aborting it cancels the checks.
-    pub fn spawn_checks(&self, balancers: Vec<Arc<Balancer>>) -> tokio::task::JoinHandle<()> {
-        let health = self.0.health.clone();
-        self.0.runtime.spawn(async move {
-            futures::future::join_all(balancers.iter().map(|b| health.check_all(b))).await;
-        })
     }
 }

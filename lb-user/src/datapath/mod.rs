@@ -3,13 +3,15 @@
 //! splice counters. The rooms beside it: [`probe`] (what the kernel and process allow),
 //! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
 //! server), [`passive`] (connect-time sockets' failures as passive health), [`btf`] (kernel
-//! struct offsets) and [`kernel_log`] (the programs' aya-log events
-//! in lb's log, target `lb::kernel`).
+//! struct offsets), [`kernel_log`] (the programs' aya-log events
+//! in lb's log, target `lb::kernel`), [`attach`] (the connect-time programs' links) and
+//! [`rings`] (the ring reader threads).
 //!
 //! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
 //! held by this process only (nothing is pinned), so they are detached when lb exits, however it
 //! exits.
 
+mod attach;
 mod btf;
 mod credit;
 mod handover;
@@ -17,6 +19,7 @@ mod kernel_log;
 mod maps;
 mod passive;
 mod probe;
+mod rings;
 
 use std::{
     collections::HashMap,
@@ -29,17 +32,14 @@ use std::{
 use aya::{
     Ebpf,
     maps::MapError,
-    programs::{
-        CgroupAttachMode, CgroupSock, CgroupSockAddr, ProgramError, SkMsg, SockOps, links::FdLink,
-    },
+    programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps, links::FdLink},
 };
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
     GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
     GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID,
-    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6,
-    PROG_GETPEERNAME4, PROG_GETPEERNAME6, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -165,7 +165,7 @@ pub struct Datapath {
     events: Mutex<Option<passive::EventRing>>,
     /// The ring reader threads started, to wake and wait for at their end (see
     /// [`Datapath::wait_readers`]).
-    readers: Mutex<Vec<Reader>>,
+    readers: Mutex<Vec<rings::Reader>>,
     /// Cookies of sockets lb destroyed, with when, whose events are not the server's.
     ignored: Mutex<HashMap<u64, std::time::Instant>>,
     /// The reader of the programs' log records, until [`Datapath::start_kernel_log`] takes it;
@@ -291,7 +291,7 @@ impl Datapath {
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
         let attached = if want_connect {
-            attach_connect(&mut ebpf, &cgroup_file).map(|l| links.extend(l))
+            attach::attach_connect(&mut ebpf, &cgroup_file).map(|l| links.extend(l))
         } else {
             Err(DatapathError::NotRequested)
         };
@@ -554,172 +554,6 @@ fn kernel_reads() -> Option<btf::SockOffsets> {
             warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
         })
         .ok()
-}
-
-/// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing
-/// (program type, attach type, helper, or the verifier refusing) leaves connect-time forwarding
-/// off; what is attached stays until lb exits and is harmless without a listener entry.
-fn attach_connect(
-    ebpf: &mut Ebpf,
-    cgroup: &std::fs::File,
-) -> Result<Vec<(&'static str, FdLink)>, DatapathError> {
-    probe::probe_connect()?;
-    let mut links = Vec::new();
-    for name in [
-        PROG_GETPEERNAME4,
-        PROG_GETPEERNAME6,
-        PROG_CONNECT4,
-        PROG_CONNECT6,
-    ] {
-        let err = |source| DatapathError::Program {
-            program: name,
-            source,
-        };
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .ok_or(DatapathError::Missing(name))?
-            .try_into()
-            .map_err(err)?;
-        prog.load().map_err(err)?;
-        let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
-        let link = prog.take_link(link).map_err(err)?;
-        let link = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-            program: name,
-            source,
-        })?;
-        links.push((name, link));
-    }
-    match attach_release(ebpf, cgroup) {
-        Ok(link) => links.push((PROG_CONNECT_RELEASE, link)),
-        Err(e) => {
-            warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
-        }
-    }
-    Ok(links)
-}
-
-/// Load and attach `lb_connect_release` (cgroup `sock_release`, 5.9+), which forgets a
-/// connect-time socket's record when its descriptor is closed.
-///
-/// # Errors
-/// [`DatapathError::Program`] or [`DatapathError::Link`].
-fn attach_release(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<FdLink, DatapathError> {
-    let name = PROG_CONNECT_RELEASE;
-    let err = |source| DatapathError::Program {
-        program: name,
-        source,
-    };
-    let prog: &mut CgroupSock = ebpf
-        .program_mut(name)
-        .ok_or(DatapathError::Missing(name))?
-        .try_into()
-        .map_err(err)?;
-    prog.load().map_err(err)?;
-    let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
-    let link = prog.take_link(link).map_err(err)?;
-    FdLink::try_from(link).map_err(|source| DatapathError::Link {
-        program: name,
-        source,
-    })
-}
-
-impl Datapath {
-    /// Read a ring buffer on a thread named `name` until `cancel` fires, waking at least every
-    /// 100 ms: every batch of records `next` drains after a wake-up goes to `handle` (never an
-    /// empty one). The credit refresher and the passive-event reader share it; the thread is
-    /// kept for [`Datapath::wait_readers`].
-    ///
-    /// # Errors
-    /// The thread could not be spawned.
-    fn spawn_ring_reader<R, T>(
-        &self,
-        name: &str,
-        cancel: tokio_util::sync::CancellationToken,
-        ring: R,
-        next: fn(&mut R) -> Option<T>,
-        handle: impl FnMut(Vec<T>) + Send + 'static,
-    ) -> std::io::Result<()>
-    where
-        R: std::os::fd::AsFd + Send + 'static,
-        T: 'static,
-    {
-        let (wake, woken) = std::os::unix::net::UnixStream::pair()?;
-        let thread = ring_reader(name, cancel, ring, woken, next, handle)?;
-        self.readers
-            .lock()
-            .expect("poisoned")
-            .push(Reader { thread, wake });
-        Ok(())
-    }
-
-    /// Once the ring readers' cancel token fired: wake every reader thread, so it sees it at
-    /// once (ending without reading another record), and wait until they all ended, at most
-    /// `within` (a batch being handled finishes first). Returns whether they all did.
-    pub fn wait_readers(&self, within: std::time::Duration) -> bool {
-        use std::io::Write as _;
-        let deadline = std::time::Instant::now() + within;
-        let mut readers = self.readers.lock().expect("poisoned");
-        for r in readers.iter() {
-            let _ = (&r.wake).write_all(&[1]);
-        }
-        while readers.iter().any(|r| !r.thread.is_finished()) {
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        for r in readers.drain(..) {
-            let _ = r.thread.join();
-        }
-        true
-    }
-}
-
-/// A ring reader thread and the socket that wakes it.
-struct Reader {
-    thread: std::thread::JoinHandle<()>,
-    /// A byte written here makes the thread's poll return.
-    wake: std::os::unix::net::UnixStream,
-}
-
-/// The thread of [`Datapath::spawn_ring_reader`].
-fn ring_reader<R, T>(
-    name: &str,
-    cancel: tokio_util::sync::CancellationToken,
-    mut ring: R,
-    woken: std::os::unix::net::UnixStream,
-    next: fn(&mut R) -> Option<T>,
-    mut handle: impl FnMut(Vec<T>) + Send + 'static,
-) -> std::io::Result<std::thread::JoinHandle<()>>
-where
-    R: std::os::fd::AsFd + Send + 'static,
-    T: 'static,
-{
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            while !cancel.is_cancelled() {
-                let mut fds = [
-                    nix::poll::PollFd::new(ring.as_fd(), nix::poll::PollFlags::POLLIN),
-                    nix::poll::PollFd::new(woken.as_fd(), nix::poll::PollFlags::POLLIN),
-                ];
-                if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)).is_err() {
-                    continue;
-                }
-                // Cancelled while waiting (a hand-over): what is in the ring is the next
-                // process's to read.
-                if cancel.is_cancelled() {
-                    break;
-                }
-                let mut batch = Vec::new();
-                while let Some(record) = next(&mut ring) {
-                    batch.push(record);
-                }
-                if !batch.is_empty() {
-                    handle(batch);
-                }
-            }
-        })
 }
 
 #[cfg(test)]
