@@ -42,6 +42,35 @@ impl Lb {
         Lb::start_via(&[], args)
     }
 
+    /// One balancer on `listen` with the one `server`, the kernel data path attached to the
+    /// cgroup `cgroup` (`--datapath bpf`), plus `extra` arguments; waits until its first checks
+    /// settled (10 s at most).
+    ///
+    /// # Errors
+    /// As [`Lb::start`] and [`Lb::wait_settled`].
+    pub fn bpf_in(
+        cgroup: &std::path::Path,
+        listen: &str,
+        server: &str,
+        extra: &[&str],
+    ) -> Result<Lb> {
+        let cgp = cgroup.display().to_string();
+        let mut args = vec![
+            "--listen",
+            listen,
+            "--server",
+            server,
+            "--datapath",
+            "bpf",
+            "--cgroup",
+            &cgp,
+        ];
+        args.extend_from_slice(extra);
+        let lb = Lb::start(&args)?;
+        lb.wait_settled(Duration::from_secs(10))?;
+        Ok(lb)
+    }
+
     /// [`Lb::start`] through `wrapper` (a program and its arguments that end by running the
     /// command after them, e.g. `setpriv ...` or `unshare ...`): `wrapper... lb run args...`.
     /// [`Lb::pid`] is then the wrapper's pid (the same as lb's when the wrapper execs it).

@@ -156,20 +156,12 @@ fn wildcard_listener_registers_local_destinations_only() -> Result<()> {
     let mut foreign = Host::new()?;
     foreign.serve(port, "foreign")?;
     let cg = TestCgroup::new()?;
-    let cgp = cg.path.display().to_string();
-    let listen = format!("0.0.0.0:{port}");
-    let server = servers[0].addr(9000).to_string();
-    let lb = Lb::start(&[
-        "--listen",
-        &listen,
-        "--server",
-        &server,
-        "--datapath",
-        "bpf",
-        "--cgroup",
-        &cgp,
-    ])?;
-    lb.wait_settled(Duration::from_secs(10))?;
+    let lb = Lb::bpf_in(
+        &cg.path,
+        &format!("0.0.0.0:{port}"),
+        &servers[0].addr(9000).to_string(),
+        &[],
+    )?;
     let place = Place::cgroup(&cg.path);
     let away = Holder::start(&place, foreign.addr(port), 0, 60_000)?;
     let ev = away.wait_for("connected", Duration::from_secs(20))?;
@@ -210,20 +202,12 @@ fn ipv4_mapped_client_of_an_ipv4_listener_splices() -> Result<()> {
     let port = free_port()?;
     let servers = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
     let cg = TestCgroup::new()?;
-    let cgp = cg.path.display().to_string();
-    let listen = format!("127.0.0.1:{port}");
-    let server = servers[0].addr(9000).to_string();
-    let lb = Lb::start(&[
-        "--listen",
-        &listen,
-        "--server",
-        &server,
-        "--datapath",
-        "bpf",
-        "--cgroup",
-        &cgp,
-    ])?;
-    lb.wait_settled(Duration::from_secs(10))?;
+    let lb = Lb::bpf_in(
+        &cg.path,
+        &format!("127.0.0.1:{port}"),
+        &servers[0].addr(9000).to_string(),
+        &[],
+    )?;
     let n = 32 * MIB;
     ok(&run_client(
         &Place::cgroup(&cg.path),

@@ -27,22 +27,12 @@ impl Fixture {
         let mut host = Host::new()?;
         host.serve(9000, "s0")?;
         let listen: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let (l, server, cgp) = (
-            listen.to_string(),
-            host.addr(9000).to_string(),
-            cg.path.display().to_string(),
-        );
-        let lb = Lb::start(&[
-            "--listen",
-            &l,
-            "--server",
-            &server,
-            "--datapath",
-            "bpf",
-            "--cgroup",
-            &cgp,
-        ])?;
-        lb.wait_settled(Duration::from_secs(10))?;
+        let lb = Lb::bpf_in(
+            &cg.path,
+            &listen.to_string(),
+            &host.addr(9000).to_string(),
+            &[],
+        )?;
         Ok(Fixture {
             cg,
             _host: host,

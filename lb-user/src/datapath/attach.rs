@@ -12,6 +12,31 @@ use tracing::warn;
 
 use super::{DatapathError, probe};
 
+/// Load program `$name` of aya type `$ty` (a cgroup program) from `$ebpf`, attach it to
+/// `$cgroup` with a link and return the link as an [`FdLink`]. A macro, not a function: aya's
+/// cgroup program types share these methods but no trait.
+macro_rules! attach_cgroup {
+    ($ebpf:expr, $name:expr, $ty:ty, $cgroup:expr) => {{
+        let name: &'static str = $name;
+        let err = |source| DatapathError::Program {
+            program: name,
+            source,
+        };
+        let prog: &mut $ty = $ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::Missing(name))?
+            .try_into()
+            .map_err(err)?;
+        prog.load().map_err(err)?;
+        let link = prog.attach($cgroup, CgroupAttachMode::Single).map_err(err)?;
+        let link = prog.take_link(link).map_err(err)?;
+        FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            program: name,
+            source,
+        })?
+    }};
+}
+
 /// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing
 /// (program type, attach type, helper, or the verifier refusing) leaves connect-time forwarding
 /// off; what is attached stays until lb exits and is harmless without a listener entry.
@@ -27,23 +52,7 @@ pub(super) fn attach_connect(
         PROG_CONNECT4,
         PROG_CONNECT6,
     ] {
-        let err = |source| DatapathError::Program {
-            program: name,
-            source,
-        };
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .ok_or(DatapathError::Missing(name))?
-            .try_into()
-            .map_err(err)?;
-        prog.load().map_err(err)?;
-        let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
-        let link = prog.take_link(link).map_err(err)?;
-        let link = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-            program: name,
-            source,
-        })?;
-        links.push((name, link));
+        links.push((name, attach_cgroup!(ebpf, name, CgroupSockAddr, cgroup)));
     }
     match attach_release(ebpf, cgroup) {
         Ok(link) => links.push((PROG_CONNECT_RELEASE, link)),
@@ -60,21 +69,5 @@ pub(super) fn attach_connect(
 /// # Errors
 /// [`DatapathError::Program`] or [`DatapathError::Link`].
 fn attach_release(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<FdLink, DatapathError> {
-    let name = PROG_CONNECT_RELEASE;
-    let err = |source| DatapathError::Program {
-        program: name,
-        source,
-    };
-    let prog: &mut CgroupSock = ebpf
-        .program_mut(name)
-        .ok_or(DatapathError::Missing(name))?
-        .try_into()
-        .map_err(err)?;
-    prog.load().map_err(err)?;
-    let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
-    let link = prog.take_link(link).map_err(err)?;
-    FdLink::try_from(link).map_err(|source| DatapathError::Link {
-        program: name,
-        source,
-    })
+    Ok(attach_cgroup!(ebpf, PROG_CONNECT_RELEASE, CgroupSock, cgroup))
 }
