@@ -31,6 +31,16 @@ pub const MAP_PAIRS: &str = "LB_PAIRS";
 pub const MAP_STATS: &str = "LB_STATS";
 /// Ring buffer of [`RefreshRequest`]s: the sk_msg program asks lb for more redirect credit.
 pub const MAP_REFRESH: &str = "LB_REFRESH";
+/// Array indexed by balancer id → the network namespace cookie (`u64`) of the sockets the
+/// balancer acts on: the connect programs rewrite, and sockops registers for the splice, only
+/// sockets whose `bpf_get_netns_cookie` equals it, or every socket when it is
+/// [`NETNS_SCOPE_ALL`]. lb writes each balancer's entry (its own namespace's cookie, read with
+/// `SO_NETNS_COOKIE`) before that balancer's listeners, and a new lb writes it again after an
+/// upgrade, so it follows the process that owns the listeners.
+pub const MAP_NETNS_SCOPE: &str = "LB_NETNS_SCOPE";
+/// Value in [`MAP_NETNS_SCOPE`]: the balancer acts on sockets of every network namespace under
+/// the cgroup (`namespaces = "all"`). No namespace has cookie 0 (the kernel counts from 1).
+pub const NETNS_SCOPE_ALL: u64 = 0;
 
 /// Globals of the sk_msg program that lb sets at load time: byte offsets (`u32`) of the kernel
 /// struct fields on the way from a socket to its file's flags, read from the running kernel's BTF
@@ -309,7 +319,7 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 15] = [
+pub const MAP_NAMES: [&str; 16] = [
     MAP_CONNECT_LISTENERS,
     MAP_CONNECT_EVENTS,
     MAP_CONNECT_TABLES,
@@ -324,6 +334,7 @@ pub const MAP_NAMES: [&str; 15] = [
     MAP_PAIRS,
     MAP_STATS,
     MAP_REFRESH,
+    MAP_NETNS_SCOPE,
     MAP_KERNEL_LOG,
 ];
 
@@ -520,8 +531,14 @@ pub struct BalancerStats {
     /// Connect-time events the sockops program could not send because
     /// [`MAP_CONNECT_EVENTS`] was full.
     pub connect_event_drops: u64,
+    /// `connect()`s to a connect-time listener the connect programs left alone because the
+    /// socket is in another network namespace than the balancer's ([`MAP_NETNS_SCOPE`]).
+    pub netns_skipped_connects: u64,
+    /// Sockets connected to a listener that sockops did not register for the splice because
+    /// they are in another network namespace than the balancer's ([`MAP_NETNS_SCOPE`]).
+    pub netns_skipped_sockets: u64,
 }
-const _: () = assert!(size_of::<BalancerStats>() == 96);
+const _: () = assert!(size_of::<BalancerStats>() == 112);
 
 impl BalancerStats {
     /// Add `other`'s counters to these (lb sums the per-CPU copies).
@@ -535,6 +552,8 @@ impl BalancerStats {
         self.refresh_requests += other.refresh_requests;
         self.blocking_redirects += other.blocking_redirects;
         self.connect_event_drops += other.connect_event_drops;
+        self.netns_skipped_connects += other.netns_skipped_connects;
+        self.netns_skipped_sockets += other.netns_skipped_sockets;
     }
 }
 

@@ -19,9 +19,14 @@
 //! each kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the
 //! ring is full, so a storm of failing connects cannot flood lb.
 //!
-//! Minimum kernel: 4.17 for connect4/6, 5.8 for getpeername4/6 (lb attaches all four or
-//! none), 5.9 for sock_release (optional: without it failed connects leak records until the
-//! LRU evicts them); `bpf_get_socket_cookie` in sock_addr, sock and sockops programs.
+//! A connect is rewritten only when its socket is in the balancer's network namespace scope
+//! (`LB_NETNS_SCOPE`, see `crate::in_scope`): by default lb's own, so a pod's connect to its own
+//! `127.0.0.1:P` reaches the pod's server.
+//!
+//! Minimum kernel: 4.17 for connect4/6 (5.7 for `bpf_get_netns_cookie` in them), 5.8 for
+//! getpeername4/6 (lb attaches all four or none), 5.9 for sock_release (optional: without it
+//! failed connects leak records until the LRU evicts them); `bpf_get_socket_cookie` in
+//! sock_addr, sock and sockops programs.
 
 use aya_ebpf::{
     bindings::{
@@ -30,7 +35,8 @@ use aya_ebpf::{
     },
     cty::c_void,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_skc_to_tcp_sock,
+        bpf_get_current_pid_tgid, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
+        bpf_skc_to_tcp_sock,
     },
     macros::{cgroup_sock, cgroup_sock_addr, map},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
@@ -220,6 +226,16 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
             }
         }
     };
+    // SAFETY: the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
+    if !crate::in_scope(balancer, netns) {
+        // Another namespace's 127.0.0.1:P is its own: the connect goes where it was going.
+        if let Some(stats) = crate::LB_STATS.get_ptr_mut(balancer) {
+            // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+            unsafe { (*stats).netns_skipped_connects += 1 };
+        }
+        return Ok(());
+    }
     let Some(table) = LB_CONNECT_TABLES.get_ptr(&balancer) else {
         return Ok(());
     };

@@ -4,8 +4,10 @@
 //!   to one of lb's listeners, it registers the socket in `LB_CLIENTS` (which runs `lb_sk_msg` on
 //!   its sends), creates its `LB_FLOWS` entry (with the socket's cookie, its generation) and
 //!   records its network namespace in `LB_NETNS`; when the socket closes (`STATE_CB`), it
-//!   removes both entries again. A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients
-//!   whose destination is on the host ([`local_destination`]); an IPv6 socket connected to an
+//!   removes both entries again. Only sockets in the listener's balancer's network namespace
+//!   scope (`LB_NETNS_SCOPE`, [`in_scope`]) are registered; others are counted and left alone.
+//!   A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients whose destination is on
+//!   the host ([`local_destination`]); an IPv6 socket connected to an
 //!   IPv4-mapped address is keyed as IPv4 ([`unmap_v4`]), as lb keys the socket it accepted.
 //!   A socket the connect programs sent straight to a server is counted instead (and, through
 //!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
@@ -58,7 +60,7 @@ use aya_ebpf::{
         bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_probe_read_kernel, bpf_skc_to_tcp_sock,
     },
     macros::{map, sk_msg, sock_ops},
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
     programs::{SkMsgContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
@@ -66,9 +68,9 @@ use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_READS,
     GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
     GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, KERNEL_LOG_TARGET, ListenerKey, MAP_CLIENTS,
-    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
-    MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
-    NETNS_AMBIGUOUS, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
+    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS,
+    MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
+    NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
     REFRESH_RING_BYTES, RefreshRequest, SockKey, kernel_log_due,
 };
 
@@ -93,6 +95,7 @@ named_as!(
     LB_PAIRS = MAP_PAIRS,
     LB_STATS = MAP_STATS,
     LB_REFRESH = MAP_REFRESH,
+    LB_NETNS_SCOPE = MAP_NETNS_SCOPE,
     lb_sockops = PROG_SOCKOPS,
     lb_sk_msg = PROG_SK_MSG,
     LB_OFF_SK_SOCKET = GLOBAL_OFF_SK_SOCKET,
@@ -128,6 +131,9 @@ static LB_STATS: PerCpuArray<BalancerStats> = PerCpuArray::with_max_entries(MAX_
 
 #[map]
 static LB_REFRESH: RingBuf = RingBuf::with_byte_size(REFRESH_RING_BYTES, 0);
+
+#[map]
+static LB_NETNS_SCOPE: Array<u64> = Array::with_max_entries(MAX_BALANCERS, 0);
 
 // Kernel struct field offsets (bytes), set by lb at load time from the running kernel's BTF
 // (names in lb_common::GLOBAL_OFF_*); read with read_volatile so the placeholders never fold.
@@ -219,6 +225,14 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     };
     // SAFETY: ctx.ops is the context pointer the kernel passed to this program.
     let cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    // A socket of another namespace (a pod dialing its own 127.0.0.1:P) gets no psock.
+    if !in_scope(balancer, cookie) {
+        if let Some(stats) = LB_STATS.get_ptr_mut(balancer) {
+            // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+            unsafe { (*stats).netns_skipped_sockets += 1 };
+        }
+        return Ok(1);
+    }
     let tuple = key;
     key.netns_cookie = cookie;
 
@@ -308,6 +322,17 @@ fn listener_of(key: &SockKey) -> Option<u32> {
     let wildcard = ListenerKey::wildcard(key.lb_port, key.family);
     // SAFETY: as above.
     unsafe { LB_LISTENERS.get(&wildcard) }.copied()
+}
+
+/// Whether `balancer` acts on a socket of the network namespace whose cookie is `netns`: its
+/// scope (`LB_NETNS_SCOPE`) is that namespace, or every namespace ([`NETNS_SCOPE_ALL`]). A
+/// listener's address names a socket only in the namespace the listener lives in: the same
+/// `127.0.0.1:P` in a pod is the pod's own.
+#[inline(always)]
+fn in_scope(balancer: u32, netns: u64) -> bool {
+    LB_NETNS_SCOPE
+        .get(balancer)
+        .is_some_and(|&scope| scope == NETNS_SCOPE_ALL || scope == netns)
 }
 
 /// `127.0.0.1`'s first byte, and `::1`'s last word, in network byte order as the kernel

@@ -23,7 +23,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::{
     addr::ServerAddr,
     admin::client::{AdminClient, ClientError, Endpoint},
-    config::{DEFAULT_ADMIN_LISTEN, DatapathMode, Forwarding, Overrides, parse_duration},
+    config::{
+        DEFAULT_ADMIN_LISTEN, DatapathMode, Forwarding, Namespaces, Overrides, parse_duration,
+    },
 };
 
 /// Exit code for a failure (and for `lb check`, unhealthy).
@@ -169,6 +171,10 @@ pub struct RunArgs {
     /// in the cgroup straight to the chosen server at connect(); kernel 5.8+).
     #[arg(long, env = "LB_FORWARDING", value_enum)]
     pub forwarding: Option<Forwarding>,
+    /// Network namespaces every balancer's kernel programs act in: own (lb's, where its
+    /// listeners live) or all (every namespace under the cgroup).
+    #[arg(long, env = "LB_NAMESPACES", value_enum)]
+    pub namespaces: Option<Namespaces>,
 }
 
 impl RunArgs {
@@ -183,6 +189,7 @@ impl RunArgs {
             health_loop: self.health_loop,
             cgroup: self.cgroup.clone(),
             forwarding: self.forwarding,
+            namespaces: self.namespaces,
         }
     }
 }

@@ -73,6 +73,16 @@ pub struct PassiveLabels {
     pub kind: String,
 }
 
+/// `{balancer,program}` of `lb_netns_skipped_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NetnsSkipLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `connect` (a `connect()` the connect programs did not rewrite) or `sockops` (a socket
+    /// sockops did not register for the splice).
+    pub program: String,
+}
+
 /// `{balancer,forwarding}` of `lb_balancer_forwarding_info`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ForwardingLabels {
@@ -173,6 +183,9 @@ pub struct Metrics {
     /// `lb_connect_kill_netns_failures_total`: connect-time sockets a kill could not reach
     /// because their process's network namespace could not be opened or entered.
     pub connect_kill_netns_failures: Family<BalancerLabel, Counter>,
+    /// `lb_netns_skipped_total`: sockets the kernel programs left alone because they are in
+    /// another network namespace than the balancer's scope (`namespaces = "own"`).
+    pub netns_skipped: Family<NetnsSkipLabels, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
@@ -331,6 +344,12 @@ impl Metrics {
             "Connect-time sockets a kill or abort could not reach because their process's network namespace could not be opened (process gone, or no CAP_SYS_PTRACE) or entered (no CAP_SYS_ADMIN); each process is logged with its pid",
             connect_kill_netns_failures.clone(),
         );
+        let netns_skipped = Family::<NetnsSkipLabels, Counter>::default();
+        registry.register(
+            "netns_skipped",
+            "Sockets of another network namespace than lb's that dialed a listener's address and were left alone (namespaces = \"own\"): connect (not rewritten) or sockops (not registered for the splice)",
+            netns_skipped.clone(),
+        );
         let datapath_info = Family::<ModeLabel, Gauge>::default();
         registry.register(
             "datapath_info",
@@ -409,6 +428,7 @@ impl Metrics {
             passive_events,
             passive_event_drops,
             connect_kill_netns_failures,
+            netns_skipped,
             datapath_info,
             balancer_forwarding,
             inflight_checks,
@@ -523,6 +543,20 @@ impl Metrics {
                     (name, "passive_event_drops"),
                     st.connect_event_drops,
                 );
+                for (program, n) in [
+                    ("connect", st.netns_skipped_connects),
+                    ("sockops", st.netns_skipped_sockets),
+                ] {
+                    self.bump(
+                        &self.netns_skipped,
+                        &NetnsSkipLabels {
+                            balancer: b.name.clone(),
+                            program: program.into(),
+                        },
+                        (name, &format!("netns_skipped:{program}")),
+                        n,
+                    );
+                }
                 for r in lb_common::PassReason::ALL {
                     self.bump(
                         &self.splice_fallbacks,

@@ -36,6 +36,10 @@ pub struct BalancerStatus {
     /// Why a balancer configured with `forwarding = "connect"` forwards through lb instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forwarding_fallback: Option<String>,
+    /// Network namespaces the kernel programs act in for this balancer: `own` (lb's, where its
+    /// listeners live) or `all` (every namespace under the cgroup).
+    #[serde(default)]
+    pub namespaces: String,
     /// Servers, in preference order; the default last when it is only STANDBY.
     pub servers: Vec<ServerStatus>,
     /// The discovery source and what it last did; absent without discovery.

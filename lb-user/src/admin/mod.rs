@@ -116,6 +116,7 @@ pub fn status(daemon: &Handle) -> StatusBody {
                     policy: cfg.policy.to_string(),
                     forwarding: forwarding.to_string(),
                     forwarding_fallback,
+                    namespaces: daemon.namespaces(&cfg).to_string(),
                     servers,
                     discovery: b.discovery_status(),
                 }

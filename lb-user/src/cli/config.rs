@@ -2,10 +2,14 @@
 
 use std::{path::Path, process::ExitCode};
 
-use crate::config::{Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG};
+use crate::config::{
+    BalancerConfig, Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG, Namespaces,
+};
 
 /// Validate `file`, reading the credential files it names or not as `files` says: print a
-/// summary and exit 0, or print the error (naming the key, the value and the reason) and exit 2.
+/// summary (one line, then one per balancer saying how it forwards and which network
+/// namespaces its kernel programs act in) and exit 0, or print the error (naming the key, the
+/// value and the reason) and exit 2.
 pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
     match Config::from_file_with(file, files) {
         Ok(cfg) => {
@@ -16,6 +20,9 @@ pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
                 cfg.balancers.len(),
                 names.join(", ")
             );
+            for b in &cfg.balancers {
+                println!("  {}", describe(&cfg, b));
+            }
             ExitCode::SUCCESS
         }
         // A read or parse error names the file already.
@@ -27,5 +34,53 @@ pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
             eprintln!("lb: {}: invalid: {e}", file.display());
             ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2))
         }
+    }
+}
+
+/// One balancer's forwarding and namespace scope, as `lb config check` prints it.
+fn describe(cfg: &Config, b: &BalancerConfig) -> String {
+    let forwarding = cfg.forwarding_of(b);
+    let namespaces = cfg.namespaces_of(b);
+    let scope = match namespaces {
+        Namespaces::Own => "the kernel acts on clients in lb's network namespace only",
+        Namespaces::All => "the kernel acts on clients in every network namespace under the cgroup",
+    };
+    format!(
+        "balancer {}: forwarding {forwarding}, namespaces {namespaces} ({scope})",
+        b.name
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn describes_forwarding_and_namespaces() {
+        let text = r#"
+[datapath]
+namespaces = "all"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:6443"]
+servers = ["198.18.0.2:6443"]
+forwarding = "connect"
+namespaces = "own"
+
+[[balancer]]
+name = "etcd"
+listen = ["127.0.0.1:2379"]
+servers = ["198.18.0.2:2379"]
+"#;
+        let cfg = Config::from_toml(text, "test").unwrap();
+        assert_eq!(
+            describe(&cfg, &cfg.balancers[0]),
+            "balancer api: forwarding connect, namespaces own (the kernel acts on clients in lb's network namespace only)"
+        );
+        assert_eq!(
+            describe(&cfg, &cfg.balancers[1]),
+            "balancer etcd: forwarding splice, namespaces all (the kernel acts on clients in every network namespace under the cgroup)"
+        );
     }
 }

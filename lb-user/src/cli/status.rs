@@ -42,6 +42,9 @@ pub fn render(s: &StatusBody) -> String {
         if let Some(why) = &b.forwarding_fallback {
             out.push_str(&format!(" (connect unavailable: {why})"));
         }
+        if !b.namespaces.is_empty() {
+            out.push_str(&format!("  namespaces {}", b.namespaces));
+        }
         out.push('\n');
         if let Some(d) = &b.discovery {
             out.push_str(&format!(

@@ -198,6 +198,28 @@ impl fmt::Display for Forwarding {
     }
 }
 
+/// Which network namespaces a balancer's kernel programs act in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Namespaces {
+    /// lb's own, where its listeners live: a client in another network namespace (a pod) that
+    /// dials the listener's address reaches that address in its own namespace, untouched.
+    #[default]
+    Own,
+    /// Every network namespace under the cgroup: a pod's connect to the listener's address is
+    /// rewritten (`connect`) and its socket registered for the splice (`splice`).
+    All,
+}
+
+impl fmt::Display for Namespaces {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Namespaces::Own => "own",
+            Namespaces::All => "all",
+        })
+    }
+}
+
 /// Server selection policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -265,6 +287,8 @@ pub struct DatapathConfig {
     pub blocking_splice: bool,
     /// Default `forwarding` of balancers that set none: splice (default) | connect.
     pub forwarding: Forwarding,
+    /// Default `namespaces` of balancers that set none: own (default) | all.
+    pub namespaces: Namespaces,
 }
 
 impl Default for DatapathConfig {
@@ -276,6 +300,7 @@ impl Default for DatapathConfig {
             copy_buffer_bytes: 256 * 1024,
             blocking_splice: true,
             forwarding: Forwarding::Splice,
+            namespaces: Namespaces::Own,
         }
     }
 }
@@ -336,6 +361,10 @@ pub struct BalancerConfig {
     /// splice | connect; `[datapath] forwarding` when absent.
     #[serde(default)]
     pub forwarding: Option<Forwarding>,
+    /// own | all: the network namespaces whose sockets the kernel programs rewrite or register;
+    /// `[datapath] namespaces` when absent.
+    #[serde(default)]
+    pub namespaces: Option<Namespaces>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -403,12 +432,20 @@ pub struct Overrides {
     pub cgroup: Option<PathBuf>,
     /// `--forwarding`: every balancer's forwarding.
     pub forwarding: Option<Forwarding>,
+    /// `--namespaces`: every balancer's network namespace scope.
+    pub namespaces: Option<Namespaces>,
 }
 
 impl Config {
     /// The forwarding `b` asked for: its own, else `[datapath] forwarding`.
     pub fn forwarding_of(&self, b: &BalancerConfig) -> Forwarding {
         b.forwarding.unwrap_or(self.datapath.forwarding)
+    }
+
+    /// The network namespaces `b`'s kernel programs act in: its own `namespaces`, else
+    /// `[datapath] namespaces`.
+    pub fn namespaces_of(&self, b: &BalancerConfig) -> Namespaces {
+        b.namespaces.unwrap_or(self.datapath.namespaces)
     }
 
     /// Parse TOML text.
@@ -498,6 +535,7 @@ impl Config {
                     state_file: None,
                     proxy: None,
                     forwarding: None,
+                    namespaces: None,
                     health: HealthConfig::default(),
                 });
             }
@@ -537,6 +575,12 @@ impl Config {
             cfg.datapath.forwarding = f;
             for b in &mut cfg.balancers {
                 b.forwarding = Some(f);
+            }
+        }
+        if let Some(n) = o.namespaces {
+            cfg.datapath.namespaces = n;
+            for b in &mut cfg.balancers {
+                b.namespaces = Some(n);
             }
         }
         cfg.validate()?;

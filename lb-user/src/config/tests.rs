@@ -458,3 +458,40 @@ fn skipping_credential_files_leaves_them_unread_and_checks_the_rest() {
         .to_string();
     assert!(err.contains("needs key_file beside it"), "{err}");
 }
+
+#[test]
+fn namespaces_default_to_own_inherit_and_are_overridden() {
+    let cfg = Config::from_toml(FULL, "test").unwrap();
+    assert_eq!(cfg.datapath.namespaces, Namespaces::Own);
+    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::Own);
+
+    let global = FULL.replace("mode = \"auto\"", "mode = \"auto\"\nnamespaces = \"all\"");
+    let cfg = Config::from_toml(&global, "test").unwrap();
+    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::All);
+
+    let own = global.replace(
+        "policy = \"failover\"",
+        "policy = \"failover\"\nnamespaces = \"own\"",
+    );
+    let cfg = Config::from_toml(&own, "test").unwrap();
+    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::Own);
+
+    // The flag (or LB_NAMESPACES) sets every balancer's.
+    let path = std::env::temp_dir().join(format!("lb-netns-{}.toml", std::process::id()));
+    std::fs::write(&path, &own).unwrap();
+    let o = Overrides {
+        namespaces: Some(Namespaces::All),
+        ..Overrides::default()
+    };
+    let cfg = Config::load(Some(&path), &o).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::All);
+
+    let e = Config::from_toml(
+        &FULL.replace("mode = \"auto\"", "mode = \"auto\"\nnamespaces = \"pods\""),
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("namespaces"), "{e}");
+}

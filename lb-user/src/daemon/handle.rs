@@ -62,6 +62,11 @@ impl Handle {
             .unwrap_or((Forwarding::Splice, None))
     }
 
+    /// The network namespaces balancer config `b`'s kernel programs act in.
+    pub fn namespaces(&self, b: &crate::config::BalancerConfig) -> crate::config::Namespaces {
+        self.0.config.load().namespaces_of(b)
+    }
+
     /// Established connect-time connections of balancer `id` per server address (empty
     /// without the kernel data path).
     pub fn connect_counts(&self, id: u32) -> std::collections::HashMap<SocketAddr, u64> {

@@ -61,8 +61,9 @@ impl Daemon {
         }
     }
 
-    /// Tell the kernel programs which listener belongs to which balancer id, and which of them
-    /// are connect-time (a listener that moved to a splice balancer in an upgrade is taken out
+    /// Tell the kernel programs which network namespaces each balancer acts in (before its
+    /// listeners, so no socket of another namespace is claimed meanwhile), which listener
+    /// belongs to which balancer id, and which of them are connect-time (a listener that moved to a splice balancer in an upgrade is taken out
     /// of the connect-time map). A fresh lb does it at start; a new lb taking over once the old
     /// one let go (`Stopped`), so a failed hand-over leaves the old one's maps as they were.
     ///
@@ -72,6 +73,7 @@ impl Daemon {
         let Some(dp) = &self.datapath else {
             return Ok(());
         };
+        self.write_namespaces()?;
         for b in self.balancers.load().iter() {
             let connect = self
                 .forwarding
@@ -87,6 +89,24 @@ impl Daemon {
                     dp.remove_connect_listener(*addr);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Write each balancer's network namespace scope (`namespaces`) to the kernel programs: at
+    /// start, and again at a reload that changed it.
+    ///
+    /// # Errors
+    /// A map write failed (named with the balancer).
+    pub(super) fn write_namespaces(&self) -> anyhow::Result<()> {
+        let Some(dp) = &self.datapath else {
+            return Ok(());
+        };
+        let cfg = self.config.load();
+        for b in self.balancers.load().iter() {
+            let namespaces = cfg.namespaces_of(&b.config());
+            dp.set_namespaces(b.id, namespaces)
+                .with_context(|| format!("balancer {}: writing its namespace scope", b.name))?;
         }
         Ok(())
     }

@@ -90,6 +90,10 @@ pub fn reload_config(
         .map(|b| (*b.config()).clone())
         .collect();
     daemon.config.store(Arc::new(new));
+    // `namespaces` applies to the next connect or socket at once.
+    if let Err(e) = daemon.write_namespaces() {
+        warn!(error = %format!("{e:#}"), "reload: cannot write the namespace scopes; the previous ones stay");
+    }
     Ok(summary)
 }
 

@@ -5,6 +5,10 @@
 //! detach, and nothing is pinned: the programs still end with the last process holding them.
 //! Paired connections move as [`credit::Pair`]s rebuilt from lb's copied count.
 //!
+//! Each balancer's network namespace scope (`LB_NETNS_SCOPE`) is a map, handed over with the
+//! others; the new process writes it again, with its own namespace's cookie, when it registers
+//! its listeners.
+//!
 //! The programs keep the globals they were loaded with, among them lb's pid (`LB_OWN_TGID`,
 //! whose `connect()`s the connect-time programs never rewrite): after an upgrade, a `connect()`
 //! lb itself makes to one of its connect-mode listeners is rewritten like a client's.
@@ -118,6 +122,7 @@ impl Datapath {
         cgroup: PathBuf,
         connect_missing: Option<String>,
     ) -> Result<Datapath, DatapathError> {
+        let own_netns = super::probe::own_netns_cookie()?;
         let (maps, ring, events) = Maps::from_fds(maps)?;
         let mut held = Vec::new();
         for (name, fd) in links {
@@ -145,6 +150,7 @@ impl Datapath {
             // The programs are the old process's, loaded on this kernel by the same code: its
             // answer then is this one now.
             splice: super::kernel_reads().is_some(),
+            own_netns,
         })
     }
 

@@ -14,7 +14,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray, RingBuf, SockHash,
+        Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray, RingBuf, SockHash,
         sock::SockMapFd,
     },
 };
@@ -22,7 +22,8 @@ use lb_common::{
     AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
     FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS,
     MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS,
-    MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
+    MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl,
+    RefreshRequest, SockKey,
 };
 
 use super::{DatapathError, passive::EventRing};
@@ -40,6 +41,7 @@ pub(super) struct Maps {
     pub(super) flows: Flows,
     pub(super) pairs: Pairs,
     pub(super) stats: Stats,
+    pub(super) scope: Scope,
     pub(super) connect: ConnectMaps,
     /// Copies of the ring buffers' descriptors (the rings themselves go to their threads), for
     /// a hand-over.
@@ -109,6 +111,10 @@ impl Maps {
             (
                 MAP_STATS,
                 dup(self.stats.0.lock().expect("poisoned").map().fd().as_fd())?,
+            ),
+            (
+                MAP_NETNS_SCOPE,
+                dup(self.scope.0.lock().expect("poisoned").map().fd().as_fd())?,
             ),
             (
                 MAP_CONNECT_LISTENERS,
@@ -199,6 +205,9 @@ impl Maps {
             )),
             stats: Stats(Mutex::new(
                 PerCpuArray::try_from(take(MAP_STATS)?).map_err(map_err(MAP_STATS))?,
+            )),
+            scope: Scope(Mutex::new(
+                Array::try_from(take(MAP_NETNS_SCOPE)?).map_err(map_err(MAP_NETNS_SCOPE))?,
             )),
             connect: ConnectMaps {
                 listeners: Listeners(Mutex::new(
@@ -453,6 +462,24 @@ impl Stats {
             .get(&id, 0)
             .map(|values| values.iter().copied().collect())
             .unwrap_or_default()
+    }
+}
+
+/// `LB_NETNS_SCOPE`: balancer id → the network namespace cookie its programs act in
+/// (`NETNS_SCOPE_ALL`: every namespace).
+pub(super) struct Scope(Mutex<Array<MapData, u64>>);
+
+impl Scope {
+    /// Set balancer `id`'s scope to namespace cookie `netns` (or `NETNS_SCOPE_ALL`).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`] (an id out of range).
+    pub(super) fn set(&self, id: u32, netns: u64) -> Result<(), DatapathError> {
+        self.0
+            .lock()
+            .expect("poisoned")
+            .set(id, netns, 0)
+            .map_err(map_err(MAP_NETNS_SCOPE))
     }
 }
 

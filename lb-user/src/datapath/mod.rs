@@ -39,7 +39,7 @@ use lb_common::{
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
     GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
     GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID,
-    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -50,6 +50,7 @@ pub use self::{
     passive::{PassiveKind, PassiveSink},
     probe::{detect_cgroup2, probe_kernel},
 };
+use crate::config::Namespaces;
 
 /// The compiled kernel programs (`lb-ebpf`, built by `build.rs`).
 pub static EBPF_OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -115,6 +116,10 @@ pub enum DatapathError {
     /// The kernel's BTF gave no struct offsets (the splice is off, every connection is copied).
     #[error(transparent)]
     Btf(#[from] BtfError),
+    /// lb's network namespace cookie could not be read, so the programs could not tell lb's
+    /// namespace from others.
+    #[error("cannot read lb's network namespace cookie (SO_NETNS_COOKIE, kernel 5.14+)")]
+    NetnsCookie(#[source] std::io::Error),
     /// The connect-time programs were not attached because no balancer uses them.
     #[error("no balancer has forwarding = \"connect\"")]
     NotRequested,
@@ -180,6 +185,9 @@ pub struct Datapath {
     /// Whether the sk_msg program can read client sockets, which the splice needs
     /// (`LB_KERNEL_READS`); without it lb never pairs and every connection is copied.
     splice: bool,
+    /// The cookie of lb's network namespace (see [`probe::own_netns_cookie`]), the scope of a
+    /// balancer with `namespaces = "own"`.
+    own_netns: u64,
 }
 
 /// How a connect-mode balancer's kernel programs pick a server from its table.
@@ -222,6 +230,7 @@ impl Datapath {
     ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
         probe::lift_memlock();
+        let own_netns = probe::own_netns_cookie()?;
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe_kernel()?;
         let offsets = kernel_reads();
@@ -344,6 +353,7 @@ impl Datapath {
             max_buffered: cfg.max_buffered_bytes,
             connect_missing,
             splice: reads == 1,
+            own_netns,
         })
     }
 
@@ -351,6 +361,21 @@ impl Datapath {
     /// kernel lacks), `None` when its programs are attached.
     pub fn connect_unavailable(&self) -> Option<&str> {
         self.connect_missing.as_deref()
+    }
+
+    /// Which network namespaces balancer `id`'s programs act in: with [`Namespaces::Own`] the
+    /// connect programs rewrite, and sockops registers for the splice, only sockets of lb's
+    /// own namespace (where its listeners live); with [`Namespaces::All`], sockets of every
+    /// namespace under the cgroup. Written before the balancer's listeners are registered.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn set_namespaces(&self, id: u32, namespaces: Namespaces) -> Result<(), DatapathError> {
+        let scope = match namespaces {
+            Namespaces::Own => self.own_netns,
+            Namespaces::All => NETNS_SCOPE_ALL,
+        };
+        self.maps.scope.set(id, scope)
     }
 
     /// Tell the connect programs that `addr` is a listener of connect-mode balancer `id`. An

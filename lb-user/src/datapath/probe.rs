@@ -15,6 +15,40 @@ use super::{
     btf::{self, SockOffsets},
 };
 
+/// `SO_NETNS_COOKIE` from `<asm-generic/socket.h>` (5.14+), the value on every architecture
+/// but mips, parisc and sparc; libc 0.2 does not export it.
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The cookie of lb's network namespace, where its listeners live: `SO_NETNS_COOKIE` of a
+/// socket made for the purpose, the value `bpf_get_netns_cookie` gives the programs for a
+/// socket of that namespace.
+///
+/// # Errors
+/// [`DatapathError::NetnsCookie`]: no socket, or a kernel before 5.14.
+pub(super) fn own_netns_cookie() -> Result<u64, DatapathError> {
+    use std::os::fd::AsRawFd as _;
+    let sock = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::DGRAM, None)
+        .map_err(DatapathError::NetnsCookie)?;
+    let mut cookie: u64 = 0;
+    let mut len = libc::socklen_t::try_from(size_of::<u64>()).unwrap_or(8);
+    // SAFETY: getsockopt writes at most `len` (8) bytes through a pointer to a live u64 and
+    // the new length through a pointer to a live socklen_t.
+    #[expect(unsafe_code, reason = "nix 0.29 has no SO_NETNS_COOKIE option")]
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            std::ptr::addr_of_mut!(cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(DatapathError::NetnsCookie(std::io::Error::last_os_error()));
+    }
+    Ok(cookie)
+}
+
 /// Find the cgroup v2 mount point in `/proc/mounts`.
 ///
 /// # Errors
@@ -270,6 +304,18 @@ pub(super) fn probe_sk_err() -> Result<u32, DatapathError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every socket of this process's network namespace gives the same cookie, and no
+    /// namespace has cookie 0 (`NETNS_SCOPE_ALL`); kernels before 5.14 cannot say.
+    #[test]
+    fn own_netns_cookie_is_stable_and_not_zero() {
+        let Ok(first) = own_netns_cookie() else {
+            eprintln!("skipped: no SO_NETNS_COOKIE (kernel before 5.14)");
+            return;
+        };
+        assert_ne!(first, lb_common::NETNS_SCOPE_ALL);
+        assert_eq!(own_netns_cookie().expect("read once already"), first);
+    }
 
     #[test]
     fn finds_the_cgroup2_mount() {
