@@ -155,7 +155,16 @@ impl Host {
     /// # Errors
     /// Spawn failure or the server not becoming ready within 10 s.
     pub fn serve(&mut self, port: u16, name: &str) -> Result<()> {
-        let addr = self.addr(port).to_string();
+        self.serve_on(self.addr(port), name)
+    }
+
+    /// Start `lbt serve` on `addr` inside the namespace (e.g. its own `127.0.0.1:P`, as a
+    /// pod's server), named `name`; waits until it listens.
+    ///
+    /// # Errors
+    /// As [`Host::serve`].
+    pub fn serve_on(&mut self, addr: SocketAddr, name: &str) -> Result<()> {
+        let addr = addr.to_string();
         let mut child = Command::new("ip")
             .args([
                 "netns",

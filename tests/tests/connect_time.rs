@@ -980,12 +980,18 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     // A second listener on the root side of s0's link, which a client inside s0's namespace
     // reaches; its connects are rewritten to s0 itself, in that namespace.
     let gateway = hosts[0].gateway;
-    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL).replace(
-        "listen = [\"127.0.0.1:{port}\"]",
-        &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
-    );
+    // A client of another namespace is rewritten only with the opt-in.
+    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
+        .replace(
+            "listen = [\"127.0.0.1:{port}\"]",
+            &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
+        )
+        .replace(
+            "forwarding = \"connect\"",
+            "forwarding = \"connect\"\nnamespaces = \"all\"",
+        );
     ensure!(
-        text.contains(&gateway.to_string()),
+        text.contains(&gateway.to_string()) && text.contains("namespaces = \"all\""),
         "config template changed"
     );
     let s = Setup::with_config(hosts, &text)?;

@@ -3,7 +3,7 @@
 //! capabilities, read from the unit file; and with a DaemonSet's container arguments and
 //! ConfigMap (`deploy/kubernetes/daemonset.yaml`), whose pod shares the host's network and PID
 //! namespaces. A pod-like client (in another network namespace, in the test's cgroup) is
-//! rewritten at `connect()` and killed when its server is. Without the host's PID namespace
+//! rewritten at `connect()` (`namespaces = "all"`) and killed when its server is. Without the host's PID namespace
 //! (lb in `unshare --pid`), connect-time forwarding is refused with the fix named, and a
 //! client process whose network namespace lb cannot open is logged with its pid and counted.
 //! Under a container's small locked-memory limit lb lifts it before loading (kernels before
@@ -60,6 +60,7 @@ mode = "auto"
 [[balancer]]
 name = "direct"
 forwarding = "connect"
+namespaces = "all"
 listen = ["127.0.0.1:{direct}", "{gateway}:{direct}"]
 servers = [{servers}]
 policy = "failover"
@@ -331,7 +332,7 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
     let s0 = hosts[0].addr(6443);
     let mut text = lb_tests::configmap_entry(&yaml, "lb.toml")?;
     // The node's addresses, cgroup and state directory become the test's; connect-time
-    // forwarding is turned on.
+    // forwarding is turned on, for clients of every network namespace.
     for (from, to) in [
         (
             "listen = [\"127.0.0.1:6444\"]".to_string(),
@@ -355,7 +356,7 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
         ),
         (
             "mode = \"auto\"".into(),
-            "mode = \"auto\"\nforwarding = \"connect\"".into(),
+            "mode = \"auto\"\nforwarding = \"connect\"\nnamespaces = \"all\"".into(),
         ),
     ] {
         ensure!(

@@ -352,9 +352,10 @@ fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
     let cg = TestCgroup::new()?;
     let child = cg.child("pods")?;
     let client_ns = Host::new()?;
-    // lb listens on the root side of the client namespace's link.
+    // lb listens on the root side of the client namespace's link; a client of another
+    // namespace is spliced only with the opt-in.
     let listen = format!("{}:{}", client_ns.gateway, free_port()?);
-    let (_h, lb) = one_server(&cg, &listen, &[])?;
+    let (_h, lb) = one_server(&cg, &listen, &["--namespaces", "all"])?;
     let place = Place {
         cgroup: Some(&child.path),
         netns: Some(&client_ns.ns),
