@@ -28,7 +28,9 @@ macro_rules! attach_cgroup {
             .try_into()
             .map_err(err)?;
         prog.load().map_err(err)?;
-        let link = prog.attach($cgroup, CgroupAttachMode::Single).map_err(err)?;
+        let link = prog
+            .attach($cgroup, CgroupAttachMode::Single)
+            .map_err(err)?;
         let link = prog.take_link(link).map_err(err)?;
         FdLink::try_from(link).map_err(|source| DatapathError::Link {
             program: name,
@@ -69,5 +71,10 @@ pub(super) fn attach_connect(
 /// # Errors
 /// [`DatapathError::Program`] or [`DatapathError::Link`].
 fn attach_release(ebpf: &mut Ebpf, cgroup: &std::fs::File) -> Result<FdLink, DatapathError> {
-    Ok(attach_cgroup!(ebpf, PROG_CONNECT_RELEASE, CgroupSock, cgroup))
+    Ok(attach_cgroup!(
+        ebpf,
+        PROG_CONNECT_RELEASE,
+        CgroupSock,
+        cgroup
+    ))
 }
