@@ -186,8 +186,10 @@ pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError>
 }
 
 /// Destroy `targets`, 64 requests per `sendmsg`, each acknowledged; a socket that closed
-/// meanwhile is skipped: `ENOENT` when no socket has its addresses, `ESTALE` when another
-/// socket has them now (its cookie differs; `sock_diag_check_cookie` in the kernel).
+/// meanwhile is skipped: `ENOENT` when no socket has its addresses or another socket has them
+/// now (its cookie differs: TCP's `inet_diag_find_one_icsk` answers `ENOENT` for that too), and
+/// `ESTALE`, what `sock_diag_check_cookie` itself returns on a mismatch, in case a kernel passes
+/// it on.
 ///
 /// # Errors
 /// [`KillError::Unsupported`] at the first refusal; the first other error only when nothing

@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use lb::kill::{KillError, NodeKill, destroy_peer_sockets};
+use lb::kill::{ConnectSocket, KillError, NodeKill, destroy_connect_sockets, destroy_peer_sockets};
 
 /// `destroy_peer_sockets(peer)`, or `None` (after saying why) when the test must skip.
 fn destroy_or_skip(test: &str, peer: SocketAddr) -> Option<NodeKill> {
@@ -74,4 +74,46 @@ fn node_kill_finds_dual_stack_sockets_by_mapped_address() {
     };
     assert_eq!((k.found, k.destroyed), (1, 1));
     assert_aborted(client);
+}
+
+/// A connect-time socket named by its addresses with a cookie that is not its own (its record
+/// was stale: another socket has those addresses now). The socket lb meant is gone: no error,
+/// nothing destroyed, and the socket that has those addresses now is left alone. For TCP the
+/// kernel answers `ENOENT` here (`inet_diag_find_one_icsk` turns `sock_diag_check_cookie`'s
+/// `ESTALE` into it; seen on 6.18), so the `ESTALE` lb also accepts never reaches it.
+#[test]
+fn connect_kill_with_a_stale_cookie_skips_the_socket() {
+    let test = "connect_kill_with_a_stale_cookie_skips_the_socket";
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = listener.local_addr().unwrap();
+    let mut client = TcpStream::connect(peer).unwrap();
+    let (_accepted, _) = listener.accept().unwrap();
+    // Cookie 1 belongs to a socket long gone; all ones would mean "no cookie" to the kernel.
+    let stale = ConnectSocket {
+        cookie: 1,
+        tgid: std::process::id(),
+        sent: Some((client.local_addr().unwrap(), peer)),
+    };
+    let k = match destroy_connect_sockets(peer, &[stale]) {
+        Ok(k) => k,
+        Err(KillError::Unsupported) => {
+            eprintln!("SKIP {test}: the kernel refuses SOCK_DESTROY");
+            return;
+        }
+        Err(KillError::Destroy(nix::errno::Errno::EPERM)) => {
+            eprintln!("SKIP {test}: needs CAP_NET_ADMIN");
+            return;
+        }
+        Err(e) => panic!("{test}: a stale cookie is an error: {e}"),
+    };
+    assert_eq!(k.destroyed, 0, "{k:?}");
+    client
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let err = client.read(&mut [0u8; 8]).unwrap_err();
+    assert_eq!(
+        err.kind(),
+        std::io::ErrorKind::WouldBlock,
+        "the socket was hit: {err}"
+    );
 }

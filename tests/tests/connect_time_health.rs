@@ -59,6 +59,9 @@ fn skip(name: &str) -> bool {
         || skip_unless_kernel(name, (5, 9), "cgroup getpeername4/6 and sock_release hooks")
 }
 
+/// TCP's protocol number, not its name: the guests have no `/etc/protocols` to look it up in.
+const TCP: &str = "6";
+
 /// Drops every packet `host` sends to client port `port` (a policy rule matching the
 /// destination port with the blackhole action: the route lookup of the host's SYN-ACK fails, so
 /// nothing answers that port, no reset, no ICMP), removed on drop. Incoming packets cannot be
@@ -73,7 +76,7 @@ impl<'a> DropFromPort<'a> {
         let port = port.to_string();
         host.exec_ok(
             "ip",
-            &["rule", "add", "ipproto", "tcp", "dport", &port, "blackhole"],
+            &["rule", "add", "ipproto", TCP, "dport", &port, "blackhole"],
         )?;
         Ok(DropFromPort { host, port })
     }
@@ -87,7 +90,7 @@ impl Drop for DropFromPort<'_> {
                 "rule",
                 "del",
                 "ipproto",
-                "tcp",
+                TCP,
                 "dport",
                 &self.port,
                 "blackhole",

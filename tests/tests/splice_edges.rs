@@ -16,7 +16,7 @@ const T: Duration = Duration::from_secs(120);
 /// A test cgroup, one server on :9000 and lb in bpf mode listening on a free loopback port.
 struct Fixture {
     cg: TestCgroup,
-    _host: Host,
+    host: Host,
     lb: Lb,
     listen: std::net::SocketAddr,
 }
@@ -35,7 +35,7 @@ impl Fixture {
         )?;
         Ok(Fixture {
             cg,
-            _host: host,
+            host,
             lb,
             listen,
         })
@@ -128,18 +128,32 @@ fn ktls_client_is_never_spliced_in_plaintext() -> Result<()> {
         return Ok(());
     }
     let f = Fixture::new()?;
+    // The same client straight to the server first: a kernel that refuses kTLS on any socket
+    // says nothing about lb.
+    let direct = run_client(
+        &f.place(),
+        f.host.addr(9000),
+        &["ktls-up", &MIB.to_string()],
+        T,
+    )?;
+    if !direct["ulp_error"].is_null() || !direct["key_error"].is_null() {
+        skip(
+            "ktls_client_is_never_spliced_in_plaintext",
+            &format!("the kernel refuses kTLS on a plain connection: {direct}"),
+        );
+        return Ok(());
+    }
     let v = run_client(&f.place(), f.listen, &["ktls-up", &MIB.to_string()], T)?;
+    if !v["key_error"].is_null() {
+        // kTLS works on a plain socket but not on one in lb's sockhash: the kernel keeps
+        // plaintext records away from the sk_msg program, so the case cannot occur here.
+        eprintln!("kTLS key refused on a socket in lb's sockhash (a plain one took it): {v}");
+        return Ok(());
+    }
     if !v["ulp_error"].is_null() {
         // The kernel refuses the TLS ULP on a socket in a sockhash: plaintext cannot reach the
         // sk_msg program at all, which is what this test is about.
         eprintln!("kTLS refused on a socket in lb's sockhash, so it cannot be spliced: {v}");
-        return Ok(());
-    }
-    if !v["key_error"].is_null() {
-        skip(
-            "ktls_client_is_never_spliced_in_plaintext",
-            &format!("the kernel refused the TLS_TX key (no AES-GCM-128 cipher?): {v}"),
-        );
         return Ok(());
     }
     eprintln!(

@@ -27,8 +27,19 @@ pub const TESTS: &[&str] = &[
 ];
 
 /// Modules the tests need (with their dependencies; those built in are skipped). `tls` is the
-/// kTLS upper-layer protocol the splice must never redirect (the host kernel may lack it).
-const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag", "tls"];
+/// kTLS upper-layer protocol the splice must never redirect (the host kernel may lack it), and
+/// `gcm`, `ghash-generic` and `ctr` the AES-GCM cipher its key needs (the guests have no
+/// modprobe to load them on demand).
+const MODULES: &[&str] = &[
+    "veth",
+    "dummy",
+    "inet_diag",
+    "tcp_diag",
+    "tls",
+    "ctr",
+    "ghash-generic",
+    "gcm",
+];
 
 /// Host programs copied in with their shared libraries, at the same paths.
 const HOST_TOOLS: &[&str] = &["/usr/sbin/ip", "/usr/sbin/bpftool"];
