@@ -9,23 +9,29 @@ use std::{
     net::{IpAddr, SocketAddr},
     os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     sync::Mutex,
+    time::Instant,
 };
 
 use aya::{
     Ebpf,
     maps::{
-        HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray, RingBuf, SockHash,
+        Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray, RingBuf, SockHash,
         sock::SockMapFd,
     },
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
-    FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS,
-    MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS,
-    MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
+    FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_CURRENT,
+    MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS,
+    MAP_LISTENERS, MAP_NETNS, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl,
+    RefreshRequest, SockKey, table_index,
 };
 
-use super::{DatapathError, passive::EventRing};
+use super::{
+    DatapathError,
+    passive::EventRing,
+    tables::{Generations, slot_of},
+};
 
 fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
     move |source| DatapathError::Map { map, source }
@@ -54,7 +60,10 @@ impl Maps {
     /// [`DatapathError::Missing`] for a map the object lacks, [`DatapathError::Map`] for one of
     /// another type than expected.
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
-        Maps::build(|name| ebpf.take_map(name).ok_or(DatapathError::Missing(name)))
+        Maps::build(
+            |name| ebpf.take_map(name).ok_or(DatapathError::Missing(name)),
+            true,
+        )
     }
 
     /// The maps of a running lb, from descriptors it handed over (by map name).
@@ -64,11 +73,14 @@ impl Maps {
     pub(super) fn from_fds(
         mut fds: std::collections::HashMap<String, OwnedFd>,
     ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
-        Maps::build(|name| {
-            let fd = fds.remove(name).ok_or(DatapathError::Missing(name))?;
-            let data = MapData::from_fd(fd).map_err(map_err(name))?;
-            Map::from_map_data(data).map_err(map_err(name))
-        })
+        Maps::build(
+            |name| {
+                let fd = fds.remove(name).ok_or(DatapathError::Missing(name))?;
+                let data = MapData::from_fd(fd).map_err(map_err(name))?;
+                Map::from_map_data(data).map_err(map_err(name))
+            },
+            false,
+        )
     }
 
     /// Copies of every map's descriptor, by name, for a hand-over.
@@ -134,6 +146,17 @@ impl Maps {
                     .as_fd())?,
             ),
             (
+                MAP_CONNECT_CURRENT,
+                dup(self
+                    .connect
+                    .current
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
+            ),
+            (
                 MAP_CONNECT_SOCKS,
                 dup(self
                     .connect
@@ -162,8 +185,11 @@ impl Maps {
         Ok(out)
     }
 
+    /// `fresh`: the maps were created by this process (no table was ever current but the
+    /// all-zero one), not handed over.
     fn build(
         mut take: impl FnMut(&'static str) -> Result<Map, DatapathError>,
+        fresh: bool,
     ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
         let ring =
             RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
@@ -206,9 +232,15 @@ impl Maps {
                         .map_err(map_err(MAP_CONNECT_LISTENERS))?,
                 )),
                 tables: Mutex::new(
-                    HashMap::try_from(take(MAP_CONNECT_TABLES)?)
+                    Array::try_from(take(MAP_CONNECT_TABLES)?)
                         .map_err(map_err(MAP_CONNECT_TABLES))?,
                 ),
+                current: Mutex::new(
+                    Array::try_from(take(MAP_CONNECT_CURRENT)?)
+                        .map_err(map_err(MAP_CONNECT_CURRENT))?,
+                ),
+                generations: Mutex::new(std::collections::HashMap::new()),
+                fresh,
                 socks: Mutex::new(
                     HashMap::try_from(take(MAP_CONNECT_SOCKS)?)
                         .map_err(map_err(MAP_CONNECT_SOCKS))?,
@@ -282,26 +314,118 @@ impl Listeners {
     }
 }
 
-/// The connect-time maps: listeners of connect-mode balancers, their server tables, the
-/// sockets the connect programs rewrote (by cookie) and the established ones per server.
+/// The connect-time maps: listeners of connect-mode balancers, their server tables (in slots,
+/// with the generation current per balancer), the sockets the connect programs rewrote (by
+/// cookie) and the established ones per server.
 pub(super) struct ConnectMaps {
     pub(super) listeners: Listeners,
-    tables: Mutex<HashMap<MapData, u32, ConnectTable>>,
+    tables: Mutex<Array<MapData, ConnectTable>>,
+    current: Mutex<Array<MapData, u32>>,
+    /// Per balancer id, the generations lb wrote; its lock is held across a whole table write
+    /// (one writer at a time).
+    generations: Mutex<std::collections::HashMap<u32, Generations>>,
+    /// The maps were created by this process (see [`Maps::build`]).
+    fresh: bool,
     socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
     counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
 }
 
+/// What [`ConnectMaps::set_table`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableWrite {
+    /// The current table already was this one: nothing written.
+    Unchanged {
+        /// The generation current (`LB_CONNECT_CURRENT`).
+        generation: u32,
+    },
+    /// Written into the next slot, which is current now.
+    Written {
+        /// The new current generation.
+        generation: u32,
+        /// Its slot (`generation % TABLE_SLOTS`).
+        slot: usize,
+        /// How long the slot had not been current before this write; `None` when it never was
+        /// since this lb tracks the balancer.
+        idle: Option<std::time::Duration>,
+    },
+}
+
 impl ConnectMaps {
-    /// Replace balancer `id`'s table whole.
+    /// Balancer `id`'s current generation and table, as the programs read them now.
     ///
     /// # Errors
+    /// [`DatapathError::Map`] (also for an id out of range).
+    pub(super) fn table(&self, id: u32) -> Result<(u32, ConnectTable), DatapathError> {
+        let generation = self
+            .current
+            .lock()
+            .expect("poisoned")
+            .get(&id, 0)
+            .map_err(map_err(MAP_CONNECT_CURRENT))?;
+        let table = self
+            .tables
+            .lock()
+            .expect("poisoned")
+            .get(&table_index(id, generation), 0)
+            .map_err(map_err(MAP_CONNECT_TABLES))?;
+        Ok((generation, table))
+    }
+
+    /// Make `table` balancer `id`'s current one: written into the next generation's slot, then
+    /// that generation stored as current (see `lb_common::MAP_CONNECT_TABLES`). Nothing is
+    /// written when it is the current table already. The generation found in the kernel is
+    /// trusted over the one lb tracks (a hand-over, another process): every other slot then
+    /// counts as current until now.
+    ///
+    /// # Errors
+    /// [`DatapathError::TableSlotBusy`] while the next slot has not been idle for
+    /// `SLOT_REUSE_AFTER_MS` (nothing written: try again after the wait it names);
     /// [`DatapathError::Map`].
-    pub(super) fn set_table(&self, id: u32, table: &ConnectTable) -> Result<(), DatapathError> {
+    pub(super) fn set_table(
+        &self,
+        id: u32,
+        table: &ConnectTable,
+    ) -> Result<TableWrite, DatapathError> {
+        let mut generations = self.generations.lock().expect("poisoned");
+        let (current, found) = self.table(id)?;
+        let now = Instant::now();
+        let g = generations.entry(id).or_insert_with(|| {
+            if self.fresh {
+                Generations::fresh(current)
+            } else {
+                Generations::found(current, now)
+            }
+        });
+        if g.current() != current {
+            *g = Generations::found(current, now);
+        }
+        if found == *table {
+            return Ok(TableWrite::Unchanged {
+                generation: current,
+            });
+        }
+        let wait = g.wait(now);
+        if !wait.is_zero() {
+            return Err(DatapathError::TableSlotBusy { balancer: id, wait });
+        }
+        let (next, idle) = (g.next(), g.next_idle(now));
         self.tables
             .lock()
             .expect("poisoned")
-            .insert(id, table, 0)
-            .map_err(map_err(MAP_CONNECT_TABLES))
+            .set(table_index(id, next), table, 0)
+            .map_err(map_err(MAP_CONNECT_TABLES))?;
+        self.current
+            .lock()
+            .expect("poisoned")
+            .set(id, next, 0)
+            .map_err(map_err(MAP_CONNECT_CURRENT))?;
+        // Retired once the store returned: later than the programs could last see it current.
+        g.advance(Instant::now());
+        Ok(TableWrite::Written {
+            generation: next,
+            slot: slot_of(next),
+            idle,
+        })
     }
 
     /// Established connect-time sockets per server of balancer `id` (servers with none are
