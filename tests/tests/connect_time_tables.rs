@@ -148,10 +148,7 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
     };
     let (set_a, set_b) = (set(true), set(false));
     let quoted: Vec<String> = set_a.iter().map(|a| format!("\"{a}\"")).collect();
-    let s = ConnectLb::start(
-        hosts,
-        &CONFIG.replace("{servers}", &quoted.join(", ")),
-    )?;
+    let s = ConnectLb::start(hosts, &CONFIG.replace("{servers}", &quoted.join(", ")))?;
     let first_generation = current_generation(&s)?;
 
     let stop = AtomicBool::new(false);
@@ -160,7 +157,12 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
         let dialer = scope.spawn(|| -> Result<Vec<Value>> {
             let mut out = Vec::new();
             while !stop.load(Ordering::Relaxed) {
-                out.push(run_client(&s.place(), s.listen, &["dial", "--times", "100"], T)?);
+                out.push(run_client(
+                    &s.place(),
+                    s.listen,
+                    &["dial", "--times", "100"],
+                    T,
+                )?);
             }
             Ok(out)
         });
@@ -169,7 +171,9 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
         std::thread::sleep(Duration::from_millis(300));
         // Stopped whatever happened, or the scope would wait for the dialer for ever.
         stop.store(true, Ordering::Relaxed);
-        let dials = dialer.join().map_err(|_| anyhow::anyhow!("dialer panicked"))??;
+        let dials = dialer
+            .join()
+            .map_err(|_| anyhow::anyhow!("dialer panicked"))??;
         Ok((dials, changes?))
     })?;
     let took = began.elapsed();
@@ -234,9 +238,9 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
     let mut youngest = u64::MAX;
     for (i, w) in writes.iter().enumerate() {
         if w.generation >= SLOTS {
-            let idle = w
-                .idle_ms
-                .with_context(|| format!("generation {} reused a slot, idle unknown", w.generation))?;
+            let idle = w.idle_ms.with_context(|| {
+                format!("generation {} reused a slot, idle unknown", w.generation)
+            })?;
             ensure!(
                 idle >= REUSE_AFTER_MS,
                 "generation {} wrote a slot idle only {idle} ms",

@@ -579,7 +579,10 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
     std::thread::sleep(Duration::from_millis(1000));
     let (before, servers) = connect_table(&s.lb)?;
-    ensure!(before >= 1 && !servers.is_empty(), "no table before the upgrade: {before} {servers:?}");
+    ensure!(
+        before >= 1 && !servers.is_empty(),
+        "no table before the upgrade: {before} {servers:?}"
+    );
     s.lb.upgrade_ok()?;
     let v = join_ok("connect loop", looping).with_context(|| s.lb.log_text())?;
     println!("connect loop: {v}");
@@ -619,7 +622,10 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     })
     .with_context(|| s.lb.log_text())?;
     let (next, _) = connect_table(&s.lb)?;
-    ensure!(next == after + 1, "generation {after} → {next} after one change");
+    ensure!(
+        next == after + 1,
+        "generation {after} → {next} after one change"
+    );
     let log = s.lb.log_text();
     let line = log
         .lines()
@@ -640,7 +646,10 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
         .find_map(|w| w.strip_prefix("slot_idle_ms="))
         .and_then(|v| v.parse().ok())
         .with_context(|| format!("the new lb's first write found a slot never current: {line}"))?;
-    ensure!(idle >= 100, "the new lb wrote a slot idle only {idle} ms: {line}");
+    ensure!(
+        idle >= 100,
+        "the new lb wrote a slot idle only {idle} ms: {line}"
+    );
     Ok(())
 }
 

@@ -103,10 +103,8 @@ async fn write_table(
                         idle,
                     } => {
                         // `slot_idle_ms=never`: the slot was not current since lb tracks it.
-                        let idle = idle.map_or_else(
-                            || "never".to_string(),
-                            |d| d.as_millis().to_string(),
-                        );
+                        let idle =
+                            idle.map_or_else(|| "never".to_string(), |d| d.as_millis().to_string());
                         info!(balancer = %b.name, policy = ?now.0, %servers, generation, slot, slot_idle_ms = %idle, "connect-time table updated");
                     }
                     TableWrite::Unchanged { generation } => {

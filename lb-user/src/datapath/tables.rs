@@ -132,7 +132,10 @@ mod tests {
         assert_eq!(g.current(), writes);
         // At most TABLE_SLOTS - 1 writes per SLOT_REUSE_AFTER once the slots are used.
         let bound = (TABLE_SLOTS - 1) * (1000 / SLOT_REUSE_AFTER_MS as u32 + 1);
-        assert!(writes <= bound, "{writes} writes in a second, bound {bound}");
+        assert!(
+            writes <= bound,
+            "{writes} writes in a second, bound {bound}"
+        );
     }
 
     #[test]
