@@ -25,7 +25,8 @@ pub const MAP_SERVERS: &str = "LB_SERVERS";
 pub const MAP_NETNS: &str = "LB_NETNS";
 /// LRU hash: [`SockKey`] → [`FlowState`], written by the kernel only.
 pub const MAP_FLOWS: &str = "LB_FLOWS";
-/// Hash: [`SockKey`] → [`PairCtl`], written by lb only.
+/// Hash: [`SockKey`] → [`PairCtl`], written by lb only (see [`PairCtl`] for what a program
+/// reading an entry lb rewrites can see).
 pub const MAP_PAIRS: &str = "LB_PAIRS";
 /// Per-CPU array indexed by balancer id → [`BalancerStats`].
 pub const MAP_STATS: &str = "LB_STATS";
@@ -135,12 +136,53 @@ pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
 /// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
 /// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
 pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";
-/// Hash: balancer id (`u32`) → [`ConnectTable`], written whole by lb. An update links a new
-/// element in place of the old one, but the kernel reuses the old one at once (preallocated
-/// hash: it becomes the CPU's spare element, `htab->extra_elems`, and the next update of any key
-/// on that CPU is copied into it), so a program still reading it can see a mix of two tables if
-/// lb writes twice within that read (microseconds). lb writes tables rarely (on state changes).
+/// Array of `MAX_BALANCERS * TABLE_SLOTS` [`ConnectTable`]s, written by lb only: balancer `b`'s
+/// slot `s` is element [`table_index`]`(b, s)`. The programs read the slot that
+/// [`MAP_CONNECT_CURRENT`] names; an all-zero slot (`count = 0`) leaves the connect alone.
+///
+/// Why no program reads a table torn: an array element is updated in place (a hash map's update
+/// hands the replaced element to the next update at once, even of another key, while a program
+/// may still be reading it, and a `BPF_F_NO_PREALLOC` one reuses freed elements without an RCU
+/// wait too). lb writes a balancer's tables as generations: generation `g + 1` goes into slot
+/// `(g + 1) % TABLE_SLOTS`, and only then is `g + 1` stored in [`MAP_CONNECT_CURRENT`]. A program
+/// that loaded generation `g` reads slot `g % TABLE_SLOTS`; lb writes that slot again only for
+/// generation `g + TABLE_SLOTS`, and only once it has not been current for
+/// [`SLOT_REUSE_AFTER_MS`] (lb waits, see `lb-user`'s `daemon::connect::write_table`). A
+/// program reads its table a few dozen instructions after loading the generation (no loop, no
+/// helper that sleeps; microseconds), so the bound holds unless the program is stalled for
+/// 100 ms between the two loads (a preempted task on a preemptible kernel under extreme load, a
+/// virtual CPU its host holds that long), and only if lb wrote `TABLE_SLOTS - 1` tables since.
+/// The table's stores and the generation's are two `bpf(2)` calls apart, in that order. The
+/// programs take only the generation's low bits, which sit in one byte, so even a kernel that
+/// copies the 4-byte value byte by byte gives them the old slot or the new one.
 pub const MAP_CONNECT_TABLES: &str = "LB_CONNECT_TABLES";
+/// Array of `MAX_BALANCERS` `u32`s: balancer id → the generation of its current table (see
+/// [`MAP_CONNECT_TABLES`]); the programs read slot `generation % TABLE_SLOTS`
+/// ([`table_index`]). 0 until lb first writes the balancer's table (slot 0, all zero: no
+/// rewrite). It only grows (wrapping at `u32::MAX`, which keeps the slot sequence since
+/// `TABLE_SLOTS` divides 2^32); an lb that takes over ([`MAP_CONNECT_TABLES`] handed over)
+/// continues from the generation it finds here.
+pub const MAP_CONNECT_CURRENT: &str = "LB_CONNECT_CURRENT";
+/// Table slots per balancer in [`MAP_CONNECT_TABLES`]. A power of two (the programs mask the
+/// generation with it).
+pub const TABLE_SLOTS: u32 = 8;
+const _: () = assert!(TABLE_SLOTS.is_power_of_two());
+/// A table slot is written again only once it has not been current for this long
+/// (milliseconds): far beyond the microseconds a program reads a table in. With
+/// [`TABLE_SLOTS`] slots, `TABLE_SLOTS - 1` changes in a row are written at once; more wait.
+pub const SLOT_REUSE_AFTER_MS: u64 = 100;
+
+/// Element of [`MAP_CONNECT_TABLES`] that holds balancer `balancer`'s table of generation
+/// `generation` (its slot is `generation % TABLE_SLOTS`). In range for `balancer <
+/// MAX_BALANCERS`.
+#[inline(always)]
+pub const fn table_index(balancer: u32, generation: u32) -> u32 {
+    balancer
+        .wrapping_mul(TABLE_SLOTS)
+        .wrapping_add(generation & (TABLE_SLOTS - 1))
+}
+const _: () = assert!(table_index(0, 0) == 0 && table_index(0, 9) == 1);
+const _: () = assert!(table_index(MAX_BALANCERS - 1, u32::MAX) == MAX_BALANCERS * TABLE_SLOTS - 1);
 /// Per-CPU array indexed by balancer id → round-robin counter (`u32`, one per CPU).
 pub const MAP_CONNECT_RR: &str = "LB_CONNECT_RR";
 /// LRU hash: socket cookie (`u64`) → [`ConnectOrig`] of every socket a connect program
@@ -319,10 +361,11 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 16] = [
+pub const MAP_NAMES: [&str; 17] = [
     MAP_CONNECT_LISTENERS,
     MAP_CONNECT_EVENTS,
     MAP_CONNECT_TABLES,
+    MAP_CONNECT_CURRENT,
     MAP_CONNECT_RR,
     MAP_CONNECT_SOCKS,
     MAP_CONNECT_COUNTS,
@@ -442,6 +485,21 @@ pub struct FlowState {
 const _: () = assert!(size_of::<FlowState>() == 40);
 
 /// lb's instructions for one paired connection (single writer: lb).
+///
+/// lb replaces an entry whole, but the program may read it torn: [`MAP_PAIRS`] is a
+/// preallocated hash, whose update hands the replaced element to the updating CPU's spare at
+/// once (the next update of any existing key on that CPU copies its key and value into it) and
+/// whose delete frees the element for the next insert, while a program may still be copying
+/// the element out (five loads; an interrupt can fall between them). Each field is one aligned
+/// load, so a copy mixes whole fields of the entry it found and of values written into the
+/// element later. Mixed versions of one pair are safe: [`Self::cookie`] is the pair's
+/// throughout, [`Self::copied`] only grows and is at most the bytes the client passed, so
+/// `copied == passed` with another version's `copied` still means lb copied every passed byte;
+/// [`Self::credit_end`] is a bound lb granted at one of those moments. A [`Self::cookie`] from
+/// another connection's entry does not match the socket's and the send is passed. Not covered:
+/// this pair's cookie with [`Self::copied`] of another connection's entry (lb rewrote the
+/// element for another key within the read) passes the counting rule if the two byte counts
+/// happen to be equal, and the send can then overtake bytes lb has not copied yet.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PairCtl {

@@ -5,6 +5,10 @@
 //! rewritten socket is recorded by its cookie; the sockops program counts it per server once
 //! it is established and forgets it when it closes ([`on_established`], [`on_state`]).
 //!
+//! A balancer's table is read from the slot its current generation names (`LB_CONNECT_CURRENT`,
+//! then `LB_CONNECT_TABLES`), which lb never rewrites while a program may still read it (see
+//! `lb_common::MAP_CONNECT_TABLES`).
+//!
 //! `lb_connect_release` (cgroup `sock_release`) removes a socket's record when its last
 //! descriptor is closed ([`on_release`]): a connect that fails before `TCP_CONNECT_CB`
 //! (`EINVAL`, `ENETUNREACH`, `EADDRNOTAVAIL`, `EPERM` from another hook) never reaches
@@ -39,22 +43,23 @@ use aya_ebpf::{
         bpf_skc_to_tcp_sock,
     },
     macros::{cgroup_sock, cgroup_sock_addr, map},
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{SockAddrContext, SockContext, SockOpsContext},
 };
 use lb_common::{
     AF_INET, AF_INET6, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
     CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable,
     EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, GLOBAL_OWN_TGID, ListenerKey,
-    MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR,
-    MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS,
-    MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6,
-    PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO,
+    MAP_CONNECT_COUNTS, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
+    MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4,
+    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, TABLE_SLOTS, table_index,
 };
 
 named_as!(
     LB_CONNECT_LISTENERS = MAP_CONNECT_LISTENERS,
     LB_CONNECT_TABLES = MAP_CONNECT_TABLES,
+    LB_CONNECT_CURRENT = MAP_CONNECT_CURRENT,
     LB_CONNECT_RR = MAP_CONNECT_RR,
     LB_CONNECT_SOCKS = MAP_CONNECT_SOCKS,
     LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
@@ -72,8 +77,14 @@ named_as!(
 static LB_CONNECT_LISTENERS: HashMap<ListenerKey, u32> =
     HashMap::with_max_entries(MAX_LISTENERS, 0);
 
+// An array, so a table is written in place and never reused under a reader: see
+// lb_common::MAP_CONNECT_TABLES for why a program never reads one torn.
 #[map]
-static LB_CONNECT_TABLES: HashMap<u32, ConnectTable> = HashMap::with_max_entries(MAX_BALANCERS, 0);
+static LB_CONNECT_TABLES: Array<ConnectTable> =
+    Array::with_max_entries(MAX_BALANCERS * TABLE_SLOTS, 0);
+
+#[map]
+static LB_CONNECT_CURRENT: Array<u32> = Array::with_max_entries(MAX_BALANCERS, 0);
 
 #[map]
 static LB_CONNECT_RR: PerCpuArray<u32> = PerCpuArray::with_max_entries(MAX_BALANCERS, 0);
@@ -236,13 +247,9 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         }
         return Ok(());
     }
-    let Some(table) = LB_CONNECT_TABLES.get_ptr(&balancer) else {
+    let Some(table) = current_table(balancer) else {
         return Ok(());
     };
-    // SAFETY: a live map value. lb replaces it whole, but the kernel reuses the replaced
-    // element for the next update at once (see lb_common::MAP_CONNECT_TABLES): two table
-    // writes during this read could mix two tables. The read is a few loads long.
-    let table = unsafe { &*table };
     let count = table.count as usize;
     if count == 0 || count > MAX_CONNECT_SERVERS {
         return Ok(());
@@ -316,6 +323,20 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_port), port_raw);
     }
     Ok(())
+}
+
+/// Balancer `balancer`'s current table: the generation in `LB_CONNECT_CURRENT` (one aligned
+/// 4-byte load), then its slot. `None` for an id out of range.
+#[inline(always)]
+fn current_table(balancer: u32) -> Option<&'static ConnectTable> {
+    let current = LB_CONNECT_CURRENT.get_ptr(balancer)?;
+    // SAFETY: a live array element, one aligned u32 load: lb stores a generation whole.
+    let generation = unsafe { core::ptr::read_volatile(current) };
+    let table = LB_CONNECT_TABLES.get_ptr(table_index(balancer, generation))?;
+    // SAFETY: a live array element (arrays are never freed while a program runs). lb writes
+    // this slot again only once it has not been current for lb_common::SLOT_REUSE_AFTER_MS,
+    // long after this program's read ends (see lb_common::MAP_CONNECT_TABLES).
+    Some(unsafe { &*table })
 }
 
 /// Established connect-time sockets of `server` in `balancer` (0 when none were counted).

@@ -443,8 +443,12 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
     // `passed` from the socket itself, never from the sizes this program saw (see FlowState).
     let synced = tp.is_some_and(|tp| sync_passed(tp, flow));
 
-    // SAFETY: PairCtl is replaced whole by lb (hash map update swaps the element), so this copy is
-    // a consistent snapshot.
+    // SAFETY: a plain copy of a live map value. It may be torn: the kernel reuses a replaced or
+    // deleted element at once (see lb_common::PairCtl), so the copy can mix whole fields of
+    // the entry found and of later writes into the element. Versions of one pair are safe for
+    // the decision below (same cookie; `copied` only grows and never exceeds what the client
+    // passed); another connection's cookie fails the cookie check; this pair's cookie with
+    // another connection's `copied` is the case lb_common::PairCtl names as not covered.
     let ctl = unsafe { LB_PAIRS.get(&key) }.copied();
     let reason = match ctl {
         Some(ctl) if ctl.mode == MODE_REDIRECT && ctl.cookie != flow.cookie => {

@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 /// Version 2: [`Hello::balancer_ids`], [`Hello::retired_balancer_ids`], [`Message::Stopped`];
 /// the splice map layout in which `FlowState` and `PairCtl` carry the client socket's cookie;
 /// `ConnectEvent` carrying the socket's error (48 bytes); the `lb_connect_release` program's
-/// link handed over.
+/// link handed over; `LB_CONNECT_TABLES` as an array of table slots with the generation current
+/// per balancer in `LB_CONNECT_CURRENT` (handed over too; the new lb goes on from it).
 pub const VERSION: u32 = 2;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.

@@ -543,9 +543,28 @@ fn upgrade_second_lb_run_exits_2() -> Result<()> {
     Ok(())
 }
 
+/// The balancer's connect-time table as the kernel holds it, from `/status`: (generation,
+/// servers).
+fn connect_table(lb: &UpLb) -> Result<(u64, Vec<String>)> {
+    let st = lb.status()?;
+    let t = &st["balancers"][0]["connect_table"];
+    let generation = t["generation"]
+        .as_u64()
+        .with_context(|| format!("no connect_table in {st}"))?;
+    let servers = t["servers"]
+        .as_array()
+        .context("servers")?
+        .iter()
+        .filter_map(|s| s.as_str().map(str::to_string))
+        .collect();
+    Ok((generation, servers))
+}
+
 /// With `forwarding = "connect"` the connect-time programs stay attached across the upgrade:
 /// a connect loop in the cgroup never fails and never reaches lb's listener (every connect was
-/// rewritten to a server by the kernel), and a direct connection made before outlives it.
+/// rewritten to a server by the kernel), and a direct connection made before outlives it. The
+/// new lb goes on from the table generation it found: its first table goes into the next slot,
+/// once that slot rested the whole bound from the take-over on.
 #[test]
 fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     if skip_unless_root("upgrade_keeps_connect_time_forwarding") {
@@ -559,6 +578,11 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     holder.wait_for("connected", Duration::from_secs(30))?;
     let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
     std::thread::sleep(Duration::from_millis(1000));
+    let (before, servers) = connect_table(&s.lb)?;
+    ensure!(
+        before >= 1 && !servers.is_empty(),
+        "no table before the upgrade: {before} {servers:?}"
+    );
     s.lb.upgrade_ok()?;
     let v = join_ok("connect loop", looping).with_context(|| s.lb.log_text())?;
     println!("connect loop: {v}");
@@ -571,6 +595,61 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     if let Ok(ev) = holder.next(Duration::from_millis(10)) {
         bail!("the direct connection saw {ev}");
     }
+    // The new lb went on from the generation it found (with the same states it finds its
+    // table current and writes none).
+    let (after, _) = connect_table(&s.lb)?;
+    ensure!(
+        after == before || after == before + 1,
+        "generation {before} before the upgrade, {after} after"
+    );
+    // A change: one generation further. The new lb's first write (this one, or one at its
+    // take-over) went into the slot after the one current, once it had rested the whole bound
+    // from the take-over on.
+    let name = s.lb.status()?["balancers"][0]["name"]
+        .as_str()
+        .context("balancer name")?
+        .to_string();
+    let body = serde_json::json!({ "servers": &servers[..1] }).to_string();
+    let (code, answer) = lb_tests::http_request(
+        s.lb.admin,
+        "PUT",
+        &format!("/balancers/{name}/servers"),
+        Some(&body),
+    )?;
+    ensure!(code == 200, "PUT {body}: {code} {answer}");
+    lb_tests::wait_until(Duration::from_secs(5), || {
+        Ok(connect_table(&s.lb)?.1 == servers[..1])
+    })
+    .with_context(|| s.lb.log_text())?;
+    let (next, _) = connect_table(&s.lb)?;
+    ensure!(
+        next == after + 1,
+        "generation {after} → {next} after one change"
+    );
+    let log = s.lb.log_text();
+    let line = log
+        .lines()
+        .skip_while(|l| !l.contains("kernel data path taken over"))
+        .find(|l| l.contains("connect-time table updated") && l.contains(" slot="))
+        .with_context(|| format!("no table write of the new lb logged:\n{log}"))?;
+    let generation: u64 = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("generation="))
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no generation in {line}"))?;
+    ensure!(
+        generation > before && generation <= next,
+        "the new lb's first table is generation {generation}, {before} was current: {line}"
+    );
+    let idle: u64 = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("slot_idle_ms="))
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("the new lb's first write found a slot never current: {line}"))?;
+    ensure!(
+        idle >= 100,
+        "the new lb wrote a slot idle only {idle} ms: {line}"
+    );
     Ok(())
 }
 

@@ -45,6 +45,21 @@ pub struct BalancerStatus {
     /// The discovery source and what it last did; absent without discovery.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery: Option<DiscoveryStatus>,
+    /// The connect-time table the kernel programs read now; absent unless the balancer
+    /// forwards at connect time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_table: Option<ConnectTableStatus>,
+}
+
+/// A connect-mode balancer's table as the kernel holds it (read from the maps, not from lb's
+/// memory).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ConnectTableStatus {
+    /// The current generation (`LB_CONNECT_CURRENT`): it grows by one with each table lb
+    /// writes, and the table is in slot `generation % 8`.
+    pub generation: u32,
+    /// The servers the programs choose from, best first.
+    pub servers: Vec<SocketAddr>,
 }
 
 /// Body of every error answer (4xx and 5xx but the probes'): `{"error": "..."}`.

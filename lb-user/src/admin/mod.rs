@@ -39,7 +39,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, error, info, warn};
 
-pub use api::{BalancerStatus, StatusBody};
+pub use api::{BalancerStatus, ConnectTableStatus, StatusBody};
 
 use crate::daemon::Handle;
 
@@ -119,6 +119,13 @@ pub fn status(daemon: &Handle) -> StatusBody {
                     namespaces: daemon.namespaces(&cfg).to_string(),
                     servers,
                     discovery: b.discovery_status(),
+                    connect_table: (forwarding == crate::config::Forwarding::Connect)
+                        .then(|| daemon.connect_table(b.id))
+                        .flatten()
+                        .map(|(generation, servers)| ConnectTableStatus {
+                            generation,
+                            servers,
+                        }),
                 }
             })
             .collect(),

@@ -12,7 +12,7 @@ use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason},
     config::Policy,
-    datapath::{ConnectPolicy, Datapath, PassiveKind, PassiveSink},
+    datapath::{ConnectPolicy, Datapath, DatapathError, PassiveKind, PassiveSink, TableWrite},
     metrics::{KillLabels, Metrics, PassiveLabels},
 };
 
@@ -40,7 +40,7 @@ pub(super) async fn sync_table(
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
     let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
     loop {
-        write_table(&b, &dp, &mut last);
+        write_table(&b, &dp, &mut last).await;
         abort_newly_failed(&b, &dp, &metrics, &mut failed);
         tokio::select! {
             () = stop.cancelled() => return,
@@ -48,7 +48,7 @@ pub(super) async fn sync_table(
             k = kills.recv() => {
                 let Some((server, reason)) = k else { return };
                 // Rewrite the table before the kill (the loop does it when the state moved).
-                write_table(&b, &dp, &mut last);
+                write_table(&b, &dp, &mut last).await;
                 // Sweep again only when no new connect can be sent there: a server still in
                 // the table (`lb servers kill`, a failback) gets new, wanted connections.
                 let gone = server.socket_addr().is_some_and(|a| {
@@ -65,38 +65,67 @@ pub(super) async fn sync_table(
 
 /// Write `b`'s connect-time table when it differs from `last` (the last one written), then
 /// delete the count keys of servers no longer in it.
-fn write_table(
+///
+/// A table goes into the next of the balancer's `TABLE_SLOTS` slots, which may be written only
+/// once it has not been current for `SLOT_REUSE_AFTER_MS` (so no program reads it torn, see
+/// `lb_common::MAP_CONNECT_TABLES`): state changes that come faster than that wait here
+/// (a tokio sleep), and what is written after the wait is the state then, so changes in
+/// between are folded into one table.
+async fn write_table(
     b: &Arc<Balancer>,
     dp: &Datapath,
     last: &mut Option<(ConnectPolicy, Vec<SocketAddr>)>,
 ) {
-    let policy = match b.config().policy {
-        Policy::Failover => ConnectPolicy::First,
-        Policy::RoundRobin => ConnectPolicy::RoundRobin,
-        Policy::Random => ConnectPolicy::Random,
-        Policy::LeastConnections => ConnectPolicy::LeastConnections,
-    };
-    let servers: Vec<SocketAddr> = b
-        .connect_table()
-        .iter()
-        .filter_map(ServerAddr::socket_addr)
-        .collect();
-    let now = (policy, servers);
-    if last.as_ref() == Some(&now) {
-        return;
-    }
-    match dp.set_connect_table(b.id, now.0, &now.1) {
-        Ok(()) => {
-            let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
-            info!(balancer = %b.name, policy = ?now.0, servers = %list.join(","), "connect-time table updated");
-            let pruned = dp.prune_connect_counts(b.id, &now.1);
-            debug!(balancer = %b.name, pruned, "count keys of servers gone from the table deleted");
+    loop {
+        let policy = match b.config().policy {
+            Policy::Failover => ConnectPolicy::First,
+            Policy::RoundRobin => ConnectPolicy::RoundRobin,
+            Policy::Random => ConnectPolicy::Random,
+            Policy::LeastConnections => ConnectPolicy::LeastConnections,
+        };
+        let servers: Vec<SocketAddr> = b
+            .connect_table()
+            .iter()
+            .filter_map(ServerAddr::socket_addr)
+            .collect();
+        let now = (policy, servers);
+        if last.as_ref() == Some(&now) {
+            return;
         }
-        Err(e) => {
-            warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
+        match dp.set_connect_table(b.id, now.0, &now.1) {
+            Ok(w) => {
+                let list: Vec<String> = now.1.iter().map(ToString::to_string).collect();
+                let servers = list.join(",");
+                match w {
+                    TableWrite::Written {
+                        generation,
+                        slot,
+                        idle,
+                    } => {
+                        // `slot_idle_ms=never`: the slot was not current since lb tracks it.
+                        let idle =
+                            idle.map_or_else(|| "never".to_string(), |d| d.as_millis().to_string());
+                        info!(balancer = %b.name, policy = ?now.0, %servers, generation, slot, slot_idle_ms = %idle, "connect-time table updated");
+                    }
+                    TableWrite::Unchanged { generation } => {
+                        info!(balancer = %b.name, policy = ?now.0, %servers, generation, "connect-time table updated (already current)");
+                    }
+                }
+                let pruned = dp.prune_connect_counts(b.id, &now.1);
+                debug!(balancer = %b.name, pruned, "count keys of servers gone from the table deleted");
+            }
+            Err(DatapathError::TableSlotBusy { wait, .. }) => {
+                debug!(balancer = %b.name, wait_ms = wait.as_millis(), "connect-time table: waiting for a slot no program can still read");
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            Err(e) => {
+                warn!(balancer = %b.name, error = %crate::errors::chain(&e), "cannot write the connect-time table");
+            }
         }
+        *last = Some(now);
+        break;
     }
-    *last = Some(now);
 }
 
 /// A server of `b` that just turned FAILED (not in `failed`, which is updated): with

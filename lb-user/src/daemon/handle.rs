@@ -77,6 +77,12 @@ impl Handle {
             .unwrap_or_default()
     }
 
+    /// Balancer `id`'s current connect-time table generation and servers as the kernel holds
+    /// them (`None` without the kernel data path).
+    pub fn connect_table(&self, id: u32) -> Option<(u32, Vec<SocketAddr>)> {
+        self.0.datapath.as_ref()?.connect_table(id)
+    }
+
     /// Whether the kernel data path is attached.
     pub fn datapath_attached(&self) -> bool {
         self.0.datapath.is_some()

@@ -19,16 +19,18 @@ use aya::{
     },
 };
 use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
-    FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS, MAP_CONNECT_EVENTS,
-    MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS,
-    MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl,
-    RefreshRequest, SockKey,
+    AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS,
+    MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS,
+    MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS,
+    MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
 };
 
 use super::{DatapathError, passive::EventRing};
 
-fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
+pub use super::connect_maps::TableWrite;
+pub(super) use super::connect_maps::{ConnectMaps, connect_server, sent_tuple, server_addr};
+
+pub(super) fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
     move |source| DatapathError::Map { map, source }
 }
 
@@ -56,7 +58,10 @@ impl Maps {
     /// [`DatapathError::Missing`] for a map the object lacks, [`DatapathError::Map`] for one of
     /// another type than expected.
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
-        Maps::build(|name| ebpf.take_map(name).ok_or(DatapathError::Missing(name)))
+        Maps::build(
+            |name| ebpf.take_map(name).ok_or(DatapathError::Missing(name)),
+            true,
+        )
     }
 
     /// The maps of a running lb, from descriptors it handed over (by map name).
@@ -66,11 +71,14 @@ impl Maps {
     pub(super) fn from_fds(
         mut fds: std::collections::HashMap<String, OwnedFd>,
     ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
-        Maps::build(|name| {
-            let fd = fds.remove(name).ok_or(DatapathError::Missing(name))?;
-            let data = MapData::from_fd(fd).map_err(map_err(name))?;
-            Map::from_map_data(data).map_err(map_err(name))
-        })
+        Maps::build(
+            |name| {
+                let fd = fds.remove(name).ok_or(DatapathError::Missing(name))?;
+                let data = MapData::from_fd(fd).map_err(map_err(name))?;
+                Map::from_map_data(data).map_err(map_err(name))
+            },
+            false,
+        )
     }
 
     /// Copies of every map's descriptor, by name, for a hand-over.
@@ -140,6 +148,17 @@ impl Maps {
                     .as_fd())?,
             ),
             (
+                MAP_CONNECT_CURRENT,
+                dup(self
+                    .connect
+                    .current
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd())?,
+            ),
+            (
                 MAP_CONNECT_SOCKS,
                 dup(self
                     .connect
@@ -168,8 +187,11 @@ impl Maps {
         Ok(out)
     }
 
+    /// `fresh`: the maps were created by this process (no table was ever current but the
+    /// all-zero one), not handed over.
     fn build(
         mut take: impl FnMut(&'static str) -> Result<Map, DatapathError>,
+        fresh: bool,
     ) -> Result<(Maps, RefreshRing, EventRing), DatapathError> {
         let ring =
             RefreshRing(RingBuf::try_from(take(MAP_REFRESH)?).map_err(map_err(MAP_REFRESH))?);
@@ -215,9 +237,15 @@ impl Maps {
                         .map_err(map_err(MAP_CONNECT_LISTENERS))?,
                 )),
                 tables: Mutex::new(
-                    HashMap::try_from(take(MAP_CONNECT_TABLES)?)
+                    Array::try_from(take(MAP_CONNECT_TABLES)?)
                         .map_err(map_err(MAP_CONNECT_TABLES))?,
                 ),
+                current: Mutex::new(
+                    Array::try_from(take(MAP_CONNECT_CURRENT)?)
+                        .map_err(map_err(MAP_CONNECT_CURRENT))?,
+                ),
+                generations: Mutex::new(std::collections::HashMap::new()),
+                fresh,
                 socks: Mutex::new(
                     HashMap::try_from(take(MAP_CONNECT_SOCKS)?)
                         .map_err(map_err(MAP_CONNECT_SOCKS))?,
@@ -289,123 +317,6 @@ impl Listeners {
     pub(super) fn remove(&self, key: &ListenerKey) {
         let _ = self.0.lock().expect("poisoned").remove(key);
     }
-}
-
-/// The connect-time maps: listeners of connect-mode balancers, their server tables, the
-/// sockets the connect programs rewrote (by cookie) and the established ones per server.
-pub(super) struct ConnectMaps {
-    pub(super) listeners: Listeners,
-    tables: Mutex<HashMap<MapData, u32, ConnectTable>>,
-    socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
-    counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
-}
-
-impl ConnectMaps {
-    /// Replace balancer `id`'s table whole.
-    ///
-    /// # Errors
-    /// [`DatapathError::Map`].
-    pub(super) fn set_table(&self, id: u32, table: &ConnectTable) -> Result<(), DatapathError> {
-        self.tables
-            .lock()
-            .expect("poisoned")
-            .insert(id, table, 0)
-            .map_err(map_err(MAP_CONNECT_TABLES))
-    }
-
-    /// Established connect-time sockets per server of balancer `id` (servers with none are
-    /// left out).
-    pub(super) fn counts(&self, id: u32) -> Vec<(ConnectServer, u64)> {
-        let counts = self.counts.lock().expect("poisoned");
-        counts
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, n)| k.balancer == id && i64::try_from(*n).is_ok_and(|v| v > 0))
-            .map(|(k, n)| (k.server, n))
-            .collect()
-    }
-
-    /// Delete balancer `id`'s count keys of servers not in `keep` whose count is 0 or below
-    /// (a decrement that found its key deleted). Returns how many were deleted.
-    ///
-    /// A socket the programs sent to such a server before the table changed can still be
-    /// counted once it establishes: its key comes back (the increment creates it), and goes
-    /// at a later prune once the socket closed. An increment that looked its key up just
-    /// before this delete is lost, and its socket's decrement leaves the recreated key at -1,
-    /// which the programs read as 0 and the next prune deletes.
-    pub(super) fn prune_counts(&self, id: u32, keep: &[ConnectServer]) -> usize {
-        let mut counts = self.counts.lock().expect("poisoned");
-        let stale: Vec<ConnectCountKey> = counts
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, n)| {
-                k.balancer == id
-                    && !keep.contains(&k.server)
-                    && !i64::try_from(*n).is_ok_and(|v| v > 0)
-            })
-            .map(|(k, _)| k)
-            .collect();
-        stale.iter().filter(|k| counts.remove(k).is_ok()).count()
-    }
-
-    /// The sockets the connect programs sent to `server` for balancer `id`: cookie and what
-    /// the programs recorded.
-    pub(super) fn sockets(&self, id: u32, server: &ConnectServer) -> Vec<(u64, ConnectOrig)> {
-        let socks = self.socks.lock().expect("poisoned");
-        socks
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, o)| o.count.balancer == id && o.count.server == *server)
-            .collect()
-    }
-}
-
-/// A server address as the connect tables hold it.
-pub(super) fn connect_server(addr: SocketAddr) -> ConnectServer {
-    let key = listener_key(addr);
-    ConnectServer {
-        ip_be: key.ip_be,
-        port: key.port,
-        family: key.family,
-    }
-}
-
-/// The socket address of a connect table entry.
-pub(super) fn server_addr(s: &ConnectServer) -> Option<SocketAddr> {
-    let ip: IpAddr = match s.family {
-        AF_INET => IpAddr::from(s.ip_be[0].to_ne_bytes()),
-        AF_INET6 => {
-            let mut b = [0u8; 16];
-            for (chunk, w) in b.chunks_exact_mut(4).zip(s.ip_be) {
-                chunk.copy_from_slice(&w.to_ne_bytes());
-            }
-            IpAddr::from(b)
-        }
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::try_from(s.port).ok()?))
-}
-
-/// A connect-time socket's (own address, peer) as the kernel holds them, from what sockops
-/// recorded at `TCP_CONNECT_CB`; `None` before then. An IPv6 socket sent to an IPv4 `server`
-/// has both addresses IPv4-mapped.
-pub(super) fn sent_tuple(o: &ConnectOrig, server: SocketAddr) -> Option<(SocketAddr, SocketAddr)> {
-    if o.local_port == 0 {
-        return None;
-    }
-    let local = server_addr(&ConnectServer {
-        ip_be: o.local_ip_be,
-        port: o.local_port,
-        family: o.family,
-    })?;
-    let peer = match (local, server) {
-        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
-            SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
-        }
-        (SocketAddr::V4(_), SocketAddr::V6(_)) => return None,
-        _ => server,
-    };
-    Some((local, peer))
 }
 
 /// `LB_NETNS`: a client tuple (cookie 0) → its namespace cookie, or `NETNS_AMBIGUOUS`.

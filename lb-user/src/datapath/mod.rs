@@ -4,8 +4,9 @@
 //! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
 //! server), [`passive`] (connect-time sockets' failures as passive health), [`btf`] (kernel
 //! struct offsets), [`kernel_log`] (the programs' aya-log events
-//! in lb's log, target `lb::kernel`), [`attach`] (the connect-time programs' links) and
-//! [`rings`] (the ring reader threads).
+//! in lb's log, target `lb::kernel`), [`attach`] (the connect-time programs' links),
+//! [`tables`] (the slot a connect-time table is written into, and when) and [`rings`] (the
+//! ring reader threads).
 //!
 //! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
 //! held by this process only (nothing is pinned), so they are detached when lb exits, however it
@@ -13,6 +14,7 @@
 
 mod attach;
 mod btf;
+mod connect_maps;
 mod credit;
 mod handover;
 mod kernel_log;
@@ -20,6 +22,7 @@ mod maps;
 mod passive;
 mod probe;
 mod rings;
+mod tables;
 
 use std::{
     collections::HashMap,
@@ -46,7 +49,7 @@ use tracing::{debug, info, warn};
 pub use self::{
     btf::BtfError,
     credit::Pair,
-    maps::sock_key,
+    maps::{TableWrite, sock_key},
     passive::{PassiveKind, PassiveSink},
     probe::{detect_cgroup2, probe_kernel},
 };
@@ -141,6 +144,17 @@ pub enum DatapathError {
         /// Why.
         #[source]
         source: std::io::Error,
+    },
+    /// The next slot of a connect-time table was current too recently to be written (see
+    /// `lb_common::MAP_CONNECT_TABLES`); nothing was written.
+    #[error(
+        "the next connect-time table slot of balancer {balancer} is writable in {wait:?} (a program may still read it)"
+    )]
+    TableSlotBusy {
+        /// Balancer id.
+        balancer: u32,
+        /// How long until it may be written.
+        wait: std::time::Duration,
     },
     /// A map operation failed.
     #[error("map {map}")]
@@ -401,16 +415,20 @@ impl Datapath {
 
     /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
     /// [`MAX_CONNECT_SERVERS`] are kept). An empty list stops rewriting: connects then reach
-    /// the listener.
+    /// the listener. The table goes into the next of the balancer's slots, then becomes current
+    /// (see `lb_common::MAP_CONNECT_TABLES`); a program reads either the old table or the new
+    /// one, never a mix.
     ///
     /// # Errors
-    /// [`DatapathError::Map`].
+    /// [`DatapathError::TableSlotBusy`] when the table changed more than
+    /// `lb_common::TABLE_SLOTS - 1` times within `lb_common::SLOT_REUSE_AFTER_MS`: nothing is
+    /// written, call again after the wait it names. [`DatapathError::Map`].
     pub fn set_connect_table(
         &self,
         id: u32,
         policy: ConnectPolicy,
         servers: &[SocketAddr],
-    ) -> Result<(), DatapathError> {
+    ) -> Result<TableWrite, DatapathError> {
         let mut table = ConnectTable {
             policy: match policy {
                 ConnectPolicy::First => CONNECT_FIRST,
@@ -425,6 +443,20 @@ impl Datapath {
         }
         table.count = u32::try_from(servers.len().min(MAX_CONNECT_SERVERS)).unwrap_or(0);
         self.maps.connect.set_table(id, &table)
+    }
+
+    /// Balancer `id`'s current table generation (`LB_CONNECT_CURRENT`) and the servers of that
+    /// table, as the connect programs read them now; `None` when the maps cannot be read.
+    pub fn connect_table(&self, id: u32) -> Option<(u32, Vec<SocketAddr>)> {
+        let (generation, table) = self.maps.connect.table(id).ok()?;
+        let count = usize::try_from(table.count)
+            .unwrap_or(0)
+            .min(MAX_CONNECT_SERVERS);
+        let servers = table.servers[..count]
+            .iter()
+            .filter_map(maps::server_addr)
+            .collect();
+        Some((generation, servers))
     }
 
     /// Forget balancer `id`'s per-server counts of servers not in `servers` that count no

@@ -117,7 +117,9 @@ enum Action {
         timeout_ms: Option<u64>,
         /// Dial this many times, one after another; with more than one, reports only how many
         /// ended with each errno (`"errnos": {"0": connected, "22": ...}`, `-1` for a timeout
-        /// of its own).
+        /// of its own), how many connected ones reached each server (`"servers": {name: n}`)
+        /// and how many connected ones ended before the server said its name, by errno
+        /// (`"after_connect"`).
         #[arg(long, default_value_t = 1)]
         times: u32,
     },
@@ -1012,7 +1014,9 @@ fn epoll_up(
 
 /// `times` dials of `addr` from a socket bound to `bind` (when given), each given up after
 /// `timeout` (when given) by closing it. One dial reports as `dial` does; more report how many
-/// ended with each errno (0 connected, -1 given up).
+/// ended with each errno (0 connected, -1 given up), how many connected ones reached each
+/// server by name, and how many connected ones ended before the name came (by errno; the
+/// connection was reset or aborted).
 fn dial_times(
     addr: SocketAddr,
     bind: Option<SocketAddr>,
@@ -1020,6 +1024,8 @@ fn dial_times(
     times: u32,
 ) -> io::Result<serde_json::Value> {
     let mut errnos = std::collections::BTreeMap::<String, u32>::new();
+    let mut servers = std::collections::BTreeMap::<String, u32>::new();
+    let mut after = std::collections::BTreeMap::<String, u32>::new();
     let mut last = json!({});
     for _ in 0..times {
         let t = Instant::now();
@@ -1043,6 +1049,18 @@ fn dial_times(
         };
         *errnos.entry(errno.to_string()).or_default() += 1;
         last = match r {
+            Ok(()) if times > 1 => {
+                let mut s: TcpStream = sock.into();
+                match write_retry(&mut s, b"NAME\n").and_then(|()| read_line(&mut s)) {
+                    Ok(name) => *servers.entry(name).or_default() += 1,
+                    Err(e) => {
+                        *after
+                            .entry(e.raw_os_error().unwrap_or(-1).to_string())
+                            .or_default() += 1;
+                    }
+                }
+                json!({})
+            }
             Ok(()) => {
                 let mut s: TcpStream = sock.into();
                 write_retry(&mut s, b"NAME\n")?;
@@ -1060,5 +1078,10 @@ fn dial_times(
     if times == 1 {
         return Ok(last);
     }
-    Ok(json!({"ok": errnos.keys().all(|k| k == "0"), "errnos": errnos}))
+    Ok(json!({
+        "ok": errnos.keys().all(|k| k == "0"),
+        "errnos": errnos,
+        "servers": servers,
+        "after_connect": after,
+    }))
 }
