@@ -24,8 +24,14 @@ pub(super) type DirectKill = (ServerAddr, KillReason);
 /// moment later, possibly after the first sweep's snapshot.
 const SWEEP_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How often the count keys of servers gone from the table are looked at again: a key whose
+/// server left while its last socket was still open reaches 0 only when that socket closes,
+/// after the table write that dropped the server.
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Keep balancer `b`'s connect-time table current: written now and after every change of its
-/// servers' states, set or config, until `stop`. Kills of a server's connections arrive on
+/// servers' states, set or config, until `stop`; every [`PRUNE_EVERY`] the count keys of
+/// servers no longer in it whose sockets all closed are deleted. Kills of a server's connections arrive on
 /// `kills`: the table is rewritten first (so a client that reconnects at once is not sent back
 /// to that server), then the sockets the kernel sent there are destroyed, twice
 /// ([`SWEEP_AGAIN_AFTER`]).
@@ -39,12 +45,22 @@ pub(super) async fn sync_table(
     let mut changed = b.changed.subscribe();
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
     let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
+    let mut prune = tokio::time::interval(PRUNE_EVERY);
+    prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         write_table(&b, &dp, &mut last).await;
         abort_newly_failed(&b, &dp, &metrics, &mut failed);
         tokio::select! {
             () = stop.cancelled() => return,
             r = changed.changed() => if r.is_err() { return },
+            _ = prune.tick() => {
+                if let Some((_, servers)) = &last {
+                    let pruned = dp.prune_connect_counts(b.id, servers);
+                    if pruned > 0 {
+                        debug!(balancer = %b.name, pruned, "count keys of servers gone from the table deleted once their sockets closed");
+                    }
+                }
+            }
             k = kills.recv() => {
                 let Some((server, reason)) = k else { return };
                 // Rewrite the table before the kill (the loop does it when the state moved).
