@@ -107,9 +107,10 @@ const _: () =
     assert!(kernel_log_due(3 * KERNEL_LOG_EVERY) && !kernel_log_due(3 * KERNEL_LOG_EVERY + 2));
 
 /// Every program name, for the ELF check.
-pub const PROG_NAMES: [&str; 7] = [
+pub const PROG_NAMES: [&str; 8] = [
     PROG_SOCKOPS,
     PROG_SK_MSG,
+    PROG_CONNECT_SOCKOPS,
     PROG_CONNECT4,
     PROG_CONNECT6,
     PROG_GETPEERNAME4,
@@ -132,6 +133,60 @@ pub const PROG_GETPEERNAME6: &str = "lb_getpeername6";
 /// [`MAP_CONNECT_SOCKS`] record (uncounting it if it was counted), also of a connect that failed
 /// before the sockops program saw it (its record would otherwise stay until the LRU evicts it).
 pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
+/// cgroup sockops program of connect-time forwarding (its own, beside the splice's
+/// [`PROG_SOCKOPS`], with its own link): counts a rewritten socket once established, uncounts
+/// it when it closes and reports its failed connect and first RTO.
+pub const PROG_CONNECT_SOCKOPS: &str = "lb_connect_sockops";
+/// The connect-time programs, each attached with a link of its own; with a pin directory the
+/// links are pinned there under these names, so the programs outlive lb.
+pub const CONNECT_PROGS: [&str; 6] = [
+    PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
+    PROG_CONNECT_SOCKOPS,
+    PROG_CONNECT_RELEASE,
+    PROG_CONNECT4,
+    PROG_CONNECT6,
+];
+/// Array of `MAX_BALANCERS` `u64`s: the connect programs' network namespace scope per balancer
+/// (as [`MAP_NETNS_SCOPE`] is the splice's; lb writes both).
+pub const MAP_CONNECT_SCOPE: &str = "LB_CONNECT_SCOPE";
+/// Per-CPU array of [`BalancerStats`] per balancer id, of the connect programs
+/// (`connect_event_drops`, `netns_skipped_connects`); lb adds them to [`MAP_STATS`]'s.
+pub const MAP_CONNECT_STATS: &str = "LB_CONNECT_STATS";
+/// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs: [`CTL_OWN_TGID`],
+/// [`CTL_HEARTBEAT_NS`], [`CTL_ORPHAN_NS`], [`CTL_LAYOUT`]. Its shape never changes, so any lb
+/// can read the layout of pins another build left.
+pub const MAP_CONNECT_CTL: &str = "LB_CONNECT_CTL";
+/// [`MAP_CONNECT_CTL`] slot: lb's process id (tgid); the connect programs never rewrite its
+/// sockets (health checks, proxy dials). A new lb writes its own.
+pub const CTL_OWN_TGID: u32 = 0;
+/// [`MAP_CONNECT_CTL`] slot: lb's heartbeat, `CLOCK_BOOTTIME` in nanoseconds (what
+/// `bpf_ktime_get_boot_ns` reads), written every second.
+pub const CTL_HEARTBEAT_NS: u32 = 1;
+/// [`MAP_CONNECT_CTL`] slot: how old (ns) the heartbeat may be before the connect programs stop
+/// rewriting (`datapath.orphan_timeout`); 0 rewrites never.
+pub const CTL_ORPHAN_NS: u32 = 2;
+/// [`MAP_CONNECT_CTL`] slot: the [`CONNECT_PIN_LAYOUT`] of the programs and maps in use.
+pub const CTL_LAYOUT: u32 = 3;
+/// Entries of [`MAP_CONNECT_CTL`].
+pub const CTL_SLOTS: u32 = 4;
+/// Layout version of the connect-time kernel objects (programs, map names, types and value
+/// layouts) that lb pins: a lb adopts pins only of its own layout. Bump it with any change to
+/// them.
+pub const CONNECT_PIN_LAYOUT: u64 = 1;
+/// The connect-time maps, pinned with their programs' links (the splice's maps are not).
+pub const CONNECT_MAPS: [&str; 10] = [
+    MAP_CONNECT_CTL,
+    MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_TABLES,
+    MAP_CONNECT_CURRENT,
+    MAP_CONNECT_RR,
+    MAP_CONNECT_SOCKS,
+    MAP_CONNECT_COUNTS,
+    MAP_CONNECT_EVENTS,
+    MAP_CONNECT_SCOPE,
+    MAP_CONNECT_STATS,
+];
 
 /// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
 /// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
@@ -208,9 +263,6 @@ pub const EVENT_CONNECT_FAILED: u32 = 1;
 pub const EVENT_RTO: u32 = 2;
 /// [`ConnectOrig::reported`] bit: the socket's RTO event was sent (or dropped).
 pub const REPORTED_RTO: u32 = 1;
-/// `u32` global: lb's own process id (tgid); the connect programs never rewrite its sockets
-/// (health checks, proxy dials).
-pub const GLOBAL_OWN_TGID: &str = "LB_OWN_TGID";
 
 /// Most servers in one [`ConnectTable`]; lb writes the first ones in preference order. A
 /// power of two (the programs mask their pick with it).
@@ -322,8 +374,7 @@ pub struct ConnectEvent {
 const _: () = assert!(size_of::<ConnectEvent>() == 48);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 11] = [
-    GLOBAL_OWN_TGID,
+pub const GLOBAL_NAMES: [&str; 10] = [
     GLOBAL_OFF_SK_ERR,
     GLOBAL_OFF_WRITE_SEQ,
     GLOBAL_OFF_ULP_OPS,
@@ -361,7 +412,10 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 17] = [
+pub const MAP_NAMES: [&str; 20] = [
+    MAP_CONNECT_CTL,
+    MAP_CONNECT_SCOPE,
+    MAP_CONNECT_STATS,
     MAP_CONNECT_LISTENERS,
     MAP_CONNECT_EVENTS,
     MAP_CONNECT_TABLES,

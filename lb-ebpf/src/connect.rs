@@ -2,8 +2,16 @@
 //! listener of a connect-mode balancer into the address of the server the balancer's table
 //! picks, so the client talks to the server directly and lb is on neither direction of the
 //! byte stream; `getpeername4`/`getpeername6` give back the address the client dialed. Each
-//! rewritten socket is recorded by its cookie; the sockops program counts it per server once
-//! it is established and forgets it when it closes ([`on_established`], [`on_state`]).
+//! rewritten socket is recorded by its cookie; connect-time's own sockops program
+//! (`lb_connect_sockops`, beside the splice's `lb_sockops` on the same cgroup, with a link of
+//! its own) counts it per server once it is established and forgets it when it closes
+//! ([`on_established`], [`on_state`]).
+//!
+//! These programs use only the maps defined here, so with a pin directory lb pins them and their
+//! links, and they go on serving the last table after lb exits, whatever the cause, until lb's
+//! heartbeat (`LB_CONNECT_CTL`) is older than the orphan timeout: then they leave connects
+//! alone ([`lb_alive`]). lb's own process id is in that map too, written by each lb that loads
+//! or adopts them.
 //!
 //! A balancer's table is read from the slot its current generation names (`LB_CONNECT_CURRENT`,
 //! then `LB_CONNECT_TABLES`), which lb never rewrites while a program may still read it (see
@@ -24,36 +32,39 @@
 //! ring is full, so a storm of failing connects cannot flood lb.
 //!
 //! A connect is rewritten only when its socket is in the balancer's network namespace scope
-//! (`LB_NETNS_SCOPE`, see `crate::in_scope`): by default lb's own, so a pod's connect to its own
+//! (`LB_CONNECT_SCOPE`, see [`in_scope`]): by default lb's own, so a pod's connect to its own
 //! `127.0.0.1:P` reaches the pod's server.
 //!
 //! Minimum kernel: 4.17 for connect4/6 (5.7 for `bpf_get_netns_cookie` in them), 5.8 for
 //! getpeername4/6 (lb attaches all four or none), 5.9 for sock_release (optional: without it
 //! failed connects leak records until the LRU evicts them); `bpf_get_socket_cookie` in
-//! sock_addr, sock and sockops programs.
+//! sock_addr, sock and sockops programs; `bpf_ktime_get_boot_ns` (5.8).
 
 use aya_ebpf::{
     bindings::{
-        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_TCP_SYN_SENT,
+        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
+        BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT,
     },
     cty::c_void,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
-        bpf_skc_to_tcp_sock,
+        bpf_ktime_get_boot_ns, bpf_skc_to_tcp_sock,
     },
-    macros::{cgroup_sock, cgroup_sock_addr, map},
+    macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{SockAddrContext, SockContext, SockOpsContext},
 };
 use lb_common::{
-    AF_INET, AF_INET6, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
-    CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable,
-    EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, GLOBAL_OWN_TGID, ListenerKey,
-    MAP_CONNECT_COUNTS, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
-    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
-    MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4,
-    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, TABLE_SLOTS, table_index,
+    AF_INET, AF_INET6, BalancerStats, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
+    CONNECT_ROUND_ROBIN, CTL_HEARTBEAT_NS, CTL_ORPHAN_NS, CTL_OWN_TGID, CTL_SLOTS,
+    ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable, EVENT_CONNECT_FAILED,
+    EVENT_RTO, GLOBAL_OFF_SK_ERR, ListenerKey, MAP_CONNECT_COUNTS, MAP_CONNECT_CTL,
+    MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR,
+    MAP_CONNECT_SCOPE, MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_TABLES, MAX_BALANCERS,
+    MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, NETNS_SCOPE_ALL,
+    PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6, REPORTED_RTO, TABLE_SLOTS, table_index,
 };
 
 named_as!(
@@ -64,8 +75,11 @@ named_as!(
     LB_CONNECT_SOCKS = MAP_CONNECT_SOCKS,
     LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
     LB_CONNECT_EVENTS = MAP_CONNECT_EVENTS,
-    LB_OWN_TGID = GLOBAL_OWN_TGID,
+    LB_CONNECT_CTL = MAP_CONNECT_CTL,
+    LB_CONNECT_SCOPE = MAP_CONNECT_SCOPE,
+    LB_CONNECT_STATS = MAP_CONNECT_STATS,
     LB_OFF_SK_ERR = GLOBAL_OFF_SK_ERR,
+    lb_connect_sockops = PROG_CONNECT_SOCKOPS,
     lb_connect_release = PROG_CONNECT_RELEASE,
     lb_connect4 = PROG_CONNECT4,
     lb_connect6 = PROG_CONNECT6,
@@ -104,9 +118,17 @@ static LB_CONNECT_EVENTS: RingBuf = RingBuf::with_byte_size(CONNECT_EVENTS_RING_
 /// failed connect is reported) and retransmission timeouts (reported once).
 const CB_FLAGS: i32 = (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32;
 
-// lb's own tgid, set at load time: its sockets are never rewritten.
-#[unsafe(no_mangle)]
-static LB_OWN_TGID: u32 = 0;
+// lb's control (see lb_common::MAP_CONNECT_CTL): its tgid, heartbeat and orphan timeout, in a
+// map rather than globals so a new lb that adopts these programs can write its own.
+#[map]
+static LB_CONNECT_CTL: Array<u64> = Array::with_max_entries(CTL_SLOTS, 0);
+
+#[map]
+static LB_CONNECT_SCOPE: Array<u64> = Array::with_max_entries(MAX_BALANCERS, 0);
+
+#[map]
+static LB_CONNECT_STATS: PerCpuArray<BalancerStats> =
+    PerCpuArray::with_max_entries(MAX_BALANCERS, 0);
 // `struct sock::sk_err` offset (bytes), set at load time from the kernel's BTF; 0 when unknown.
 #[unsafe(no_mangle)]
 static LB_OFF_SK_ERR: u32 = 0;
@@ -131,6 +153,18 @@ pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
     match try_connect(&ctx, true) {
         Ok(()) | Err(()) => ALLOW,
     }
+}
+
+#[sock_ops]
+pub fn lb_connect_sockops(ctx: SockOpsContext) -> u32 {
+    match ctx.op() {
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => on_established(&ctx),
+        BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == BPF_TCP_CLOSE => on_state(&ctx),
+        BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
+        BPF_SOCK_OPS_RTO_CB => on_rto(&ctx),
+        _ => {}
+    }
+    1
 }
 
 #[cgroup_sock(sock_release)]
@@ -203,10 +237,8 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     if ctx_u32!(sa, type_) != SOCK_STREAM {
         return Ok(());
     }
-    // SAFETY: reading a global lb set at load time.
-    let own = unsafe { core::ptr::read_volatile(&LB_OWN_TGID) };
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if tgid == own {
+    if !lb_alive(tgid) {
         return Ok(());
     }
     let ip = if v6 {
@@ -239,9 +271,9 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     };
     // SAFETY: the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
-    if !crate::in_scope(balancer, netns) {
+    if !in_scope(balancer, netns) {
         // Another namespace's 127.0.0.1:P is its own: the connect goes where it was going.
-        if let Some(stats) = crate::LB_STATS.get_ptr_mut(balancer) {
+        if let Some(stats) = LB_CONNECT_STATS.get_ptr_mut(balancer) {
             // SAFETY: per-CPU slot, no other writer on this CPU while we run.
             unsafe { (*stats).netns_skipped_connects += 1 };
         }
@@ -323,6 +355,38 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         core::ptr::write_volatile(core::ptr::addr_of_mut!((*sa).user_port), port_raw);
     }
     Ok(())
+}
+
+/// Whether this connect may be rewritten as far as lb's control says: it is not lb's own
+/// (`tgid`), and lb's heartbeat is younger than the orphan timeout (a lb gone for longer leaves
+/// connects alone, so kernel state without a live lb stops steering after a bound).
+#[inline(always)]
+fn lb_alive(tgid: u32) -> bool {
+    let (Some(own), Some(beat), Some(orphan)) = (
+        LB_CONNECT_CTL.get(CTL_OWN_TGID),
+        LB_CONNECT_CTL.get(CTL_HEARTBEAT_NS),
+        LB_CONNECT_CTL.get(CTL_ORPHAN_NS),
+    ) else {
+        return false;
+    };
+    if u64::from(tgid) == *own {
+        return false;
+    }
+    if *orphan == 0 {
+        return true;
+    }
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_boot_ns() };
+    now.saturating_sub(*beat) <= *orphan
+}
+
+/// Whether `balancer`'s connect programs act on a socket of network namespace `netns`
+/// (`LB_CONNECT_SCOPE`, as `crate::in_scope` for the splice).
+#[inline(always)]
+fn in_scope(balancer: u32, netns: u64) -> bool {
+    LB_CONNECT_SCOPE
+        .get(balancer)
+        .is_some_and(|&scope| scope == NETNS_SCOPE_ALL || scope == netns)
 }
 
 /// Balancer `balancer`'s current table: the generation in `LB_CONNECT_CURRENT` (one aligned
@@ -424,13 +488,13 @@ fn count_add(key: &ConnectCountKey, delta: u64) {
 }
 
 /// Sockops `ACTIVE_ESTABLISHED`: a socket a connect program rewrote is counted for its server,
-/// and asked to report its state changes so its close uncounts it. Returns whether it was one.
+/// and asked to report its state changes so its close uncounts it.
 #[inline(always)]
-pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
+fn on_established(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
-        return false;
+        return;
     };
     // SAFETY: a live map value; one socket's callbacks run under its lock.
     let orig = unsafe { &mut *orig };
@@ -438,14 +502,13 @@ pub(crate) fn on_established(ctx: &SockOpsContext) -> bool {
         orig.established = 1;
         count_add(&orig.count, 1);
     }
-    true
 }
 
 /// Sockops `TCP_CONNECT_CB` (before the SYN is sent): a socket a connect program rewrote asks
 /// for its state changes and retransmission timeouts from now on, so a connect that fails is
 /// reported ([`on_state`]), and its own address (bound by now) is recorded for lb's kills.
 #[inline(always)]
-pub(crate) fn on_connect(ctx: &SockOpsContext) {
+fn on_connect(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
@@ -474,7 +537,7 @@ fn report(orig: &ConnectOrig, kind: u32, cookie: u64, err: u32) {
         _pad: 0,
     };
     if LB_CONNECT_EVENTS.output::<ConnectEvent>(&ev, 0).is_err()
-        && let Some(stats) = crate::LB_STATS.get_ptr_mut(orig.count.balancer)
+        && let Some(stats) = LB_CONNECT_STATS.get_ptr_mut(orig.count.balancer)
     {
         // SAFETY: per-CPU slot, no other writer on this CPU while we run.
         unsafe { (*stats).connect_event_drops += 1 };
@@ -484,7 +547,7 @@ fn report(orig: &ConnectOrig, kind: u32, cookie: u64, err: u32) {
 /// Sockops `RTO_CB`: the first retransmission timeout of an established rewritten socket is
 /// reported (later ones, and those of a connect still sending SYNs, are not).
 #[inline(always)]
-pub(crate) fn on_rto(ctx: &SockOpsContext) {
+fn on_rto(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
@@ -501,21 +564,19 @@ pub(crate) fn on_rto(ctx: &SockOpsContext) {
 
 /// Sockops `STATE_CB` to `TCP_CLOSE` (only sockets [`on_connect`] or [`on_established`] asked
 /// for it, and lb's registered clients): for a connect-time socket, report a connect that never
-/// got established (with the socket's error), uncount the socket and forget it. Returns
-/// whether it was one.
+/// got established (with the socket's error), uncount the socket and forget it.
 #[inline(always)]
-pub(crate) fn on_state(ctx: &SockOpsContext) -> bool {
+fn on_state(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     // SAFETY: copied out at once.
     let Some(orig) = (unsafe { LB_CONNECT_SOCKS.get(&cookie) }).copied() else {
-        return false;
+        return;
     };
     if orig.established == 0 && ctx.arg(0) == BPF_TCP_SYN_SENT {
         report(&orig, EVENT_CONNECT_FAILED, cookie, sock_err(ctx));
     }
     forget(cookie, &orig);
-    true
 }
 
 /// Remove a socket's record and, if it was counted, uncount it. Only the caller whose delete

@@ -9,9 +9,8 @@
 //!   A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients whose destination is on
 //!   the host ([`local_destination`]); an IPv6 socket connected to an
 //!   IPv4-mapped address is keyed as IPv4 ([`unmap_v4`]), as lb keys the socket it accepted.
-//!   A socket the connect programs sent straight to a server is counted instead (and, through
-//!   `STATE_CB`, uncounted when it closes); from `TCP_CONNECT_CB` on it also reports a failed
-//!   connect and its first retransmission timeout to lb (passive health); see [`connect`].
+//!   Sockets the connect programs sent straight to a server are connect-time's own sockops
+//!   program's (`lb_connect_sockops`, see [`connect`]); their destination is no listener.
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes the client's socket
@@ -29,9 +28,10 @@
 //!   the cookies differ) nor for a socket with an upper layer protocol (kTLS: its sends reach
 //!   the program as plaintext).
 //!
-//! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr,
-//!   attached only when a balancer has `forwarding = "connect"`): connect-time balancing, in
-//!   [`connect`].
+//! - `lb_connect4`/`lb_connect6`, `lb_getpeername4`/`lb_getpeername6` (cgroup sock_addr),
+//!   `lb_connect_release` (sock_release) and `lb_connect_sockops` (attached only when a
+//!   balancer has `forwarding = "connect"`): connect-time balancing, in [`connect`], with maps
+//!   of its own so they can be pinned and outlive lb while the splice's objects die with it.
 //!
 //! Kernel events for operators go through aya-log (target `lb::kernel`, debug level): a send
 //! that took the copy path after pairing (catch-up, no credit, redirect error), rate-limited by
@@ -52,8 +52,8 @@
 
 use aya_ebpf::{
     bindings::{
-        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_STATE_CB,
-        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, sk_action,
+        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, sk_action,
     },
     cty::c_void,
     helpers::{
@@ -198,24 +198,12 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
     match ctx.op() {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_STATE_CB => {
-            if ctx.arg(1) == BPF_TCP_CLOSE && !connect::on_state(ctx) {
+            if ctx.arg(1) == BPF_TCP_CLOSE {
                 forget_client(ctx);
             }
             return Ok(1);
         }
-        BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            connect::on_connect(ctx);
-            return Ok(1);
-        }
-        BPF_SOCK_OPS_RTO_CB => {
-            connect::on_rto(ctx);
-            return Ok(1);
-        }
         _ => return Ok(1),
-    }
-    // A socket a connect program sent straight to a server: counted, never spliced.
-    if connect::on_established(ctx) {
-        return Ok(1);
     }
     let Some(mut key) = client_tuple(ctx) else {
         return Ok(1);

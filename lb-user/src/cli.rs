@@ -1,11 +1,12 @@
 //! Command line: `lb run`, the admin client commands (`lb status`, `lb servers`, `lb check`),
-//! `lb config check`, and `lb completions` / `lb man`. One file per subcommand under `cli/`;
+//! `lb config check`, `lb cleanup` (the connect-time pins), and `lb completions` / `lb man`. One file per subcommand under `cli/`;
 //! every option also reads an `LB_*` environment variable (flags win).
 //!
 //! Exit codes: 0 success (for `lb check`: healthy); 1 failure (`lb check`: unhealthy or the
 //! daemon unreachable); 2 invalid usage or configuration (clap's own usage errors are 2 too).
 
 pub mod check;
+pub mod cleanup;
 pub mod config;
 pub mod docs;
 mod owner;
@@ -91,6 +92,9 @@ pub enum Command {
     /// Configuration helpers.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Detach the connect-time programs a stopped lb left pinned and remove the pins; refused
+    /// while a lb holds them. Not for a stop hook: the pins serve clients between runs.
+    Cleanup(cleanup::CleanupArgs),
     /// Print a shell completion script to stdout.
     Completions(docs::CompletionsArgs),
     /// Print the man page to stdout, or write one page per command into a directory.
@@ -175,6 +179,9 @@ pub struct RunArgs {
     /// listeners live) or all (every namespace under the cgroup).
     #[arg(long, env = "LB_NAMESPACES", value_enum)]
     pub namespaces: Option<Namespaces>,
+    /// Directory in a bpffs for the connect-time pins (`[datapath] pin_dir`).
+    #[arg(long, env = "LB_PIN_DIR")]
+    pub pin_dir: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -190,6 +197,7 @@ impl RunArgs {
             cgroup: self.cgroup.clone(),
             forwarding: self.forwarding,
             namespaces: self.namespaces,
+            pin_dir: self.pin_dir.clone(),
         }
     }
 }

@@ -32,7 +32,12 @@ use serde::{Deserialize, Serialize};
 /// `ConnectEvent` carrying the socket's error (48 bytes); the `lb_connect_release` program's
 /// link handed over; `LB_CONNECT_TABLES` as an array of table slots with the generation current
 /// per balancer in `LB_CONNECT_CURRENT` (handed over too; the new lb goes on from it).
-pub const VERSION: u32 = 2;
+///
+/// Version 3: connect-time's own sockops program (`lb_connect_sockops`, its link handed over)
+/// and maps (`LB_CONNECT_SCOPE`, `LB_CONNECT_STATS`, `LB_CONNECT_CTL` with lb's pid and
+/// heartbeat); `lb_sockops` no longer counts connect-time sockets; the locked pin directory
+/// travels as `pin-dir-lock` among the maps.
+pub const VERSION: u32 = 3;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
 pub const ENV_SOCKET: &str = "LB_UPGRADE_SOCKET";

@@ -97,5 +97,6 @@ fn main() -> ExitCode {
             rt.block_on(cli::upgrade::run(&args))
         }),
         Command::Run(args) => cli::run::run(&args),
+        Command::Cleanup(args) => cli::cleanup::cleanup(&args),
     }
 }

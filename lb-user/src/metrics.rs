@@ -117,6 +117,13 @@ pub struct ModeLabel {
     pub mode: String,
 }
 
+/// `{dir}` of `lb_connect_pins_adopted`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PinsLabel {
+    /// The pin directory.
+    pub dir: String,
+}
+
 /// `{balancer,kind}` of the discovery gauges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DiscoveryLabels {
@@ -192,6 +199,11 @@ pub struct Metrics {
     pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
     /// `lb_inflight_checks`.
     pub inflight_checks: Gauge,
+    /// `lb_connect_heartbeat_age_seconds`: how old the heartbeat the connect programs see is.
+    pub connect_heartbeat_age: Gauge<f64, AtomicU64>,
+    /// `lb_connect_pins_adopted{dir}`: 1 when this lb adopted pins an earlier lb left, 0 when it
+    /// pinned its own; absent when connect-time is not pinned.
+    pub connect_pins_adopted: Family<PinsLabel, Gauge>,
     /// `lb_connections_total`: accepted client connections.
     pub connections_total: Family<BalancerLabel, Counter>,
     /// `lb_dials_abandoned_total`: dials given up because their server turned FAILED, was
@@ -368,6 +380,18 @@ impl Metrics {
             "Health checks running now, on-demand ones included",
             inflight_checks.clone(),
         );
+        let connect_heartbeat_age = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "connect_heartbeat_age_seconds",
+            "Age of lb's last heartbeat as the connect-time programs see it; past datapath.orphan_timeout they stop rewriting",
+            connect_heartbeat_age.clone(),
+        );
+        let connect_pins_adopted = Family::<PinsLabel, Gauge>::default();
+        registry.register(
+            "connect_pins_adopted",
+            "Connect-time pin directory in use: 1 when this lb adopted the programs an earlier lb left pinned, 0 when it pinned its own",
+            connect_pins_adopted.clone(),
+        );
         let connections_total = Family::<BalancerLabel, Counter>::default();
         registry.register(
             "connections",
@@ -432,6 +456,8 @@ impl Metrics {
             datapath_info,
             balancer_forwarding,
             inflight_checks,
+            connect_heartbeat_age,
+            connect_pins_adopted,
             connections_total,
             dials_abandoned,
             dials_raced,
@@ -568,6 +594,18 @@ impl Metrics {
                         st.pass[r as usize],
                     );
                 }
+            }
+        }
+        if let Some(dp) = datapath {
+            if let Some(age) = dp.heartbeat_age() {
+                self.connect_heartbeat_age.set(age.as_secs_f64());
+            }
+            if let Some(p) = dp.pins_status() {
+                self.connect_pins_adopted
+                    .get_or_create(&PinsLabel {
+                        dir: p.dir.display().to_string(),
+                    })
+                    .set(i64::from(p.adopted));
             }
         }
         let mut out = String::new();

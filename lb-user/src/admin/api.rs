@@ -17,6 +17,21 @@ pub struct StatusBody {
     pub datapath_fallback: Option<String>,
     /// Balancers, in config order.
     pub balancers: Vec<BalancerStatus>,
+    /// The connect-time pin directory; absent when connect-time is not pinned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pins: Option<PinsStatus>,
+}
+
+/// The connect-time pins in `/status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PinsStatus {
+    /// The pin directory (in a bpffs).
+    pub dir: std::path::PathBuf,
+    /// Whether this lb adopted programs and maps an earlier lb left there (false: it pinned its
+    /// own).
+    pub adopted: bool,
+    /// How old lb's heartbeat is as the connect programs see it (seconds).
+    pub heartbeat_age_seconds: Option<f64>,
 }
 
 /// One balancer in `/status`.

@@ -95,6 +95,11 @@ pub enum AdminError {
 /// Build the `/status` body from the running daemon.
 pub fn status(daemon: &Handle) -> StatusBody {
     StatusBody {
+        pins: daemon.connect_pins().map(|(p, age)| api::PinsStatus {
+            dir: p.dir,
+            adopted: p.adopted,
+            heartbeat_age_seconds: age.map(|a| a.as_secs_f64()),
+        }),
         datapath: daemon.datapath_mode().to_string(),
         datapath_fallback: daemon.datapath_fallback().map(str::to_string),
         balancers: daemon

@@ -289,7 +289,18 @@ pub struct DatapathConfig {
     pub forwarding: Forwarding,
     /// Default `namespaces` of balancers that set none: own (default) | all.
     pub namespaces: Namespaces,
+    /// Directory in a bpffs where the connect-time programs' links and maps are pinned, so they
+    /// outlive lb (one lb per directory); `<bpffs>/lb/default` when absent (connect-time runs
+    /// unpinned, dying with lb, when no bpffs is mounted).
+    pub pin_dir: Option<PathBuf>,
+    /// How long pinned connect-time programs go on rewriting after lb's last heartbeat; then
+    /// they leave connects alone. Default 10 minutes, at least 2 s.
+    pub orphan_timeout: Dur,
 }
+
+/// Default `datapath.orphan_timeout`: outlasts a pod replacement or a CrashLoopBackOff's
+/// longest back-off (5 minutes).
+pub const DEFAULT_ORPHAN_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl Default for DatapathConfig {
     fn default() -> Self {
@@ -301,6 +312,8 @@ impl Default for DatapathConfig {
             blocking_splice: true,
             forwarding: Forwarding::Splice,
             namespaces: Namespaces::Own,
+            pin_dir: None,
+            orphan_timeout: Dur(DEFAULT_ORPHAN_TIMEOUT),
         }
     }
 }
@@ -434,6 +447,8 @@ pub struct Overrides {
     pub forwarding: Option<Forwarding>,
     /// `--namespaces`: every balancer's network namespace scope.
     pub namespaces: Option<Namespaces>,
+    /// `--pin-dir`.
+    pub pin_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -576,6 +591,9 @@ impl Config {
             for b in &mut cfg.balancers {
                 b.forwarding = Some(f);
             }
+        }
+        if o.pin_dir.is_some() {
+            cfg.datapath.pin_dir.clone_from(&o.pin_dir);
         }
         if let Some(n) = o.namespaces {
             cfg.datapath.namespaces = n;

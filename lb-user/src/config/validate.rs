@@ -66,6 +66,22 @@ impl Config {
                 "must be between 4096 and 16777216",
             ));
         }
+        if self.datapath.orphan_timeout.0 < std::time::Duration::from_secs(2) {
+            return Err(ConfigError::invalid(
+                "datapath.orphan_timeout",
+                &self.datapath.orphan_timeout,
+                "must be at least 2s (lb writes its heartbeat every second)",
+            ));
+        }
+        if let Some(dir) = &self.datapath.pin_dir
+            && !dir.is_absolute()
+        {
+            return Err(ConfigError::invalid(
+                "datapath.pin_dir",
+                dir.display(),
+                "must be an absolute path (a directory in a bpffs)",
+            ));
+        }
         if self.balancers.len() > lb_common::MAX_BALANCERS as usize {
             return Err(ConfigError::invalid(
                 "balancer",

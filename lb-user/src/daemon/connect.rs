@@ -328,3 +328,22 @@ fn count_netns_failures(metrics: &Metrics, balancer: &str, n: usize) {
             .inc_by(n as u64);
     }
 }
+
+/// The connect-time pin directory `d` names (or the default in the bpffs), opened and locked;
+/// `None`, with a warning, when no bpffs is mounted and none is configured: the programs then
+/// die with lb.
+///
+/// # Errors
+/// The directory cannot be made or locked (another lb holds it), is not in a bpffs, or holds
+/// objects of another layout version; each message says how to proceed.
+pub(super) fn open_pins(
+    d: &crate::config::DatapathConfig,
+) -> anyhow::Result<Option<crate::datapath::Pins>> {
+    let Some(dir) = crate::datapath::resolve_dir(d.pin_dir.as_deref()) else {
+        warn!("no bpffs is mounted: the connect-time programs are not pinned and stop with lb (mount one at /sys/fs/bpf, or set datapath.pin_dir)");
+        return Ok(None);
+    };
+    let pins = crate::datapath::Pins::open(&dir)?;
+    info!(pin_dir = %dir.display(), adopted = pins.adopted(), "connect-time pin directory locked");
+    Ok(Some(pins))
+}

@@ -83,6 +83,15 @@ impl Handle {
         self.0.datapath.as_ref()?.connect_table(id)
     }
 
+    /// The connect-time pin directory and the heartbeat's age as the programs see it (`None`
+    /// when connect-time is not pinned).
+    pub fn connect_pins(
+        &self,
+    ) -> Option<(crate::datapath::PinsStatus, Option<std::time::Duration>)> {
+        let dp = self.0.datapath.as_ref()?;
+        Some((dp.pins_status()?, dp.heartbeat_age()))
+    }
+
     /// Whether the kernel data path is attached.
     pub fn datapath_attached(&self) -> bool {
         self.0.datapath.is_some()

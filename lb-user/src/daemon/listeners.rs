@@ -74,6 +74,7 @@ impl Daemon {
             return Ok(());
         };
         self.write_namespaces()?;
+        let mut connect_listeners = Vec::new();
         for b in self.balancers.load().iter() {
             let connect = self
                 .forwarding
@@ -85,10 +86,16 @@ impl Daemon {
                 if connect {
                     dp.add_connect_listener(*addr, b.id)
                         .with_context(|| format!("registering connect-time listener {addr}"))?;
+                    connect_listeners.push(*addr);
                 } else {
                     dp.remove_connect_listener(*addr);
                 }
             }
+        }
+        // Listeners an earlier lb left in pinned maps that this config no longer has.
+        let stale = dp.retain_connect_listeners(&connect_listeners);
+        if stale > 0 {
+            tracing::info!(stale, "connect-time listeners of an earlier lb forgotten");
         }
         Ok(())
     }

@@ -122,14 +122,21 @@ pub fn attach_datapath(
         .balancers
         .iter()
         .any(|b| cfg.forwarding_of(b) == Forwarding::Connect);
+    // Pins first, in every mode that loads programs: a directory another lb holds, or whose
+    // objects are of another layout, refuses the start (the pinned programs keep serving).
+    let pins = match d.mode {
+        DatapathMode::Userspace => None,
+        _ if want_connect => connect::open_pins(d)?,
+        _ => None,
+    };
     match d.mode {
         DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
         DatapathMode::Bpf => {
-            let dp = Datapath::load(d, want_connect)
+            let dp = Datapath::load(d, want_connect, pins)
                 .context("--datapath bpf: kernel data path unavailable")?;
             Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None))
         }
-        DatapathMode::Auto => match Datapath::load(d, want_connect) {
+        DatapathMode::Auto => match Datapath::load(d, want_connect, pins) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
             Err(e) => {
                 let reason = crate::errors::chain(&e);
@@ -443,12 +450,20 @@ impl Daemon {
                 daemon.background.clone(),
             );
         }
-        // Heartbeat of the control loop.
+        // Heartbeat of the control loop, and (once this process serves) of the connect
+        // programs, which stop rewriting when it is older than `datapath.orphan_timeout`.
         {
             let daemon = daemon.clone();
+            let go = go.clone();
             tasks.spawn(async move {
                 loop {
                     daemon.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
+                    if go.is_cancelled()
+                        && let Some(dp) = &daemon.datapath
+                        && let Err(e) = dp.heartbeat()
+                    {
+                        warn!(error = %crate::errors::chain(&e), "cannot write the connect-time heartbeat");
+                    }
                     tokio::select! {
                         () = daemon.background.cancelled() => return,
                         () = tokio::time::sleep(Duration::from_millis(500)) => {}

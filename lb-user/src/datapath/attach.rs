@@ -1,16 +1,18 @@
-//! Attaching the connect-time programs (`connect4/6`, `getpeername4/6` and `sock_release`) to
-//! the cgroup with links.
+//! Attaching the connect-time programs (`connect4/6`, `getpeername4/6`, `sock_release` and
+//! connect-time's own sockops program) to the cgroup with links; with a pin directory each link
+//! is pinned, or adopted from its pin without attaching again.
 
 use aya::{
     Ebpf,
-    programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, links::FdLink},
+    programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps, links::FdLink},
 };
 use lb_common::{
-    PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
 };
 use tracing::warn;
 
-use super::{DatapathError, probe};
+use super::{DatapathError, Pins, probe};
 
 /// Load program `$name` of aya type `$ty` (a cgroup program) from `$ebpf`, attach it to
 /// `$cgroup` with a link and return the link as an [`FdLink`]. A macro, not a function: aya's
@@ -39,28 +41,45 @@ macro_rules! attach_cgroup {
     }};
 }
 
-/// Load and attach the four connect-time programs to `cgroup` with links. Any of them missing
-/// (program type, attach type, helper, or the verifier refusing) leaves connect-time forwarding
-/// off; what is attached stays until lb exits and is harmless without a listener entry.
+/// Load and attach the connect-time programs to `cgroup` with links (connect4/6 last, once
+/// what serves their sockets is in place). Any of them missing (program type, attach type,
+/// helper, or the verifier refusing) leaves connect-time forwarding off; what is attached stays
+/// until lb exits and is harmless without a listener entry. With `pins`, a program whose link is
+/// pinned there is adopted (not attached again) and every new link is pinned.
 pub(super) fn attach_connect(
     ebpf: &mut Ebpf,
     cgroup: &std::fs::File,
+    pins: Option<&Pins>,
 ) -> Result<Vec<(&'static str, FdLink)>, DatapathError> {
     probe::probe_connect()?;
     let mut links = Vec::new();
-    for name in [
-        PROG_GETPEERNAME4,
-        PROG_GETPEERNAME6,
-        PROG_CONNECT4,
-        PROG_CONNECT6,
-    ] {
-        links.push((name, attach_cgroup!(ebpf, name, CgroupSockAddr, cgroup)));
+    let mut held = |name: &'static str,
+                    attach: &mut dyn FnMut(&mut Ebpf) -> Result<FdLink, DatapathError>|
+     -> Result<(), DatapathError> {
+        let link = match pins {
+            Some(p) => match p.adopt_link(name)? {
+                Some(link) => link,
+                None => p.pin_link(name, attach(ebpf)?)?,
+            },
+            None => attach(ebpf)?,
+        };
+        links.push((name, link));
+        Ok(())
+    };
+    for name in [PROG_GETPEERNAME4, PROG_GETPEERNAME6] {
+        held(name, &mut |e| Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup)))?;
     }
-    match attach_release(ebpf, cgroup) {
-        Ok(link) => links.push((PROG_CONNECT_RELEASE, link)),
-        Err(e) => {
-            warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
-        }
+    held(PROG_CONNECT_SOCKOPS, &mut |e| {
+        Ok(attach_cgroup!(e, PROG_CONNECT_SOCKOPS, SockOps, cgroup))
+    })?;
+    if let Err(e) = held(PROG_CONNECT_RELEASE, &mut |e| attach_release(e, cgroup)) {
+        warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
+    }
+    for name in [PROG_CONNECT4, PROG_CONNECT6] {
+        held(name, &mut |e| Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup)))?;
+    }
+    if let Some(p) = pins {
+        p.restrict_all()?;
     }
     Ok(links)
 }

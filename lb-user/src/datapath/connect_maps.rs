@@ -11,10 +11,10 @@ use std::{
     time::Instant,
 };
 
-use aya::maps::{Array, HashMap, MapData};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
 use lb_common::{
-    AF_INET, AF_INET6, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
-    MAP_CONNECT_CURRENT, MAP_CONNECT_TABLES, table_index,
+    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
+    MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_SCOPE, MAP_CONNECT_TABLES, table_index,
 };
 
 use super::{
@@ -37,6 +37,12 @@ pub(super) struct ConnectMaps {
     pub(super) fresh: bool,
     pub(super) socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
     pub(super) counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
+    /// `LB_CONNECT_SCOPE`: the connect programs' namespace scope per balancer.
+    pub(super) scope: Mutex<Array<MapData, u64>>,
+    /// `LB_CONNECT_STATS`: the connect programs' counters per balancer, per CPU.
+    pub(super) stats: Mutex<PerCpuArray<MapData, BalancerStats>>,
+    /// `LB_CONNECT_CTL`: lb's tgid, heartbeat, orphan timeout and the layout version.
+    pub(super) ctl: Mutex<Array<MapData, u64>>,
 }
 
 /// What [`ConnectMaps::set_table`] did.
@@ -60,6 +66,72 @@ pub enum TableWrite {
 }
 
 impl ConnectMaps {
+    /// Set slot `slot` of `LB_CONNECT_CTL` (see `lb_common::CTL_SLOTS`).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn set_ctl(&self, slot: u32, value: u64) -> Result<(), DatapathError> {
+        self.ctl
+            .lock()
+            .expect("poisoned")
+            .set(slot, value, 0)
+            .map_err(map_err(MAP_CONNECT_CTL))
+    }
+
+    /// Slot `slot` of `LB_CONNECT_CTL`; `None` when it cannot be read.
+    pub(super) fn ctl(&self, slot: u32) -> Option<u64> {
+        self.ctl.lock().expect("poisoned").get(&slot, 0).ok()
+    }
+
+    /// Set balancer `id`'s scope for the connect programs.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`] (an id out of range).
+    pub(super) fn set_scope(&self, id: u32, netns: u64) -> Result<(), DatapathError> {
+        self.scope
+            .lock()
+            .expect("poisoned")
+            .set(id, netns, 0)
+            .map_err(map_err(MAP_CONNECT_SCOPE))
+    }
+
+    /// Balancer `id`'s connect-program counters, one per CPU; empty when out of range.
+    pub(super) fn stats(&self, id: u32) -> Vec<BalancerStats> {
+        self.stats
+            .lock()
+            .expect("poisoned")
+            .get(&id, 0)
+            .map(|values| values.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Descriptors of the maps only the connect programs use that [`super::maps::Maps::export`]
+    /// does not list itself, by name.
+    ///
+    /// # Errors
+    /// Out of descriptors.
+    pub(super) fn export_own(
+        &self,
+    ) -> std::io::Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
+        use std::os::fd::AsFd as _;
+
+        use aya::maps::IterableMap as _;
+        Ok(vec![
+            (
+                MAP_CONNECT_SCOPE,
+                self.scope.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+            ),
+            (
+                lb_common::MAP_CONNECT_STATS,
+                self.stats.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+            ),
+            (
+                MAP_CONNECT_CTL,
+                self.ctl.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+            ),
+        ])
+    }
+
     /// Balancer `id`'s current generation and table, as the programs read them now.
     ///
     /// # Errors

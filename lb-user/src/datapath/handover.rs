@@ -9,9 +9,10 @@
 //! others; the new process writes it again, with its own namespace's cookie, when it registers
 //! its listeners.
 //!
-//! The programs keep the globals they were loaded with, among them lb's pid (`LB_OWN_TGID`,
-//! whose `connect()`s the connect-time programs never rewrite): after an upgrade, a `connect()`
-//! lb itself makes to one of its connect-mode listeners is rewritten like a client's.
+//! lb's pid, whose `connect()`s the connect-time programs never rewrite, is in a map
+//! (`LB_CONNECT_CTL`) the new process writes with its heartbeat. With connect-time pins, the
+//! old process also hands over a descriptor of its locked pin directory: the lock goes with it,
+//! so the directory is never free while one of them runs.
 //!
 //! Minimum kernel: 5.7 (cgroup programs attached with BPF links).
 
@@ -26,7 +27,10 @@ use aya::programs::links::FdLink;
 use lb_common::{PROG_NAMES, SockKey};
 use tracing::info;
 
-use super::{Datapath, DatapathError, credit, maps::Maps};
+use super::{Datapath, DatapathError, Pins, credit, maps::Maps};
+
+/// The name under which the pin directory's locked descriptor travels with the maps.
+const PIN_LOCK: &str = "pin-dir-lock";
 
 /// A cgroup link this process holds: attached by it, or handed over by the lb before it.
 #[derive(Debug)]
@@ -92,10 +96,19 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError::Dup`]: a descriptor could not be had (out of descriptors).
     pub fn export(&self) -> Result<Export, DatapathError> {
-        let maps = self
+        let mut maps = self
             .maps
             .export()
             .map_err(|source| DatapathError::Dup { map: "*", source })?;
+        if let Some(fd) = self
+            .pins_lock_fd()
+            .map_err(|source| DatapathError::Dup {
+                map: PIN_LOCK,
+                source,
+            })?
+        {
+            maps.push((PIN_LOCK, fd));
+        }
         let links = self
             .links
             .lock()
@@ -117,12 +130,13 @@ impl Datapath {
     /// A map missing or of the wrong type; a link of an unknown program.
     pub fn adopt(
         cfg: &crate::config::DatapathConfig,
-        maps: HashMap<String, OwnedFd>,
+        mut maps: HashMap<String, OwnedFd>,
         links: Vec<(String, OwnedFd)>,
         cgroup: PathBuf,
         connect_missing: Option<String>,
     ) -> Result<Datapath, DatapathError> {
         let own_netns = super::probe::own_netns_cookie()?;
+        let pins = maps.remove(PIN_LOCK).map(Pins::from_lock_fd).transpose()?;
         let (maps, ring, events) = Maps::from_fds(maps)?;
         let mut held = Vec::new();
         for (name, fd) in links {
@@ -151,6 +165,7 @@ impl Datapath {
             // answer then is this one now.
             splice: super::kernel_reads().is_some(),
             own_netns,
+            pins,
         })
     }
 

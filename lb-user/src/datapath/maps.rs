@@ -20,8 +20,8 @@ use aya::{
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, ListenerKey, MAP_CLIENTS, MAP_CONNECT_COUNTS,
-    MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_SOCKS,
-    MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS,
+    MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_SCOPE, MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_TABLES, MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS,
     MAP_REFRESH, MAP_SERVERS, MAP_STATS, PairCtl, RefreshRequest, SockKey,
 };
 
@@ -181,6 +181,7 @@ impl Maps {
                     .as_fd())?,
             ),
         ];
+        out.extend(self.connect.export_own()?);
         for (name, fd) in &self.rings {
             out.push((name, dup(fd.as_fd())?));
         }
@@ -254,6 +255,17 @@ impl Maps {
                     HashMap::try_from(take(MAP_CONNECT_COUNTS)?)
                         .map_err(map_err(MAP_CONNECT_COUNTS))?,
                 ),
+                scope: Mutex::new(
+                    Array::try_from(take(MAP_CONNECT_SCOPE)?)
+                        .map_err(map_err(MAP_CONNECT_SCOPE))?,
+                ),
+                stats: Mutex::new(
+                    PerCpuArray::try_from(take(MAP_CONNECT_STATS)?)
+                        .map_err(map_err(MAP_CONNECT_STATS))?,
+                ),
+                ctl: Mutex::new(
+                    Array::try_from(take(MAP_CONNECT_CTL)?).map_err(map_err(MAP_CONNECT_CTL))?,
+                ),
             },
         };
         Ok((maps, ring, events))
@@ -316,6 +328,17 @@ impl Listeners {
     /// Forget `key`; absent is fine.
     pub(super) fn remove(&self, key: &ListenerKey) {
         let _ = self.0.lock().expect("poisoned").remove(key);
+    }
+
+    /// Forget every key not in `keep`; returns how many were forgotten.
+    pub(super) fn retain(&self, keep: &[ListenerKey]) -> usize {
+        let mut map = self.0.lock().expect("poisoned");
+        let stale: Vec<ListenerKey> = map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !keep.contains(k))
+            .collect();
+        stale.iter().filter(|k| map.remove(k).is_ok()).count()
     }
 }
 

@@ -17,9 +17,11 @@ mod btf;
 mod connect_maps;
 mod credit;
 mod handover;
+mod heartbeat;
 mod kernel_log;
 mod maps;
 mod passive;
+mod pins;
 mod probe;
 mod rings;
 mod tables;
@@ -41,16 +43,17 @@ use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
     GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
-    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, GLOBAL_OWN_TGID,
-    MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
 pub use self::{
     btf::BtfError,
     credit::Pair,
+    heartbeat::{PinsStatus, boottime_ns},
     maps::{TableWrite, sock_key},
     passive::{PassiveKind, PassiveSink},
+    pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
     probe::{detect_cgroup2, probe_kernel},
 };
 use crate::config::Namespaces;
@@ -156,6 +159,9 @@ pub enum DatapathError {
         /// How long until it may be written.
         wait: std::time::Duration,
     },
+    /// The connect-time pin directory.
+    #[error(transparent)]
+    Pins(#[from] PinError),
     /// A map operation failed.
     #[error("map {map}")]
     Map {
@@ -202,6 +208,8 @@ pub struct Datapath {
     /// The cookie of lb's network namespace (see [`probe::own_netns_cookie`]), the scope of a
     /// balancer with `namespaces = "own"`.
     own_netns: u64,
+    /// The connect-time pin directory this lb holds, when its programs are pinned.
+    pins: Option<Pins>,
 }
 
 /// How a connect-mode balancer's kernel programs pick a server from its table.
@@ -230,7 +238,9 @@ impl Datapath {
     /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
     /// sk_msg to the client sockhash, and with `want_connect` the connect-time programs (a
     /// failure there only turns connect-time forwarding off, see
-    /// [`Datapath::connect_unavailable`]). `cfg.blocking_splice` is honoured when the kernel allows it;
+    /// [`Datapath::connect_unavailable`]); with `pins`, the connect-time programs' links and
+    /// maps are pinned there, or adopted when an earlier lb left them (see [`pins`]).
+    /// `cfg.blocking_splice` is honoured when the kernel allows it;
     /// otherwise it is turned off alone, with a warning naming why. The programs' log level is
     /// taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start is a
     /// warning, never an error.
@@ -241,6 +251,7 @@ impl Datapath {
     pub fn load(
         cfg: &crate::config::DatapathConfig,
         want_connect: bool,
+        pins: Option<Pins>,
     ) -> Result<Datapath, DatapathError> {
         probe::privileges()?;
         probe::lift_memlock();
@@ -265,9 +276,12 @@ impl Datapath {
             0
         };
         let log_level = kernel_log::level();
-        let own_tgid = std::process::id();
-        let mut ebpf = aya::EbpfLoader::new()
-            .override_global(GLOBAL_OWN_TGID, &own_tgid, true)
+        let mut loader = aya::EbpfLoader::new();
+        let pin_paths = pins.as_ref().map(Pins::map_paths).unwrap_or_default();
+        for (name, path) in &pin_paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
             .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
             .override_global(GLOBAL_KERNEL_READS, &reads, true)
             .override_global(GLOBAL_OFF_WRITE_SEQ, &offsets.write_seq, true)
@@ -280,7 +294,16 @@ impl Datapath {
             .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
             .load(EBPF_OBJ)
             .map_err(DatapathError::Load)?;
-        let (maps, ring, events) = maps::Maps::take(&mut ebpf)?;
+        let (mut maps, ring, mut events) = maps::Maps::take(&mut ebpf)?;
+        let adopted = pins.as_ref().is_some_and(Pins::adopted);
+        if adopted {
+            // Written by an earlier lb: its generations go on; its events are from before this
+            // lb started and count against no server now.
+            maps.connect.fresh = false;
+            let dropped = events.drain();
+            info!(dropped, "connect-time events from before this lb started ignored");
+        }
+        heartbeat::connect_ctl(&maps, cfg.orphan_timeout.0)?;
 
         let prog_err =
             |program: &'static str| move |source| DatapathError::Program { program, source };
@@ -314,13 +337,17 @@ impl Datapath {
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
         let attached = if want_connect {
-            attach::attach_connect(&mut ebpf, &cgroup_file).map(|l| links.extend(l))
+            attach::attach_connect(&mut ebpf, &cgroup_file, pins.as_ref()).map(|l| links.extend(l))
         } else {
             Err(DatapathError::NotRequested)
         };
         let connect_missing = match attached {
             Ok(()) => {
-                info!(cgroup = %cgroup.display(), "connect-time programs attached (connect4/6, getpeername4/6)");
+                match &pins {
+                    Some(p) if adopted => info!(cgroup = %cgroup.display(), pin_dir = %p.dir().display(), "connect-time programs adopted from their pins (attached throughout)"),
+                    Some(p) => info!(cgroup = %cgroup.display(), pin_dir = %p.dir().display(), "connect-time programs attached and pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
+                    None => info!(cgroup = %cgroup.display(), "connect-time programs attached, not pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
+                }
                 None
             }
             Err(DatapathError::NotRequested) => Some(DatapathError::NotRequested.to_string()),
@@ -368,6 +395,7 @@ impl Datapath {
             connect_missing,
             splice: reads == 1,
             own_netns,
+            pins,
         })
     }
 
@@ -389,6 +417,7 @@ impl Datapath {
             Namespaces::Own => self.own_netns,
             Namespaces::All => NETNS_SCOPE_ALL,
         };
+        self.maps.connect.set_scope(id, scope)?;
         self.maps.scope.set(id, scope)
     }
 
@@ -595,6 +624,9 @@ impl Datapath {
     pub fn stats(&self, id: u32) -> BalancerStats {
         let mut out = BalancerStats::default();
         for v in self.maps.stats.per_cpu(id) {
+            out.add(&v);
+        }
+        for v in self.maps.connect.stats(id) {
             out.add(&v);
         }
         out

@@ -130,6 +130,12 @@ impl EventRing {
         EventRing(ring)
     }
 
+    /// Drop every event in the ring now (at most its capacity); returns how many.
+    pub(super) fn drain(&mut self) -> usize {
+        let most = lb_common::CONNECT_EVENTS_RING_BYTES as usize / size_of::<ConnectEvent>();
+        (0..most).take_while(|_| self.0.next().is_some()).count()
+    }
+
     /// The next event, skipping records that do not decode; `None` when the ring is empty.
     pub(super) fn next_event(&mut self) -> Option<ConnectEvent> {
         loop {

@@ -1,0 +1,88 @@
+//! lb's control of the connect programs (`LB_CONNECT_CTL`): its process id, its heartbeat
+//! (written every second, so pinned programs stop rewriting once lb has been gone longer than
+//! `datapath.orphan_timeout`), and what `/status` and the metrics say of the pins.
+//!
+//! Minimum kernel: 5.8 (`bpf_ktime_get_boot_ns` in the connect programs).
+
+use std::{path::PathBuf, time::Duration};
+
+use lb_common::{CTL_HEARTBEAT_NS, CTL_OWN_TGID};
+use serde::Serialize;
+
+use super::{Datapath, DatapathError, maps};
+
+/// The connect-time pin directory as `/status` shows it.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct PinsStatus {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Whether this lb adopted programs and maps an earlier lb left there.
+    pub adopted: bool,
+}
+
+impl Datapath {
+    /// Write the heartbeat now (`CLOCK_BOOTTIME` ns) and this process's id; lb calls it every
+    /// second while it runs. The process id follows a hand-over (`lb upgrade`).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn heartbeat(&self) -> Result<(), DatapathError> {
+        self.maps
+            .connect
+            .set_ctl(CTL_OWN_TGID, u64::from(std::process::id()))?;
+        self.maps.connect.set_ctl(CTL_HEARTBEAT_NS, boottime_ns())
+    }
+
+    /// How old the heartbeat the connect programs see is; `None` when it cannot be read.
+    pub fn heartbeat_age(&self) -> Option<Duration> {
+        let beat = self.maps.connect.ctl(CTL_HEARTBEAT_NS)?;
+        Some(Duration::from_nanos(boottime_ns().saturating_sub(beat)))
+    }
+
+    /// The pin directory this lb holds, `None` when connect-time is not pinned.
+    pub fn pins_status(&self) -> Option<PinsStatus> {
+        self.pins.as_ref().map(|p| PinsStatus {
+            dir: p.dir().to_path_buf(),
+            adopted: p.adopted(),
+        })
+    }
+
+    /// Forget every connect-time listener but `keep`'s: those an earlier lb registered whose
+    /// balancer is gone or no longer connect-mode. Returns how many were forgotten.
+    pub fn retain_connect_listeners(&self, keep: &[std::net::SocketAddr]) -> usize {
+        let keys: Vec<_> = keep.iter().map(|a| maps::listener_key(*a)).collect();
+        self.maps.connect.listeners.retain(&keys)
+    }
+
+    /// A descriptor of the locked pin directory, for a hand-over; `None` when not pinned.
+    ///
+    /// # Errors
+    /// Out of descriptors.
+    pub fn pins_lock_fd(&self) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+        self.pins.as_ref().map(super::Pins::lock_fd).transpose()
+    }
+}
+
+/// Write lb's control of the connect programs (`LB_CONNECT_CTL`): the layout version, the
+/// orphan timeout, this process's id (never rewritten) and a first heartbeat, before any
+/// connect program is attached or while adopted ones run.
+pub(super) fn connect_ctl(maps: &maps::Maps, orphan: std::time::Duration) -> Result<(), DatapathError> {
+    use lb_common::{CONNECT_PIN_LAYOUT, CTL_LAYOUT, CTL_ORPHAN_NS, CTL_OWN_TGID};
+    let c = &maps.connect;
+    c.set_ctl(CTL_LAYOUT, CONNECT_PIN_LAYOUT)?;
+    c.set_ctl(
+        CTL_ORPHAN_NS,
+        u64::try_from(orphan.as_nanos()).unwrap_or(u64::MAX),
+    )?;
+    c.set_ctl(CTL_OWN_TGID, u64::from(std::process::id()))?;
+    c.set_ctl(lb_common::CTL_HEARTBEAT_NS, boottime_ns())
+}
+
+/// `CLOCK_BOOTTIME` now, in nanoseconds (what the programs' `bpf_ktime_get_boot_ns` reads).
+pub fn boottime_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).map_or(0, |t| {
+        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
+            + u64::try_from(t.tv_nsec()).unwrap_or(0)
+    })
+}
+
