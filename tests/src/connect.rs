@@ -67,6 +67,28 @@ impl ConnectLb {
         Ok(s)
     }
 
+    /// A new `lb run` with this setup's config and cgroup on the pin directory of [`Self::lb`]
+    /// (to adopt what it left pinned); returns once `/livez` answers.
+    ///
+    /// # Errors
+    /// lb runs unpinned (no bpffs), or does not start (the error carries its log).
+    pub fn start_again(&self) -> Result<Lb> {
+        let dir = self
+            .lb
+            .pin_dir
+            .clone()
+            .context("lb runs without a pin directory (no bpffs mounted)")?;
+        Lb::start_pinned(
+            &dir,
+            &[
+                "--config",
+                &self.config.display().to_string(),
+                "--cgroup",
+                &self.cg.path.display().to_string(),
+            ],
+        )
+    }
+
     /// Clients in the test's cgroup (their connects are rewritten).
     pub fn place(&self) -> Place<'_> {
         Place::cgroup(&self.cg.path)

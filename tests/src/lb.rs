@@ -22,7 +22,8 @@ pub fn free_port() -> Result<u16> {
         .port())
 }
 
-/// A running `lb run`, killed (SIGTERM, then SIGKILL) on drop.
+/// A running `lb run`, killed (SIGTERM, then SIGKILL) on drop. Where a bpffs is mounted, each
+/// gets a connect-time pin directory of its own (`LB_PIN_DIR`), cleaned up on drop.
 #[derive(Debug)]
 pub struct Lb {
     child: Child,
@@ -30,6 +31,8 @@ pub struct Lb {
     pub admin: SocketAddr,
     /// Where its log goes.
     pub log: PathBuf,
+    /// Its connect-time pin directory (`None`: no bpffs, lb runs unpinned).
+    pub pin_dir: Option<PathBuf>,
 }
 
 impl Lb {
@@ -78,6 +81,18 @@ impl Lb {
     /// # Errors
     /// As [`Lb::start`].
     pub fn start_via(wrapper: &[&str], args: &[&str]) -> Result<Lb> {
+        Lb::start_full(wrapper, args, crate::unique_pin_dir())
+    }
+
+    /// [`Lb::start`] on the pin directory `pin_dir` (another lb's, to adopt its pins).
+    ///
+    /// # Errors
+    /// As [`Lb::start`].
+    pub fn start_pinned(pin_dir: &std::path::Path, args: &[&str]) -> Result<Lb> {
+        Lb::start_full(&[], args, Some(pin_dir.to_path_buf()))
+    }
+
+    fn start_full(wrapper: &[&str], args: &[&str], pin_dir: Option<PathBuf>) -> Result<Lb> {
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let log = std::env::temp_dir().join(format!(
             "lb-test-{}-{}.log",
@@ -101,12 +116,20 @@ impl Lb {
             "LB_LOG",
             std::env::var("LB_LOG").unwrap_or_else(|_| "info".into()),
         );
+        if let Some(dir) = &pin_dir {
+            cmd.env("LB_PIN_DIR", dir);
+        }
         let child = cmd
             .stdout(logf.try_clone()?)
             .stderr(logf)
             .spawn()
             .with_context(|| format!("spawning {}", lb_bin().display()))?;
-        let mut lb = Lb { child, admin, log };
+        let mut lb = Lb {
+            child,
+            admin,
+            log,
+            pin_dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
             if let Some(status) = lb.child.try_wait()? {
@@ -254,6 +277,9 @@ impl Drop for Lb {
             let _ = self.terminate(Duration::from_secs(3));
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        if let Some(dir) = &self.pin_dir {
+            crate::remove_pins(dir);
         }
     }
 }

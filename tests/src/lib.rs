@@ -17,6 +17,7 @@ mod host;
 mod http;
 mod lb;
 mod maps;
+mod pins;
 mod skip;
 mod stream;
 mod tmp;
@@ -38,6 +39,7 @@ pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_until};
 pub use maps::lb_map_entries;
+pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
     skip_unless_root,

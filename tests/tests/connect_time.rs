@@ -508,6 +508,12 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
     );
     let code = s.lb.terminate(Duration::from_secs(10))?;
     ensure!(code == 0, "lb exited with {code}");
+    if let Some(dir) = s.lb.pin_dir.clone() {
+        // Pinned (a bpffs is mounted): the programs outlive lb until `lb cleanup`
+        // (tests/tests/connect_time_pins.rs); take them away to test the unpinned case here.
+        ensure!(programs(&s.cg)? == 4, "pinned programs should stay");
+        lb_tests::remove_pins(&dir);
+    }
     ensure!(
         programs(&s.cg)? == 0,
         "connect-time programs left after exit"

@@ -122,6 +122,9 @@ enum Action {
         /// (`"after_connect"`).
         #[arg(long, default_value_t = 1)]
         times: u32,
+        /// Start a dial every this many milliseconds (0: each right after the last).
+        #[arg(long, default_value_t = 0)]
+        every_ms: u64,
     },
     /// `conns` concurrent connections, each uploading `bytes` and checking the digest.
     Many {
@@ -643,9 +646,14 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             bind,
             timeout_ms,
             times,
-        } if times > 1 || bind.is_some() || timeout_ms.is_some() => {
-            dial_times(addr, bind, timeout_ms.map(Duration::from_millis), times)
-        }
+            every_ms,
+        } if times > 1 || bind.is_some() || timeout_ms.is_some() => dial_times(
+            addr,
+            bind,
+            timeout_ms.map(Duration::from_millis),
+            times,
+            Duration::from_millis(every_ms),
+        ),
         Action::Dial { .. } => {
             let t = Instant::now();
             match TcpStream::connect(addr) {
@@ -1016,18 +1024,24 @@ fn epoll_up(
 /// `timeout` (when given) by closing it. One dial reports as `dial` does; more report how many
 /// ended with each errno (0 connected, -1 given up), how many connected ones reached each
 /// server by name, and how many connected ones ended before the name came (by errno; the
-/// connection was reset or aborted).
+/// connection was reset or aborted). With `every`, dial `i` starts `every × i` after the first
+/// (or at once when the ones before took longer).
 fn dial_times(
     addr: SocketAddr,
     bind: Option<SocketAddr>,
     timeout: Option<Duration>,
     times: u32,
+    every: Duration,
 ) -> io::Result<serde_json::Value> {
     let mut errnos = std::collections::BTreeMap::<String, u32>::new();
     let mut servers = std::collections::BTreeMap::<String, u32>::new();
     let mut after = std::collections::BTreeMap::<String, u32>::new();
     let mut last = json!({});
-    for _ in 0..times {
+    let start = Instant::now();
+    for i in 0..times {
+        if let Some(wait) = (every * i).checked_sub(start.elapsed()) {
+            std::thread::sleep(wait);
+        }
         let t = Instant::now();
         let sock = socket2::Socket::new(
             socket2::Domain::for_address(addr),

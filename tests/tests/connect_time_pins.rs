@@ -1,0 +1,344 @@
+//! Connect-time forwarding without a live lb: the programs' links and maps pinned in a bpffs
+//! (each test mounts its own, in a mount namespace private to its thread, and each lb gets a pin
+//! directory of its own). After `kill -9` of lb the kernel goes on rewriting connects on the last
+//! table and a new `lb run` adopts the pins without attaching twice, counting and killing the
+//! sockets made meanwhile; after `orphan_timeout` without a heartbeat connects are no longer
+//! rewritten; `lb cleanup` leaves nothing; pins of another layout version are refused and left
+//! serving.
+
+use std::{
+    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{ConnectLb, Holder, run_client, skip, skip_unless_kernel, skip_unless_root};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(60);
+
+const CONFIG: &str = r#"
+[datapath]
+mode = "bpf"
+forwarding = "connect"
+orphan_timeout = "{orphan}"
+
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:{port}"]
+servers = [{servers}]
+policy = "failover"
+dial_timeout = "1s"
+
+[balancer.health]
+kind = "tcp"
+interval = "500ms"
+timeout = "300ms"
+rise = 1
+fall = 2
+on_unhealthy = "kill"
+"#;
+
+/// Root, a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of
+/// this test's own; prints the skip reason otherwise.
+fn setup(name: &str, orphan: &str) -> Result<Option<ConnectLb>> {
+    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+        return Ok(None);
+    }
+    if let Err(e) = lb_tests::private_bpffs() {
+        skip(name, &format!("cannot mount a bpffs: {e:#}"));
+        return Ok(None);
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = CONFIG
+        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
+        .replace("{orphan}", orphan);
+    let s = ConnectLb::start(hosts, &text)?;
+    ensure!(s.lb.pin_dir.is_some(), "lb got no pin directory");
+    Ok(Some(s))
+}
+
+fn pin_dir(s: &ConnectLb) -> Result<std::path::PathBuf> {
+    s.lb.pin_dir.clone().context("no pin directory")
+}
+
+/// How many times each connect-time program is attached to the test's cgroup (`bpftool
+/// cgroup show`; the kernel keeps 15 characters of a name).
+fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
+    let shown = lb_tests::sh(
+        "bpftool",
+        &["cgroup", "show", &s.cg.path.display().to_string()],
+    )?;
+    Ok([
+        "lb_connect4",
+        "lb_connect6",
+        "lb_getpeername4",
+        "lb_getpeername6",
+        "lb_connect_sock",
+        "lb_connect_rele",
+    ]
+    .iter()
+    .map(|p| {
+        let n = shown
+            .lines()
+            .filter(|l| l.split_whitespace().any(|w| w == *p))
+            .count();
+        (*p, n)
+    })
+    .collect())
+}
+
+/// A connect loop in the cgroup: `times` dials, one every `every_ms`, in a thread.
+fn dial_loop(
+    s: &ConnectLb,
+    times: u32,
+    every_ms: u64,
+) -> std::thread::JoinHandle<Result<Value>> {
+    let place_cg = s.cg.path.clone();
+    let listen = s.listen;
+    std::thread::spawn(move || {
+        run_client(
+            &lb_tests::Place::cgroup(&place_cg),
+            listen,
+            &[
+                "dial",
+                "--times",
+                &times.to_string(),
+                "--every-ms",
+                &every_ms.to_string(),
+            ],
+            T,
+        )
+    })
+}
+
+/// Join a [`dial_loop`]: every dial connected and reached a server (none reached the listener,
+/// where nobody listens while lb is dead).
+fn all_connected(what: &str, h: std::thread::JoinHandle<Result<Value>>, times: u32) -> Result<()> {
+    let v = h
+        .join()
+        .map_err(|_| anyhow::anyhow!("{what}: thread panicked"))??;
+    println!("{what}: {v}");
+    ensure!(v["ok"] == true, "{what}: connects failed: {v}");
+    let reached: u64 = v["servers"]
+        .as_object()
+        .map_or(0, |m| m.values().filter_map(Value::as_u64).sum());
+    ensure!(reached == u64::from(times), "{what}: {reached} of {times} reached a server: {v}");
+    Ok(())
+}
+
+/// Kill lb with SIGKILL and wait for it to be gone.
+fn kill9(s: &mut ConnectLb) -> Result<()> {
+    s.lb.signal(nix::sys::signal::Signal::SIGKILL)?;
+    let pid = s.lb.pid();
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        Ok(std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |st| st.contains(") Z ")))
+    })?;
+    Ok(())
+}
+
+/// `kill -9` under a connect loop and held connections: no connect fails and no connection is
+/// lost while lb is dead and across a new `lb run` adopting the pins; `/status` then counts the
+/// sockets made meanwhile, and `lb servers kill` resets them.
+#[test]
+fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
+    let Some(mut s) = setup("connect_time_pins_serve_through_kill_9_and_adoption", "10m")? else {
+        return Ok(());
+    };
+    let s0 = s.hosts[0].addr(9000).to_string();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let h = Holder::start(&s.place(), s.listen, 0, 120_000)?;
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "{ev}");
+        held.push(h);
+    }
+    let during = dial_loop(&s, 60, 30);
+    kill9(&mut s)?;
+    all_connected("connect loop while lb is dead", during, 60)?;
+    // Sockets made while lb is dead: rewritten by the pinned programs, recorded in pinned maps.
+    for _ in 0..2 {
+        let h = Holder::start(&s.place(), s.listen, 0, 120_000)?;
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "{ev}");
+        held.push(h);
+    }
+    let across = dial_loop(&s, 120, 30);
+    let new = s.start_again()?;
+    let old = std::mem::replace(&mut s.lb, new);
+    drop(old);
+    all_connected("connect loop across the adoption", across, 120)?;
+    let log = s.lb.log_text();
+    ensure!(log.contains("adopted"), "the new lb should adopt the pins: {log}");
+    let st = s.lb.status()?;
+    ensure!(st["pins"]["adopted"] == true, "/status pins: {st}");
+    for (p, n) in attached(&s)? {
+        ensure!(n == 1, "{p} attached {n} times after the adoption");
+    }
+    for h in &held {
+        if let Ok(ev) = h.next(Duration::from_millis(10)) {
+            bail!("a held connection saw {ev}");
+        }
+    }
+    // The five held sockets, three of them made before and two while lb was dead.
+    lb_tests::wait_until(Duration::from_secs(10), || Ok(s.status_of(&s0)?.1 >= 5))
+        .with_context(|| format!("counts: {:?}", s.status_of(&s0)))?;
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["servers", "--balancer", "api", "kill", &s0])
+        .args(["--admin", &s.lb.admin.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    for h in &held {
+        let closed = h.wait_for("closed", Duration::from_secs(5))?;
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "{closed}"
+        );
+    }
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.status_of(&s0)?.1 == 0))?;
+    Ok(())
+}
+
+/// Pinned programs without a heartbeat stop rewriting after `orphan_timeout`: connects then
+/// reach the listener address, where nobody listens.
+#[test]
+fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
+    let Some(mut s) = setup(
+        "connect_time_pins_stop_rewriting_after_the_orphan_timeout",
+        "3s",
+    )?
+    else {
+        return Ok(());
+    };
+    let age = s.lb.metric("lb_connect_heartbeat_age_seconds", "");
+    ensure!(age < 3.0, "heartbeat age {age} s while lb runs");
+    kill9(&mut s)?;
+    let killed = Instant::now();
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    ensure!(v["ok"] == true, "rewritten right after lb died: {v}");
+    let mut last = Value::Null;
+    lb_tests::wait_until(Duration::from_secs(20), || {
+        last = run_client(&s.place(), s.listen, &["peer"], T)?;
+        Ok(last["ok"] == false)
+    })
+    .with_context(|| format!("still rewritten: {last}"))?;
+    let after = killed.elapsed();
+    println!("connects rewritten for {:.1} s after lb died", after.as_secs_f64());
+    ensure!(last["kind"] == "ConnectionRefused", "expected refused: {last}");
+    // The last heartbeat is at most 0.5 s older than the kill.
+    ensure!(after >= Duration::from_millis(2400), "stopped after only {after:?}");
+    Ok(())
+}
+
+/// Mode and owner of the pins; a second `lb run` on them attaches nothing twice; `lb cleanup`
+/// is refused while lb runs, and afterwards leaves no program attached and no pin.
+#[test]
+fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
+    let Some(mut s) = setup("connect_time_pins_cleanup_leaves_nothing", "10m")? else {
+        return Ok(());
+    };
+    let dir = pin_dir(&s)?;
+    check_modes(&dir)?;
+    let cleanup = || {
+        std::process::Command::new(lb_tests::lb_bin())
+            .args(["cleanup", "--pin-dir"])
+            .arg(&dir)
+            .output()
+    };
+    let refused = cleanup()?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    ensure!(
+        !refused.status.success() && err.contains("held by another running lb"),
+        "cleanup while lb runs: {refused:?}"
+    );
+    // A graceful stop leaves the programs serving too (a restart refuses no client).
+    let code = s.lb.terminate(Duration::from_secs(10))?;
+    ensure!(code == 0, "lb exited with {code}");
+    ensure!(attached(&s)?.iter().all(|(_, n)| *n == 1), "{:?}", attached(&s)?);
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    s.lb.wait_settled(Duration::from_secs(10))?;
+    for (p, n) in attached(&s)? {
+        ensure!(n == 1, "{p} attached {n} times after a second lb run");
+    }
+    let code = s.lb.terminate(Duration::from_secs(10))?;
+    ensure!(code == 0, "lb exited with {code}");
+    let out = cleanup()?;
+    ensure!(out.status.success(), "lb cleanup: {out:?}");
+    println!("{}", String::from_utf8_lossy(&out.stdout).trim());
+    for (p, n) in attached(&s)? {
+        ensure!(n == 0, "{p} still attached after lb cleanup");
+    }
+    ensure!(!dir.exists(), "{} left after lb cleanup", dir.display());
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    ensure!(v["ok"] == false, "rewritten after lb cleanup: {v}");
+    Ok(())
+}
+
+/// The pin directory is 0700, every pin 0600, all owned by lb's user (root here).
+fn check_modes(dir: &Path) -> Result<()> {
+    let meta = std::fs::metadata(dir)?;
+    ensure!(
+        meta.permissions().mode() & 0o777 == 0o700 && meta.uid() == 0,
+        "{}: mode {:o} uid {}",
+        dir.display(),
+        meta.permissions().mode(),
+        meta.uid()
+    );
+    let mut pins = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let meta = std::fs::metadata(&path)?;
+        ensure!(
+            meta.permissions().mode() & 0o777 == 0o600 && meta.uid() == 0,
+            "{}: mode {:o} uid {}",
+            path.display(),
+            meta.permissions().mode(),
+            meta.uid()
+        );
+        pins += 1;
+    }
+    // Ten maps and six links.
+    ensure!(pins == 16, "{pins} pins in {}", dir.display());
+    Ok(())
+}
+
+/// Pins of another layout version are refused with both versions and the way on named, and
+/// the pinned programs keep rewriting.
+#[test]
+fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<()> {
+    let Some(mut s) = setup(
+        "connect_time_pins_of_another_layout_are_refused_and_keep_serving",
+        "10m",
+    )?
+    else {
+        return Ok(());
+    };
+    let dir = pin_dir(&s)?;
+    kill9(&mut s)?;
+    // Slot 3 of LB_CONNECT_CTL is the layout version (u32 key, u64 value).
+    let ctl = dir.join("LB_CONNECT_CTL").display().to_string();
+    lb_tests::sh(
+        "bpftool",
+        &[
+            "map", "update", "pinned", &ctl, "key", "3", "0", "0", "0", "value", "99", "0", "0",
+            "0", "0", "0", "0", "0",
+        ],
+    )?;
+    let err = match s.start_again() {
+        Ok(lb) => bail!("lb adopted pins of layout 99: {}", lb.log_text()),
+        Err(e) => format!("{e:#}"),
+    };
+    println!("refused: {}", err.lines().last().unwrap_or_default());
+    ensure!(
+        err.contains("layout version 99")
+            && err.contains("are version 1")
+            && err.contains("lb cleanup --pin-dir"),
+        "unclear refusal: {err}"
+    );
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    ensure!(v["ok"] == true, "the pinned programs should keep rewriting: {v}");
+    Ok(())
+}
