@@ -88,6 +88,7 @@ impl Lb {
     ///
     /// # Errors
     /// As [`Lb::start`].
+    /// A failed start leaves the directory to the lb it belongs to.
     pub fn start_pinned(pin_dir: &std::path::Path, args: &[&str]) -> Result<Lb> {
         Lb::start_full(&[], args, Some(pin_dir.to_path_buf()))
     }
@@ -124,23 +125,36 @@ impl Lb {
             .stderr(logf)
             .spawn()
             .with_context(|| format!("spawning {}", lb_bin().display()))?;
+        let shared = pin_dir.as_ref().is_some_and(|d| d.exists());
         let mut lb = Lb {
             child,
             admin,
             log,
             pin_dir,
         };
+        if let Err(e) = lb.wait_live() {
+            // A directory this lb did not make stays to the lb that made it.
+            if shared {
+                lb.pin_dir = None;
+            }
+            return Err(e);
+        }
+        Ok(lb)
+    }
+
+    /// Wait until `/livez` answers 200 (15 s at most).
+    fn wait_live(&mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if let Some(status) = lb.child.try_wait()? {
-                bail!("lb exited with {status}: {}", lb.log_text());
+            if let Some(status) = self.child.try_wait()? {
+                bail!("lb exited with {status}: {}", self.log_text());
             }
-            if http_get(admin, "/livez").is_ok_and(|(code, _)| code == 200) {
-                return Ok(lb);
+            if http_get(self.admin, "/livez").is_ok_and(|(code, _)| code == 200) {
+                return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        bail!("lb did not answer /livez within 15 s: {}", lb.log_text())
+        bail!("lb did not answer /livez within 15 s: {}", self.log_text())
     }
 
     /// The log so far.

@@ -64,7 +64,7 @@ fn pin_dir(s: &ConnectLb) -> Result<std::path::PathBuf> {
 }
 
 /// How many times each connect-time program is attached to the test's cgroup (`bpftool
-/// cgroup show`; the kernel keeps 15 characters of a name).
+/// cgroup show`, which names programs by their BTF names).
 fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
     let shown = lb_tests::sh(
         "bpftool",
@@ -75,8 +75,8 @@ fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
         "lb_connect6",
         "lb_getpeername4",
         "lb_getpeername6",
-        "lb_connect_sock",
-        "lb_connect_rele",
+        "lb_connect_sockops",
+        "lb_connect_release",
     ]
     .iter()
     .map(|p| {
