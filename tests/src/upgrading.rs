@@ -24,6 +24,8 @@ pub struct UpLb {
     first: Child,
     /// The process serving now.
     pub pid: u32,
+    /// The connect-time pin directory (`None`: no bpffs, lb runs unpinned), removed on drop.
+    pub pin_dir: Option<PathBuf>,
 }
 
 /// What `lb upgrade` answered, before the old process is waited for.
@@ -59,6 +61,13 @@ impl UpLb {
             .stdin(Stdio::null())
             .stdout(logf.try_clone()?)
             .stderr(logf);
+        let pin_dir = match env.iter().find(|(k, _)| *k == "LB_PIN_DIR") {
+            Some((_, v)) => Some(PathBuf::from(v)),
+            None => crate::unique_pin_dir(),
+        };
+        if let Some(d) = &pin_dir {
+            cmd.env("LB_PIN_DIR", d);
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -86,6 +95,7 @@ impl UpLb {
             log,
             first,
             pid,
+            pin_dir,
         })
     }
 
@@ -280,5 +290,8 @@ impl Drop for UpLb {
         }
         let _ = self.first.kill();
         let _ = self.first.wait();
+        if let Some(dir) = &self.pin_dir {
+            crate::remove_pins(dir);
+        }
     }
 }

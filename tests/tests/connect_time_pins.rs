@@ -342,3 +342,61 @@ fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<
     ensure!(v["ok"] == true, "the pinned programs should keep rewriting: {v}");
     Ok(())
 }
+
+/// `lb upgrade` with pinned connect-time programs: the new lb takes the pin directory's lock
+/// with the hand-over (so `lb cleanup` is refused once the old one is gone), and its pins serve
+/// on after it is killed.
+#[test]
+fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
+    let name = "connect_time_pins_go_with_an_upgrade";
+    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+        return Ok(());
+    }
+    if let Err(e) = lb_tests::private_bpffs() {
+        skip(name, &format!("cannot mount a bpffs: {e:#}"));
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = lb_tests::TestCgroup::new()?;
+    let listen: std::net::SocketAddr = format!("127.0.0.1:{}", lb_tests::free_port()?).parse()?;
+    let cgp = cg.path.display().to_string();
+    let mut args = vec![
+        "--listen".to_string(),
+        listen.to_string(),
+        "--datapath".into(),
+        "bpf".into(),
+        "--cgroup".into(),
+        cgp,
+        "--forwarding".into(),
+        "connect".into(),
+    ];
+    for h in &hosts {
+        args.extend(["--server".to_string(), h.addr(9000).to_string()]);
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut lb = lb_tests::UpLb::start(&argv, &[])?;
+    lb.wait_settled()?;
+    let dir = lb.pin_dir.clone().context("no pin directory")?;
+    let st = lb.status()?;
+    ensure!(st["pins"]["adopted"] == false, "{st}");
+    lb.upgrade_ok()?;
+    let st = lb.status()?;
+    ensure!(
+        st["pins"]["dir"] == dir.display().to_string().as_str(),
+        "/status pins after the upgrade: {st}"
+    );
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["cleanup", "--pin-dir"])
+        .arg(&dir)
+        .output()?;
+    ensure!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("held by"),
+        "the new lb should hold the pin directory: {out:?}"
+    );
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(lb.pid)?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)?;
+    lb.wait_gone(lb.pid, Duration::from_secs(10))?;
+    let v = run_client(&lb_tests::Place::cgroup(&cg.path), listen, &["dial"], T)?;
+    ensure!(v["ok"] == true, "the pins should serve after the new lb died: {v}");
+    Ok(())
+}

@@ -10,7 +10,7 @@ use lb_common::{
     PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
     PROG_GETPEERNAME6,
 };
-use tracing::warn;
+use tracing::{debug, info, warn};
 
 use super::{DatapathError, Pins, probe};
 
@@ -82,6 +82,41 @@ pub(super) fn attach_connect(
         p.restrict_all()?;
     }
     Ok(links)
+}
+
+/// [`attach_connect`] with its links added to `links`, logged; `Some(reason)` on one line when
+/// connect-time forwarding is off (a verifier log, when there is one, goes to debug level).
+pub(super) fn connect_or_why(
+    ebpf: &mut Ebpf,
+    cgroup_file: &std::fs::File,
+    cgroup: &std::path::Path,
+    pins: Option<&Pins>,
+    links: &mut Vec<(&'static str, FdLink)>,
+) -> Option<String> {
+    match attach_connect(ebpf, cgroup_file, pins) {
+        Ok(l) => {
+            links.extend(l);
+            let cgroup = cgroup.display();
+            match pins {
+                Some(p) if p.adopted() => info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs adopted from their pins (attached throughout)"),
+                Some(p) => info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs attached and pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
+                None => info!(%cgroup, "connect-time programs attached, not pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
+            }
+            None
+        }
+        Err(e) => {
+            let full = crate::errors::chain(&e);
+            debug!(reason = %full, "connect-time programs not attached");
+            let first = full.lines().next().unwrap_or_default();
+            Some(
+                first
+                    .split(" Verifier output:")
+                    .next()
+                    .unwrap_or(first)
+                    .to_string(),
+            )
+        }
+    }
 }
 
 /// Load and attach `lb_connect_release` (cgroup `sock_release`, 5.9+), which forgets a

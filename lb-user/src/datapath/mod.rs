@@ -336,34 +336,10 @@ impl Datapath {
         )];
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
-        let attached = if want_connect {
-            attach::attach_connect(&mut ebpf, &cgroup_file, pins.as_ref()).map(|l| links.extend(l))
+        let connect_missing = if want_connect {
+            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)
         } else {
-            Err(DatapathError::NotRequested)
-        };
-        let connect_missing = match attached {
-            Ok(()) => {
-                match &pins {
-                    Some(p) if adopted => info!(cgroup = %cgroup.display(), pin_dir = %p.dir().display(), "connect-time programs adopted from their pins (attached throughout)"),
-                    Some(p) => info!(cgroup = %cgroup.display(), pin_dir = %p.dir().display(), "connect-time programs attached and pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
-                    None => info!(cgroup = %cgroup.display(), "connect-time programs attached, not pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
-                }
-                None
-            }
-            Err(DatapathError::NotRequested) => Some(DatapathError::NotRequested.to_string()),
-            Err(e) => {
-                // The reason on one line; a verifier log, when there is one, at debug level.
-                let full = crate::errors::chain(&e);
-                debug!(reason = %full, "connect-time programs not attached");
-                let first = full.lines().next().unwrap_or_default();
-                Some(
-                    first
-                        .split(" Verifier output:")
-                        .next()
-                        .unwrap_or(first)
-                        .to_string(),
-                )
-            }
+            Some(DatapathError::NotRequested.to_string())
         };
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
         // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back

@@ -11,6 +11,7 @@
 use std::{
     fs::{DirBuilder, File, Permissions},
     io,
+    mem::ManuallyDrop,
     os::unix::fs::{DirBuilderExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
 };
@@ -118,11 +119,13 @@ fn on_bpffs(path: &Path) -> bool {
         .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
 }
 
-/// A pin directory this lb holds (its lock is released when this is dropped).
+/// A pin directory this lb holds. The lock is never released explicitly: `LOCK_UN` would also
+/// release it for a hand-over's new process, which shares the open file description; it goes
+/// when the last descriptor of that description closes (at the exit of the last lb holding it).
 #[derive(Debug)]
 pub struct Pins {
     dir: PathBuf,
-    lock: Flock<File>,
+    lock: ManuallyDrop<Flock<File>>,
     adopted: bool,
 }
 
@@ -162,7 +165,7 @@ impl Pins {
         }
         Ok(Pins {
             dir: dir.to_path_buf(),
-            lock,
+            lock: ManuallyDrop::new(lock),
             adopted: found.is_some(),
         })
     }
@@ -228,7 +231,7 @@ impl Pins {
     /// Out of descriptors.
     pub fn lock_fd(&self) -> io::Result<std::os::fd::OwnedFd> {
         use std::os::fd::AsFd as _;
-        self.lock.as_fd().try_clone_to_owned()
+        (**self.lock).as_fd().try_clone_to_owned()
     }
 
     /// The pins of the lb that handed over `fd` (a descriptor of its locked directory, which
@@ -248,7 +251,7 @@ impl Pins {
             .map_err(|_| PinError::Locked { dir: dir.clone() })?;
         Ok(Pins {
             dir,
-            lock,
+            lock: ManuallyDrop::new(lock),
             adopted: true,
         })
     }
