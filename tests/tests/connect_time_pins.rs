@@ -90,11 +90,7 @@ fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
 }
 
 /// A connect loop in the cgroup: `times` dials, one every `every_ms`, in a thread.
-fn dial_loop(
-    s: &ConnectLb,
-    times: u32,
-    every_ms: u64,
-) -> std::thread::JoinHandle<Result<Value>> {
+fn dial_loop(s: &ConnectLb, times: u32, every_ms: u64) -> std::thread::JoinHandle<Result<Value>> {
     let place_cg = s.cg.path.clone();
     let listen = s.listen;
     std::thread::spawn(move || {
@@ -124,7 +120,10 @@ fn all_connected(what: &str, h: std::thread::JoinHandle<Result<Value>>, times: u
     let reached: u64 = v["servers"]
         .as_object()
         .map_or(0, |m| m.values().filter_map(Value::as_u64).sum());
-    ensure!(reached == u64::from(times), "{what}: {reached} of {times} reached a server: {v}");
+    ensure!(
+        reached == u64::from(times),
+        "{what}: {reached} of {times} reached a server: {v}"
+    );
     Ok(())
 }
 
@@ -171,7 +170,10 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
     drop(old);
     all_connected("connect loop across the adoption", across, 120)?;
     let log = s.lb.log_text();
-    ensure!(log.contains("adopted"), "the new lb should adopt the pins: {log}");
+    ensure!(
+        log.contains("adopted"),
+        "the new lb should adopt the pins: {log}"
+    );
     let st = s.lb.status()?;
     ensure!(st["pins"]["adopted"] == true, "/status pins: {st}");
     for (p, n) in attached(&s)? {
@@ -225,10 +227,19 @@ fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
     })
     .with_context(|| format!("still rewritten: {last}"))?;
     let after = killed.elapsed();
-    println!("connects rewritten for {:.1} s after lb died", after.as_secs_f64());
-    ensure!(last["kind"] == "ConnectionRefused", "expected refused: {last}");
+    println!(
+        "connects rewritten for {:.1} s after lb died",
+        after.as_secs_f64()
+    );
+    ensure!(
+        last["kind"] == "ConnectionRefused",
+        "expected refused: {last}"
+    );
     // The last heartbeat is at most 0.5 s older than the kill.
-    ensure!(after >= Duration::from_millis(2400), "stopped after only {after:?}");
+    ensure!(
+        after >= Duration::from_millis(2400),
+        "stopped after only {after:?}"
+    );
     Ok(())
 }
 
@@ -256,7 +267,11 @@ fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
     // A graceful stop leaves the programs serving too (a restart refuses no client).
     let code = s.lb.terminate(Duration::from_secs(10))?;
     ensure!(code == 0, "lb exited with {code}");
-    ensure!(attached(&s)?.iter().all(|(_, n)| *n == 1), "{:?}", attached(&s)?);
+    ensure!(
+        attached(&s)?.iter().all(|(_, n)| *n == 1),
+        "{:?}",
+        attached(&s)?
+    );
     let new = s.start_again()?;
     drop(std::mem::replace(&mut s.lb, new));
     s.lb.wait_settled(Duration::from_secs(10))?;
@@ -339,7 +354,10 @@ fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<
         "unclear refusal: {err}"
     );
     let v = run_client(&s.place(), s.listen, &["peer"], T)?;
-    ensure!(v["ok"] == true, "the pinned programs should keep rewriting: {v}");
+    ensure!(
+        v["ok"] == true,
+        "the pinned programs should keep rewriting: {v}"
+    );
     Ok(())
 }
 
@@ -397,6 +415,9 @@ fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)?;
     lb.wait_gone(lb.pid, Duration::from_secs(10))?;
     let v = run_client(&lb_tests::Place::cgroup(&cg.path), listen, &["dial"], T)?;
-    ensure!(v["ok"] == true, "the pins should serve after the new lb died: {v}");
+    ensure!(
+        v["ok"] == true,
+        "the pins should serve after the new lb died: {v}"
+    );
     Ok(())
 }

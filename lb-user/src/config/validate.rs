@@ -69,7 +69,7 @@ impl Config {
         if self.datapath.orphan_timeout.0 < std::time::Duration::from_secs(2) {
             return Err(ConfigError::invalid(
                 "datapath.orphan_timeout",
-                &self.datapath.orphan_timeout,
+                self.datapath.orphan_timeout,
                 "must be at least 2s (lb writes its heartbeat every second)",
             ));
         }

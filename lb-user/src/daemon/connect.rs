@@ -340,7 +340,9 @@ pub(super) fn open_pins(
     d: &crate::config::DatapathConfig,
 ) -> anyhow::Result<Option<crate::datapath::Pins>> {
     let Some(dir) = crate::datapath::resolve_dir(d.pin_dir.as_deref()) else {
-        warn!("no bpffs is mounted: the connect-time programs are not pinned and stop with lb (mount one at /sys/fs/bpf, or set datapath.pin_dir)");
+        warn!(
+            "no bpffs is mounted: the connect-time programs are not pinned and stop with lb (mount one at /sys/fs/bpf, or set datapath.pin_dir)"
+        );
         return Ok(None);
     };
     let pins = match crate::datapath::Pins::open(&dir) {

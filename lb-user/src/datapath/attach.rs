@@ -67,7 +67,9 @@ pub(super) fn attach_connect(
         Ok(())
     };
     for name in [PROG_GETPEERNAME4, PROG_GETPEERNAME6] {
-        held(name, &mut |e| Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup)))?;
+        held(name, &mut |e| {
+            Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup))
+        })?;
     }
     held(PROG_CONNECT_SOCKOPS, &mut |e| {
         Ok(attach_cgroup!(e, PROG_CONNECT_SOCKOPS, SockOps, cgroup))
@@ -76,7 +78,9 @@ pub(super) fn attach_connect(
         warn!(reason = %crate::errors::chain(&e), "connect-time: sock_release program not attached (5.9+); records of connects that fail before sending a SYN stay until the map evicts them");
     }
     for name in [PROG_CONNECT4, PROG_CONNECT6] {
-        held(name, &mut |e| Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup)))?;
+        held(name, &mut |e| {
+            Ok(attach_cgroup!(e, name, CgroupSockAddr, cgroup))
+        })?;
     }
     if let Some(p) = pins {
         p.restrict_all()?;
@@ -98,9 +102,15 @@ pub(super) fn connect_or_why(
             links.extend(l);
             let cgroup = cgroup.display();
             match pins {
-                Some(p) if p.adopted() => info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs adopted from their pins (attached throughout)"),
-                Some(p) => info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs attached and pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
-                None => info!(%cgroup, "connect-time programs attached, not pinned (connect4/6, getpeername4/6, sockops, sock_release)"),
+                Some(p) if p.adopted() => {
+                    info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs adopted from their pins (attached throughout)")
+                }
+                Some(p) => {
+                    info!(%cgroup, pin_dir = %p.dir().display(), "connect-time programs attached and pinned (connect4/6, getpeername4/6, sockops, sock_release)")
+                }
+                None => {
+                    info!(%cgroup, "connect-time programs attached, not pinned (connect4/6, getpeername4/6, sockops, sock_release)")
+                }
             }
             None
         }

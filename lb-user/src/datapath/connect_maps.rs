@@ -110,24 +110,40 @@ impl ConnectMaps {
     ///
     /// # Errors
     /// Out of descriptors.
-    pub(super) fn export_own(
-        &self,
-    ) -> std::io::Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
+    pub(super) fn export_own(&self) -> std::io::Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
         use std::os::fd::AsFd as _;
 
         use aya::maps::IterableMap as _;
         Ok(vec![
             (
                 MAP_CONNECT_SCOPE,
-                self.scope.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+                self.scope
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd()
+                    .try_clone_to_owned()?,
             ),
             (
                 lb_common::MAP_CONNECT_STATS,
-                self.stats.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+                self.stats
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd()
+                    .try_clone_to_owned()?,
             ),
             (
                 MAP_CONNECT_CTL,
-                self.ctl.lock().expect("poisoned").map().fd().as_fd().try_clone_to_owned()?,
+                self.ctl
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd()
+                    .try_clone_to_owned()?,
             ),
         ])
     }

@@ -100,13 +100,10 @@ impl Datapath {
             .maps
             .export()
             .map_err(|source| DatapathError::Dup { map: "*", source })?;
-        if let Some(fd) = self
-            .pins_lock_fd()
-            .map_err(|source| DatapathError::Dup {
-                map: PIN_LOCK,
-                source,
-            })?
-        {
+        if let Some(fd) = self.pins_lock_fd().map_err(|source| DatapathError::Dup {
+            map: PIN_LOCK,
+            source,
+        })? {
             maps.push((PIN_LOCK, fd));
         }
         let links = self

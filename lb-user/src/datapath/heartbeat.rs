@@ -66,7 +66,10 @@ impl Datapath {
 /// Write lb's control of the connect programs (`LB_CONNECT_CTL`): the layout version, the
 /// orphan timeout, this process's id (never rewritten) and a first heartbeat, before any
 /// connect program is attached or while adopted ones run.
-pub(super) fn connect_ctl(maps: &maps::Maps, orphan: std::time::Duration) -> Result<(), DatapathError> {
+pub(super) fn connect_ctl(
+    maps: &maps::Maps,
+    orphan: std::time::Duration,
+) -> Result<(), DatapathError> {
     use lb_common::{CONNECT_PIN_LAYOUT, CTL_LAYOUT, CTL_ORPHAN_NS, CTL_OWN_TGID};
     let c = &maps.connect;
     c.set_ctl(CTL_LAYOUT, CONNECT_PIN_LAYOUT)?;
@@ -85,4 +88,3 @@ pub fn boottime_ns() -> u64 {
             + u64::try_from(t.tv_nsec()).unwrap_or(0)
     })
 }
-

@@ -43,7 +43,8 @@ use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
     FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
     GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
-    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, MAX_CONNECT_SERVERS,
+    NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
 };
 use tracing::{debug, info, warn};
 
@@ -301,7 +302,10 @@ impl Datapath {
             // lb started and count against no server now.
             maps.connect.fresh = false;
             let dropped = events.drain();
-            info!(dropped, "connect-time events from before this lb started ignored");
+            info!(
+                dropped,
+                "connect-time events from before this lb started ignored"
+            );
         }
         heartbeat::connect_ctl(&maps, cfg.orphan_timeout.0)?;
 

@@ -279,7 +279,8 @@ fn lock(dir: &Path) -> Result<Flock<File>, PinError> {
 
 /// Mode 0600 for one pin.
 fn restrict(path: &Path) -> Result<(), PinError> {
-    std::fs::set_permissions(path, Permissions::from_mode(0o600)).map_err(|e| PinError::pin(path, e))
+    std::fs::set_permissions(path, Permissions::from_mode(0o600))
+        .map_err(|e| PinError::pin(path, e))
 }
 
 /// The layout version in the pinned `LB_CONNECT_CTL`, `None` when nothing is pinned there.
