@@ -133,12 +133,10 @@ pub const PROG_GETPEERNAME6: &str = "lb_getpeername6";
 /// [`MAP_CONNECT_SOCKS`] record (uncounting it if it was counted), also of a connect that failed
 /// before the sockops program saw it (its record would otherwise stay until the LRU evicts it).
 pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
-/// cgroup sockops program of connect-time forwarding (its own, beside the splice's
-/// [`PROG_SOCKOPS`], with its own link): counts a rewritten socket once established, uncounts
-/// it when it closes and reports its failed connect and first RTO.
+/// Connect-time's own sockops program (beside [`PROG_SOCKOPS`], with its own link): counts,
+/// uncounts and reports rewritten sockets.
 pub const PROG_CONNECT_SOCKOPS: &str = "lb_connect_sockops";
-/// The connect-time programs, each attached with a link of its own; with a pin directory the
-/// links are pinned there under these names, so the programs outlive lb.
+/// The connect-time programs, each with a link of its own, pinned under these names.
 pub const CONNECT_PROGS: [&str; 6] = [
     PROG_GETPEERNAME4,
     PROG_GETPEERNAME6,
@@ -147,32 +145,26 @@ pub const CONNECT_PROGS: [&str; 6] = [
     PROG_CONNECT4,
     PROG_CONNECT6,
 ];
-/// Array of `MAX_BALANCERS` `u64`s: the connect programs' network namespace scope per balancer
-/// (as [`MAP_NETNS_SCOPE`] is the splice's; lb writes both).
+/// Array of `MAX_BALANCERS` `u64`s: the connect programs' [`MAP_NETNS_SCOPE`] (lb writes both).
 pub const MAP_CONNECT_SCOPE: &str = "LB_CONNECT_SCOPE";
-/// Per-CPU array of [`BalancerStats`] per balancer id, of the connect programs
-/// (`connect_event_drops`, `netns_skipped_connects`); lb adds them to [`MAP_STATS`]'s.
+/// Per-CPU array of the connect programs' [`BalancerStats`] by balancer; lb adds [`MAP_STATS`].
 pub const MAP_CONNECT_STATS: &str = "LB_CONNECT_STATS";
-/// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs: [`CTL_OWN_TGID`],
-/// [`CTL_HEARTBEAT_NS`], [`CTL_ORPHAN_NS`], [`CTL_LAYOUT`]. Its shape never changes, so any lb
-/// can read the layout of pins another build left.
+/// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs (`CTL_*` slots). Its
+/// shape never changes, so any lb can read the layout of pins another build left.
 pub const MAP_CONNECT_CTL: &str = "LB_CONNECT_CTL";
-/// [`MAP_CONNECT_CTL`] slot: lb's process id (tgid); the connect programs never rewrite its
-/// sockets (health checks, proxy dials). A new lb writes its own.
+/// [`MAP_CONNECT_CTL`] slot: lb's tgid, whose sockets are never rewritten (each lb writes its own).
 pub const CTL_OWN_TGID: u32 = 0;
-/// [`MAP_CONNECT_CTL`] slot: lb's heartbeat, `CLOCK_BOOTTIME` in nanoseconds (what
-/// `bpf_ktime_get_boot_ns` reads), written every second.
+/// [`MAP_CONNECT_CTL`] slot: lb's heartbeat, `CLOCK_BOOTTIME` ns (`bpf_ktime_get_boot_ns`).
 pub const CTL_HEARTBEAT_NS: u32 = 1;
 /// [`MAP_CONNECT_CTL`] slot: how old (ns) the heartbeat may be before the connect programs stop
-/// rewriting (`datapath.orphan_timeout`); 0 rewrites never.
+/// rewriting (`datapath.orphan_timeout`); 0: no bound.
 pub const CTL_ORPHAN_NS: u32 = 2;
 /// [`MAP_CONNECT_CTL`] slot: the [`CONNECT_PIN_LAYOUT`] of the programs and maps in use.
 pub const CTL_LAYOUT: u32 = 3;
 /// Entries of [`MAP_CONNECT_CTL`].
 pub const CTL_SLOTS: u32 = 4;
-/// Layout version of the connect-time kernel objects (programs, map names, types and value
-/// layouts) that lb pins: a lb adopts pins only of its own layout. Bump it with any change to
-/// them.
+/// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
+/// adopts pins only of its own. Bump it with any change to them.
 pub const CONNECT_PIN_LAYOUT: u64 = 1;
 /// The connect-time maps, pinned with their programs' links (the splice's maps are not).
 pub const CONNECT_MAPS: [&str; 10] = [

@@ -68,6 +68,17 @@ fn bad_values_name_their_key() {
             FULL.replace("name = \"apiserver\"", "name = \"a b\""),
             "name",
         ),
+        (
+            FULL.replace(
+                "mode = \"auto\"",
+                "mode = \"auto\"\norphan_timeout = \"1s\"",
+            ),
+            "datapath.orphan_timeout",
+        ),
+        (
+            FULL.replace("mode = \"auto\"", "mode = \"auto\"\npin_dir = \"lb/pins\""),
+            "datapath.pin_dir",
+        ),
     ];
     for (text, key) in cases {
         let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();

@@ -70,7 +70,7 @@ impl Config {
             return Err(ConfigError::invalid(
                 "datapath.orphan_timeout",
                 self.datapath.orphan_timeout,
-                "must be at least 2s (lb writes its heartbeat every second)",
+                "must be at least 2s (lb writes its heartbeat every 0.5 s)",
             ));
         }
         if let Some(dir) = &self.datapath.pin_dir

@@ -1,5 +1,5 @@
 //! lb's control of the connect programs (`LB_CONNECT_CTL`): its process id, its heartbeat
-//! (written every second, so pinned programs stop rewriting once lb has been gone longer than
+//! (written every 0.5 s, so pinned programs stop rewriting once lb has been gone longer than
 //! `datapath.orphan_timeout`), and what `/status` and the metrics say of the pins.
 //!
 //! Minimum kernel: 5.8 (`bpf_ktime_get_boot_ns` in the connect programs).
@@ -22,7 +22,7 @@ pub struct PinsStatus {
 
 impl Datapath {
     /// Write the heartbeat now (`CLOCK_BOOTTIME` ns) and this process's id; lb calls it every
-    /// second while it runs. The process id follows a hand-over (`lb upgrade`).
+    /// 0.5 s while it runs. The process id follows a hand-over (`lb upgrade`).
     ///
     /// # Errors
     /// [`DatapathError::Map`].

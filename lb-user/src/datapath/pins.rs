@@ -339,3 +339,49 @@ pub fn cleanup(dir: &Path) -> Result<Cleaned, PinError> {
     std::fs::remove_dir(dir).map_err(err)?;
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A layout refusal names both versions, that the pins keep serving and the way on.
+    #[test]
+    fn layout_refusal_names_both_versions_and_the_way_on() {
+        let e = PinError::Layout {
+            dir: "/sys/fs/bpf/lb/default".into(),
+            found: 7,
+            want: CONNECT_PIN_LAYOUT,
+        }
+        .to_string();
+        assert!(e.contains("layout version 7"), "{e}");
+        assert!(
+            e.contains(&format!("are version {CONNECT_PIN_LAYOUT}")),
+            "{e}"
+        );
+        assert!(e.contains("keep serving"), "{e}");
+        assert!(
+            e.contains("lb cleanup --pin-dir /sys/fs/bpf/lb/default"),
+            "{e}"
+        );
+    }
+
+    /// A configured directory wins; without one the default is under the bpffs found, if any.
+    #[test]
+    fn the_configured_directory_wins() {
+        let dir = Path::new("/somewhere/pins");
+        assert_eq!(resolve_dir(Some(dir)).as_deref(), Some(dir));
+        assert_eq!(
+            resolve_dir(None),
+            bpffs_mount().map(|m| m.join("lb").join("default"))
+        );
+    }
+
+    /// A directory outside any bpffs is refused before anything is made.
+    #[test]
+    fn a_directory_outside_a_bpffs_is_refused() {
+        let dir = std::env::temp_dir().join(format!("lb-pins-test-{}", std::process::id()));
+        let e = Pins::open(&dir).unwrap_err();
+        assert!(matches!(e, PinError::NotBpffs { .. }), "{e}");
+        assert!(!dir.exists());
+    }
+}
