@@ -2,7 +2,8 @@
 //! every map and of every cgroup link, passed with `SCM_RIGHTS` like the sockets. The new one
 //! adopts them without loading or attaching anything, so every socket stays in the sockhashes,
 //! sk_msg stays attached to the client sockhash (the map holds it), the cgroup programs never
-//! detach, and nothing is pinned: the programs still end with the last process holding them.
+//! detach, and nothing new is pinned: the splice's programs still end with the last process
+//! holding them (the connect-time ones are pinned, or not, as the first lb left them).
 //! Paired connections move as [`credit::Pair`]s rebuilt from lb's copied count.
 //!
 //! Each balancer's network namespace scope (`LB_NETNS_SCOPE`) is a map, handed over with the

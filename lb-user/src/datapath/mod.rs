@@ -8,9 +8,10 @@
 //! [`tables`] (the slot a connect-time table is written into, and when) and [`rings`] (the
 //! ring reader threads).
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). Programs and links are
-//! held by this process only (nothing is pinned), so they are detached when lb exits, however it
-//! exits.
+//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). The splice's programs
+//! and links are held by this process only, so they are detached when lb exits, however it
+//! exits; the connect-time ones are pinned when a bpffs is mounted ([`pins`], [`heartbeat`]) and
+//! serve on until lb's heartbeat is older than `datapath.orphan_timeout`.
 
 mod attach;
 mod btf;
