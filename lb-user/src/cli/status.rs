@@ -25,6 +25,19 @@ pub fn render(s: &StatusBody) -> String {
     if let Some(why) = &s.datapath_fallback {
         out.push_str(&format!(" (fell back: {why})"));
     }
+    if let Some(p) = &s.pins {
+        out.push_str(&format!(
+            "\nconnect-time pins: {} ({}), heartbeat {}",
+            p.dir.display(),
+            if p.adopted {
+                "adopted"
+            } else {
+                "pinned by this lb"
+            },
+            p.heartbeat_age_seconds
+                .map_or_else(|| "unknown".to_string(), |a| format!("{a:.1} s ago")),
+        ));
+    }
     out.push('\n');
     for b in &s.balancers {
         let listen: Vec<String> = b.listen.iter().map(ToString::to_string).collect();
