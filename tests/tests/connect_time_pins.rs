@@ -43,6 +43,11 @@ on_unhealthy = "kill"
 /// Root, a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of
 /// this test's own; prints the skip reason otherwise.
 fn setup(name: &str, orphan: &str) -> Result<Option<ConnectLb>> {
+    setup_with(name, orphan, "")
+}
+
+/// [`setup`] with `health` lines added to `[balancer.health]`.
+fn setup_with(name: &str, orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
     if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(None);
     }
@@ -53,7 +58,11 @@ fn setup(name: &str, orphan: &str) -> Result<Option<ConnectLb>> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let text = CONFIG
         .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{orphan}", orphan);
+        .replace("{orphan}", orphan)
+        .replace(
+            "on_unhealthy = \"kill\"",
+            &format!("on_unhealthy = \"kill\"\n{health}"),
+        );
     let s = ConnectLb::start(hosts, &text)?;
     ensure!(s.lb.pin_dir.is_some(), "lb got no pin directory");
     Ok(Some(s))
@@ -419,5 +428,41 @@ fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
         v["ok"] == true,
         "the pins should serve after the new lb died: {v}"
     );
+    Ok(())
+}
+
+/// Connects refused while lb is dead (the pinned programs still send them to the server that
+/// refused) are kernel passive-health events from before the next lb started: it drops them, so
+/// they never count toward `fall` (with `passive_reset_limit = 1` and `fall = 2` the three would
+/// fail the server).
+#[test]
+fn connect_time_pins_ignore_passive_events_from_before_the_start() -> Result<()> {
+    let Some(mut s) = setup_with(
+        "connect_time_pins_ignore_passive_events_from_before_the_start",
+        "10m",
+        "passive_reset_limit = 1",
+    )?
+    else {
+        return Ok(());
+    };
+    let s0 = s.hosts[0].addr(9000).to_string();
+    kill9(&mut s)?;
+    s.hosts[0].stop_servers();
+    let v = run_client(&s.place(), s.listen, &["dial", "--times", "3"], T)?;
+    ensure!(v["errnos"]["111"] == 3, "expected 3 refused connects: {v}");
+    s.hosts[0].serve(9000, "s0")?;
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    let log = s.lb.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("connect-time events from before this lb started ignored"))
+        .with_context(|| format!("no line about the events: {log}"))?;
+    ensure!(line.contains("dropped=3"), "{line}");
+    s.lb.wait_settled(Duration::from_secs(10))?;
+    let (state, _) = s.status_of(&s0)?;
+    ensure!(state != "FAILED", "s0 is {state}: {}", s.lb.log_text());
+    let counted = s.lb.metric("lb_passive_events_total", "");
+    ensure!(counted == 0.0, "{counted} passive events counted");
     Ok(())
 }
