@@ -40,6 +40,10 @@ pub fn cleanup(args: &CleanupArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     };
     match datapath::cleanup(&dir) {
+        Ok(c) if c == datapath::Cleaned::default() => {
+            println!("{}: nothing pinned", dir.display());
+            ExitCode::SUCCESS
+        }
         Ok(c) => {
             println!(
                 "{}: {} link(s) detached, {} map pin(s) removed, directory removed",
