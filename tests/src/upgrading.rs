@@ -71,7 +71,7 @@ impl UpLb {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut first = cmd.spawn()?;
+        let mut first = spawn_copied(&mut cmd)?;
         let pid = first.id();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -275,6 +275,21 @@ impl UpLb {
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
         std::fs::rename(&tmp, self.bin())?;
         Ok(())
+    }
+}
+
+/// Spawn `cmd`, whose program was just copied: another thread's child, forked while the copy's
+/// write descriptor was open, holds it until it execs, and until then `execve` fails with
+/// `ETXTBSY`. Retried for up to a second.
+fn spawn_copied(cmd: &mut Command) -> std::io::Result<Child> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match cmd.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            r => return r,
+        }
     }
 }
 
