@@ -73,6 +73,14 @@ impl ConnectLb {
     /// # Errors
     /// lb runs unpinned (no bpffs), or does not start (the error carries its log).
     pub fn start_again(&self) -> Result<Lb> {
+        self.start_again_in(&self.cg.path)
+    }
+
+    /// [`ConnectLb::start_again`] attached to `cgroup` instead.
+    ///
+    /// # Errors
+    /// As [`ConnectLb::start_again`].
+    pub fn start_again_in(&self, cgroup: &std::path::Path) -> Result<Lb> {
         let dir = self
             .lb
             .pin_dir
@@ -84,7 +92,7 @@ impl ConnectLb {
                 "--config",
                 &self.config.display().to_string(),
                 "--cgroup",
-                &self.cg.path.display().to_string(),
+                &cgroup.display().to_string(),
             ],
         )
     }

@@ -466,3 +466,34 @@ fn connect_time_pins_ignore_passive_events_from_before_the_start() -> Result<()>
     ensure!(counted == 0.0, "{counted} passive events counted");
     Ok(())
 }
+
+/// Pins attached to another cgroup than the new lb's are refused with both cgroups named, and
+/// keep serving the cgroup they are attached to.
+#[test]
+fn connect_time_pins_of_another_cgroup_are_refused_and_keep_serving() -> Result<()> {
+    let Some(mut s) = setup(
+        "connect_time_pins_of_another_cgroup_are_refused_and_keep_serving",
+        "10m",
+    )?
+    else {
+        return Ok(());
+    };
+    kill9(&mut s)?;
+    let other = lb_tests::TestCgroup::new()?;
+    let err = match s.start_again_in(&other.path) {
+        Ok(lb) => bail!("lb adopted pins of another cgroup: {}", lb.log_text()),
+        Err(e) => format!("{e:#}"),
+    };
+    ensure!(
+        err.contains("attached to the cgroup with id")
+            && err.contains(&other.path.display().to_string())
+            && err.contains("lb cleanup --pin-dir"),
+        "unclear refusal: {err}"
+    );
+    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
+    ensure!(
+        v["ok"] == true,
+        "the pinned programs should keep rewriting: {v}"
+    );
+    Ok(())
+}

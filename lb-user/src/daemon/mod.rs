@@ -138,6 +138,8 @@ pub fn attach_datapath(
         }
         DatapathMode::Auto => match Datapath::load(d, want_connect, pins) {
             Ok(dp) => Ok((Some(Arc::new(dp)), DatapathMode::Bpf, None)),
+            // Pins this lb must not adopt keep serving; falling back would hide that.
+            Err(e @ crate::datapath::DatapathError::Pins(_)) => Err(e.into()),
             Err(e) => {
                 let reason = crate::errors::chain(&e);
                 warn!(reason = %reason, "kernel data path unavailable; falling back to the userspace copy path");

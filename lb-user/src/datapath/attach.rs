@@ -49,6 +49,7 @@ macro_rules! attach_cgroup {
 pub(super) fn attach_connect(
     ebpf: &mut Ebpf,
     cgroup: &std::fs::File,
+    cgroup_path: &std::path::Path,
     pins: Option<&Pins>,
 ) -> Result<Vec<(&'static str, FdLink)>, DatapathError> {
     probe::probe_connect()?;
@@ -57,7 +58,7 @@ pub(super) fn attach_connect(
                     attach: &mut dyn FnMut(&mut Ebpf) -> Result<FdLink, DatapathError>|
      -> Result<(), DatapathError> {
         let link = match pins {
-            Some(p) => match p.adopt_link(name)? {
+            Some(p) => match p.adopt_link(name, cgroup_path)? {
                 Some(link) => link,
                 None => p.pin_link(name, attach(ebpf)?)?,
             },
@@ -90,14 +91,17 @@ pub(super) fn attach_connect(
 
 /// [`attach_connect`] with its links added to `links`, logged; `Some(reason)` on one line when
 /// connect-time forwarding is off (a verifier log, when there is one, goes to debug level).
+///
+/// # Errors
+/// [`DatapathError::Pins`]: pins this lb must not adopt (they keep serving; lb refuses to start).
 pub(super) fn connect_or_why(
     ebpf: &mut Ebpf,
     cgroup_file: &std::fs::File,
     cgroup: &std::path::Path,
     pins: Option<&Pins>,
     links: &mut Vec<(&'static str, FdLink)>,
-) -> Option<String> {
-    match attach_connect(ebpf, cgroup_file, pins) {
+) -> Result<Option<String>, DatapathError> {
+    Ok(match attach_connect(ebpf, cgroup_file, cgroup, pins) {
         Ok(l) => {
             links.extend(l);
             let cgroup = cgroup.display();
@@ -114,6 +118,7 @@ pub(super) fn connect_or_why(
             }
             None
         }
+        Err(e @ DatapathError::Pins(_)) => return Err(e),
         Err(e) => {
             let full = crate::errors::chain(&e);
             debug!(reason = %full, "connect-time programs not attached");
@@ -126,7 +131,7 @@ pub(super) fn connect_or_why(
                     .to_string(),
             )
         }
-    }
+    })
 }
 
 /// Load and attach `lb_connect_release` (cgroup `sock_release`, 5.9+), which forgets a

@@ -342,7 +342,7 @@ impl Datapath {
         info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
         let connect_missing = if want_connect {
-            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)
+            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)?
         } else {
             Some(DatapathError::NotRequested.to_string())
         };

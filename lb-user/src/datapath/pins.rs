@@ -12,7 +12,7 @@ use std::{
     fs::{DirBuilder, File, Permissions},
     io,
     mem::ManuallyDrop,
-    os::unix::fs::{DirBuilderExt as _, PermissionsExt as _},
+    os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
 };
 
@@ -65,6 +65,22 @@ pub enum PinError {
         /// The pinned objects' version.
         found: u64,
         /// This lb's ([`CONNECT_PIN_LAYOUT`]).
+        want: u64,
+    },
+    /// The pinned programs are attached to another cgroup than this lb's.
+    #[error(
+        "pin directory {dir} holds connect-time programs attached to the cgroup with id {pinned}, this lb's cgroup {cgroup} has id {want}: they keep serving that cgroup; to move them run `lb cleanup --pin-dir {dir}`, then start lb again",
+        dir = dir.display(),
+        cgroup = cgroup.display()
+    )]
+    OtherCgroup {
+        /// The directory.
+        dir: PathBuf,
+        /// The cgroup id (inode) the pinned links are attached to.
+        pinned: u64,
+        /// This lb's cgroup.
+        cgroup: PathBuf,
+        /// Its id (inode).
         want: u64,
     },
     /// A pinned object could not be opened, pinned or removed.
@@ -188,14 +204,28 @@ impl Pins {
             .collect()
     }
 
-    /// The link of program `name` pinned here, if any.
+    /// The link of program `name` pinned here, if any, once it is attached to `cgroup` (a
+    /// `datapath.cgroup` changed since the pins were made is refused: the programs would go on
+    /// serving the old cgroup while lb believed them on the new one).
     ///
     /// # Errors
-    /// [`PinError::Pin`]: a pin of that name that is no link.
-    pub fn adopt_link(&self, name: &str) -> Result<Option<FdLink>, PinError> {
+    /// [`PinError::Pin`]: a pin of that name that is no link; [`PinError::OtherCgroup`].
+    pub fn adopt_link(&self, name: &str, cgroup: &Path) -> Result<Option<FdLink>, PinError> {
         let path = self.dir.join(name);
         if !path.exists() {
             return Ok(None);
+        }
+        let pinned = link_cgroup_id(&path).map_err(|e| PinError::pin(&path, e))?;
+        let want = std::fs::metadata(cgroup)
+            .map_err(|e| PinError::pin(cgroup, e))?
+            .ino();
+        if pinned != want {
+            return Err(PinError::OtherCgroup {
+                dir: self.dir.clone(),
+                pinned,
+                cgroup: cgroup.to_path_buf(),
+                want,
+            });
         }
         let link = PinnedLink::from_pin(&path).map_err(|e| PinError::pin(&path, e))?;
         Ok(Some(FdLink::from(link)))
@@ -275,6 +305,60 @@ fn lock(dir: &Path) -> Result<Flock<File>, PinError> {
             }
         }
     })
+}
+
+/// The id of the cgroup the link pinned at `path` is attached to (`bpf_link_info.cgroup`; on
+/// cgroup v2 a cgroup's id is its directory's inode number). aya 0.14 exposes neither
+/// `BPF_OBJ_GET` of a link's descriptor nor that field.
+fn link_cgroup_id(path: &Path) -> io::Result<u64> {
+    use std::os::{
+        fd::{FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    };
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_TYPE_CGROUP: u64 = 3;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // `union bpf_attr` for BPF_OBJ_GET: the path's address, then bpf_fd, file_flags (zero).
+    let get: [u64; 2] = [c_path.as_ptr() as u64, 0];
+    // SAFETY: the kernel reads 16 bytes of a live array and the NUL-terminated path it points
+    // to, which outlives the call; it returns a new descriptor (or -1) nobody else owns.
+    #[expect(unsafe_code, reason = "aya 0.14 does not expose BPF_OBJ_GET")]
+    let fd = unsafe {
+        let fd = libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, get.as_ptr(), size_of_val(&get));
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        OwnedFd::from_raw_fd(i32::try_from(fd).map_err(io::Error::other)?)
+    };
+    // `struct bpf_link_info`: type, id, prog_id (u32 each), then at byte 16 the union, whose
+    // cgroup member starts with the cgroup id (u64).
+    let mut info = [0u64; 16];
+    let info_len = u32::try_from(size_of_val(&info)).map_err(io::Error::other)?;
+    let raw_fd = u64::try_from(std::os::fd::AsRawFd::as_raw_fd(&fd)).map_err(io::Error::other)?;
+    // `union bpf_attr` for BPF_OBJ_GET_INFO_BY_FD: bpf_fd and info_len (u32 each), info's address.
+    let attr: [u64; 2] = [
+        raw_fd | (u64::from(info_len) << 32),
+        info.as_mut_ptr() as u64,
+    ];
+    // SAFETY: the kernel reads 16 bytes of a live array and writes at most `info_len` bytes into
+    // `info`, which lives across the call.
+    #[expect(unsafe_code, reason = "aya 0.14 does not expose a link's cgroup id")]
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_ptr(),
+            size_of_val(&attr),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if info[0] & 0xffff_ffff != BPF_LINK_TYPE_CGROUP {
+        return Err(io::Error::other("not a cgroup link"));
+    }
+    Ok(info[2])
 }
 
 /// Mode 0600 for one pin.
