@@ -775,6 +775,8 @@ fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()>
         "bpf",
         "--cgroup",
         cg.path.to_str().context("path")?,
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     let attached = bpftool_cgroup(&cg.path)?;

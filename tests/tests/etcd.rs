@@ -299,6 +299,8 @@ fn supervisor_down_fails_over_the_etcd_balancer() -> Result<()> {
         &cfgp,
         "--cgroup",
         &cg.path.display().to_string(),
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     lb.wait_settled(Duration::from_secs(10))?;

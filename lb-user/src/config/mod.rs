@@ -181,8 +181,11 @@ impl fmt::Display for DatapathMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Forwarding {
-    /// Through lb: it accepts, dials the server and splices (or copies) the bytes.
+    /// `Connect` where the running kernel has the connect-time hooks and the balancer dials
+    /// no HTTP CONNECT `proxy`, otherwise `Splice`; the daemon logs which, and why, once.
     #[default]
+    Auto,
+    /// Through lb: it accepts, dials the server and splices (or copies) the bytes.
     Splice,
     /// Decided at `connect()`: the kernel's cgroup connect programs send clients in lb's cgroup
     /// straight to the chosen server (kernel 5.8+); others still take the splice path.
@@ -192,6 +195,7 @@ pub enum Forwarding {
 impl fmt::Display for Forwarding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Forwarding::Auto => "auto",
             Forwarding::Splice => "splice",
             Forwarding::Connect => "connect",
         })
@@ -285,7 +289,7 @@ pub struct DatapathConfig {
     /// with `MSG_DONTWAIT` on blocking sockets and then poll: the program cannot see per-send
     /// flags, and such a client would spin while the server socket is full.
     pub blocking_splice: bool,
-    /// Default `forwarding` of balancers that set none: splice (default) | connect.
+    /// Default `forwarding` of balancers that set none: auto (default) | splice | connect.
     pub forwarding: Forwarding,
     /// Default `namespaces` of balancers that set none: own (default) | all.
     pub namespaces: Namespaces,
@@ -299,7 +303,7 @@ impl Default for DatapathConfig {
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             copy_buffer_bytes: 256 * 1024,
             blocking_splice: true,
-            forwarding: Forwarding::Splice,
+            forwarding: Forwarding::Auto,
             namespaces: Namespaces::Own,
         }
     }
@@ -358,7 +362,7 @@ pub struct BalancerConfig {
     /// Dial through this HTTP CONNECT proxy (`http://host:port`); NO_PROXY is honoured.
     #[serde(default)]
     pub proxy: Option<ProxyUrl>,
-    /// splice | connect; `[datapath] forwarding` when absent.
+    /// auto | splice | connect; `[datapath] forwarding` when absent.
     #[serde(default)]
     pub forwarding: Option<Forwarding>,
     /// own | all: the network namespaces whose sockets the kernel programs rewrite or register;
@@ -440,6 +444,16 @@ impl Config {
     /// The forwarding `b` asked for: its own, else `[datapath] forwarding`.
     pub fn forwarding_of(&self, b: &BalancerConfig) -> Forwarding {
         b.forwarding.unwrap_or(self.datapath.forwarding)
+    }
+
+    /// Whether `b` takes connect-time forwarding when the kernel has it: `connect`, or `auto`
+    /// without a `proxy` (clients that connect straight to a server cannot go through one).
+    pub fn wants_connect(&self, b: &BalancerConfig) -> bool {
+        match self.forwarding_of(b) {
+            Forwarding::Connect => true,
+            Forwarding::Auto => b.proxy.is_none(),
+            Forwarding::Splice => false,
+        }
     }
 
     /// The network namespaces `b`'s kernel programs act in: its own `namespaces`, else

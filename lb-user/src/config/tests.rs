@@ -383,8 +383,13 @@ fn bad_discovery_names_its_key() {
 #[test]
 fn forwarding_defaults_inherits_and_is_overridden() {
     let cfg = Config::from_toml(FULL, "test").unwrap();
-    assert_eq!(cfg.datapath.forwarding, Forwarding::Splice);
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Splice);
+    assert_eq!(cfg.datapath.forwarding, Forwarding::Auto);
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
+    assert_eq!(
+        cfg.wants_connect(&cfg.balancers[0]),
+        cfg.balancers[0].proxy.is_none(),
+        "auto asks for connect-time unless the balancer dials through a proxy"
+    );
 
     let global = FULL.replace(
         "mode = \"auto\"",
@@ -431,6 +436,11 @@ fn connect_forwarding_refuses_a_proxy() {
     // The same proxy with splice is fine.
     let ok = text.replace("forwarding = \"connect\"", "forwarding = \"splice\"");
     Config::from_toml(&ok, "test").unwrap();
+    // With auto (the default) it is accepted too, and that balancer keeps to splice.
+    let auto = text.replace("forwarding = \"connect\"\n", "");
+    let cfg = Config::from_toml(&auto, "test").unwrap();
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
+    assert!(!cfg.wants_connect(&cfg.balancers[0]));
 }
 
 #[test]

@@ -118,10 +118,7 @@ pub fn attach_datapath(
     cfg: &Config,
 ) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
     let d = &cfg.datapath;
-    let want_connect = cfg
-        .balancers
-        .iter()
-        .any(|b| cfg.forwarding_of(b) == Forwarding::Connect);
+    let want_connect = cfg.balancers.iter().any(|b| cfg.wants_connect(b));
     match d.mode {
         DatapathMode::Userspace => Ok((None, DatapathMode::Userspace, None)),
         DatapathMode::Bpf => {
@@ -140,9 +137,10 @@ pub fn attach_datapath(
     }
 }
 
-/// The forwarding each balancer of `cfg` gets: `connect` needs the kernel data path with the
-/// connect-time programs attached; without them the balancer uses splice (or copy), with one
-/// warning naming why.
+/// The forwarding each balancer of `cfg` gets, and why it is not the one it asked for:
+/// `connect` needs the kernel data path with the connect-time programs attached, and without
+/// them the balancer uses splice (or copy), with one warning naming why; `auto` is connect-time
+/// where it can be and splice otherwise, with one info line naming which and why.
 fn decide_forwarding(
     cfg: &Config,
     datapath: Option<&Datapath>,
@@ -151,22 +149,39 @@ fn decide_forwarding(
     let mut out = std::collections::HashMap::new();
     for b in &cfg.balancers {
         let want = cfg.forwarding_of(b);
-        let why = match (want, datapath) {
-            (Forwarding::Splice, _) => None,
-            (Forwarding::Connect, None) => Some(format!(
+        let unavailable = || match datapath {
+            None => Some(format!(
                 "the kernel data path is off ({})",
                 fallback.unwrap_or("datapath.mode = userspace")
             )),
-            (Forwarding::Connect, Some(dp)) => dp.connect_unavailable().map(str::to_string),
+            Some(dp) => dp.connect_unavailable().map(str::to_string),
         };
-        if let Some(why) = &why {
-            warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
-        }
-        let got = if why.is_some() {
+        let why = match want {
+            Forwarding::Splice => None,
+            Forwarding::Connect => unavailable(),
+            Forwarding::Auto if b.proxy.is_some() => Some(
+                "the balancer dials its servers through an HTTP CONNECT proxy, which connect-time clients cannot use"
+                    .to_string(),
+            ),
+            Forwarding::Auto => unavailable(),
+        };
+        let got = if want == Forwarding::Splice || why.is_some() {
             Forwarding::Splice
         } else {
-            want
+            Forwarding::Connect
         };
+        match (want, &why) {
+            (Forwarding::Connect, Some(why)) => {
+                warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
+            }
+            (Forwarding::Auto, Some(why)) => {
+                info!(balancer = %b.name, reason = %why, "forwarding = auto: splice (through lb)");
+            }
+            (Forwarding::Auto, None) => {
+                info!(balancer = %b.name, "forwarding = auto: connect-time (the kernel sends clients straight to the server)");
+            }
+            _ => {}
+        }
         out.insert(b.name.clone(), (got, why));
     }
     out
