@@ -258,8 +258,12 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Also serve on this unix socket (mode 0600).
     pub unix_socket: Option<PathBuf>,
-    /// File holding a bearer token required on every request but `/livez` and `/readyz`.
+    /// File holding a bearer token: required on every request but `/livez` and `/readyz`,
+    /// and what lets a caller other than root or lb's user make changes.
     pub token_file: Option<PathBuf>,
+    /// Allow a non-loopback `listen` without `token_file` (anyone who reaches it may read
+    /// `/status` and `/metrics`; changes still come only from root or lb's user on this host).
+    pub allow_without_token: bool,
 }
 
 impl Default for AdminConfig {
@@ -268,6 +272,7 @@ impl Default for AdminConfig {
             listen: DEFAULT_ADMIN_LISTEN.parse().expect("constant address"),
             unix_socket: None,
             token_file: None,
+            allow_without_token: false,
         }
     }
 }

@@ -76,6 +76,17 @@ impl Config {
         if let Some(path) = &self.admin.token_file {
             files.check("admin.token_file", path, true)?;
         }
+        let admin = &self.admin;
+        if !admin.listen.ip().is_loopback()
+            && admin.token_file.is_none()
+            && !admin.allow_without_token
+        {
+            return Err(ConfigError::invalid(
+                "admin.listen",
+                admin.listen,
+                "a non-loopback admin address needs admin.token_file (or admin.allow_without_token = true, which opens /status and /metrics to whoever reaches it)",
+            ));
+        }
         let all_listens: Vec<SocketAddr> = self
             .balancers
             .iter()
