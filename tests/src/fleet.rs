@@ -162,7 +162,26 @@ pub fn layout(
     dir: &TempDir,
     replace: &[(&str, &str)],
 ) -> Result<Layout> {
-    let mut text = repo_file(&format!("deploy/{rel}"))?;
+    layout_from(
+        rel,
+        repo_file(&format!("deploy/{rel}"))?,
+        hosts,
+        dir,
+        replace,
+    )
+}
+
+/// [`layout`] of a config `text` (e.g. a ConfigMap's entry) named `rel`.
+///
+/// # Errors
+/// As [`layout`].
+pub fn layout_from(
+    rel: &str,
+    mut text: String,
+    hosts: &[Host],
+    dir: &TempDir,
+    replace: &[(&str, &str)],
+) -> Result<Layout> {
     for (doc, host) in LAYOUT_SERVERS.iter().zip(hosts) {
         ensure!(text.contains(doc), "{rel} names no server {doc}");
         text = text.replace(doc, &host.ip.to_string());

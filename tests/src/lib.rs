@@ -35,7 +35,7 @@ pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
     SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
 };
-pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout};
+pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_until};

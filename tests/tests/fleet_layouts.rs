@@ -267,3 +267,103 @@ fn rke2_server_layout_carries_etcd() -> Result<()> {
     }
     server_layout("rke2/server.toml", 9345)
 }
+
+/// A bind mount removed on drop (lazily, so a failed test never leaves it behind busy).
+struct BindMount(std::path::PathBuf);
+
+impl BindMount {
+    fn new(from: &std::path::Path, to: &std::path::Path) -> Result<BindMount> {
+        std::fs::create_dir_all(to)?;
+        let (f, t) = (from.display().to_string(), to.display().to_string());
+        lb_tests::sh("mount", &["--bind", &f, &t])?;
+        Ok(BindMount(to.to_path_buf()))
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = lb_tests::sh("umount", &["-l", &self.0.display().to_string()]);
+    }
+}
+
+/// `deploy/k3s/daemonset.yaml` as a pod runs it on a host with the hybrid cgroup layout: its
+/// `args` (`--cgroup /host/sys/fs/cgroup`) name a directory that is not cgroup v2, with the
+/// cgroup v2 mount at `unified/` below it (here the test's cgroup, bind-mounted there). lb
+/// attaches the kernel data path there (`--datapath bpf` would exit otherwise; the ConfigMap's
+/// `auto` is checked through `/status`), and its ConfigMap's apiserver balancer answers with
+/// the servers' CA. A root with no cgroup v2 below it is refused, naming the directory.
+#[test]
+fn daemonset_finds_the_hybrid_cgroup_v2_mount() -> Result<()> {
+    if skip_unless_root("daemonset_finds_the_hybrid_cgroup_v2_mount") {
+        return Ok(());
+    }
+    let yaml = lb_tests::repo_file("deploy/k3s/daemonset.yaml")?;
+    let fleet = Fleet::start(&[6443], None)?;
+    let dir = TempDir::new("lb-fleet")?;
+    let ca = format!("ca_file = \"{}\"", fleet.pki.ca_file().display());
+    let text = lb_tests::configmap_entry(&yaml, "lb.toml")?;
+    let layout = lb_tests::layout_from(
+        "k3s/daemonset.yaml lb.toml",
+        text,
+        &fleet.hosts,
+        &dir,
+        &[(
+            "ca_file = \"/var/lib/rancher/k3s/agent/server-ca.crt\"",
+            &ca,
+        )],
+    )?;
+    let cg = TestCgroup::new()?;
+    let root = dir.join("host-sys-fs-cgroup");
+    let _unified = BindMount::new(&cg.path, &root.join("unified"))?;
+    let mut args = lb_tests::container_args(&yaml)?;
+    ensure!(args.first().map(String::as_str) == Some("run"), "{args:?}");
+    args.remove(0);
+    let (config, cgroup_root) = (
+        layout.file.display().to_string(),
+        root.display().to_string(),
+    );
+    for a in &mut args {
+        match a.as_str() {
+            "/etc/lb/lb.toml" => a.clone_from(&config),
+            "/host/sys/fs/cgroup" => a.clone_from(&cgroup_root),
+            _ => {}
+        }
+    }
+    ensure!(
+        args.contains(&cgroup_root),
+        "the DaemonSet no longer names the host's cgroup: {args:?}"
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let lb = Lb::start(&args)?;
+    wait_all_up(&lb, &layout, &fleet, &[6443])?;
+    let st = lb.status()?;
+    ensure!(
+        st["datapath"] == "bpf",
+        "kernel data path not attached: {st}\n{}",
+        lb.log_text()
+    );
+    ensure!(
+        lb.log_text()
+            .contains("cgroup v2 found below the configured directory"),
+        "{}",
+        lb.log_text()
+    );
+    let port = layout.port("apiserver")?;
+    ensure!(
+        https_ping(port, &fleet.pki.ca_file())? == "pong",
+        "no pong through lb"
+    );
+    drop(lb);
+    // No cgroup v2 below: refused with the reason, not a silent fallback under --datapath bpf.
+    let empty = dir.join("empty-root");
+    std::fs::create_dir_all(&empty)?;
+    let empty = empty.display().to_string();
+    let err = Lb::start(&["--config", &config, "--cgroup", &empty, "--datapath", "bpf"])
+        .err()
+        .context("lb started without a cgroup v2")?;
+    ensure!(
+        format!("{err:#}").contains("no cgroup v2 is mounted below it"),
+        "{err:#}"
+    );
+    Ok(())
+}
