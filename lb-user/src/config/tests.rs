@@ -529,3 +529,21 @@ fn namespaces_default_to_own_inherit_and_are_overridden() {
     .to_string();
     assert!(e.contains("namespaces"), "{e}");
 }
+
+/// A credential file named by the layouts' advice is missing whenever the unit is not running:
+/// the error says so and names the check that skips it, which then passes.
+#[test]
+fn a_missing_systemd_credential_points_at_skip_files() {
+    let text = FULL.replace(
+        "kind = \"http\"",
+        "kind = \"http\"\nca_file = \"/run/credentials/lb-test-absent.service/server-ca.crt\"",
+    );
+    let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("ca_file")
+            && err.contains("--skip-files")
+            && err.contains("while its unit runs"),
+        "{err}"
+    );
+    Config::from_toml_with(&text, "f.toml", CredentialFiles::Skip).unwrap();
+}
