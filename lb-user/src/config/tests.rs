@@ -219,12 +219,15 @@ fn check_placeholders_and_targets() {
     assert!(err.contains("health.address"), "{err}");
 }
 
+/// A shipped layout: its file, its balancers (name, listener) and its checks' URL.
+type Layout = (&'static str, &'static [(&'static str, &'static str)], &'static str);
+
 /// The K3s and RKE2 layouts shipped in `deploy/` pass `lb config check`, with the listeners
 /// and checks each one's docs promise.
 #[test]
 fn the_k3s_and_rke2_deploy_configs_are_valid() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-    let layouts: [(&str, &[(&str, &str)], &str); 4] = [
+    let layouts: [Layout; 4] = [
         (
             "k3s/agent.toml",
             &[("supervisor", "127.0.0.1:6444")],
