@@ -220,7 +220,11 @@ fn check_placeholders_and_targets() {
 }
 
 /// A shipped layout: its file, its balancers (name, listener) and its checks' URL.
-type Layout = (&'static str, &'static [(&'static str, &'static str)], &'static str);
+type Layout = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
 
 /// The K3s and RKE2 layouts shipped in `deploy/` pass `lb config check`, with the listeners
 /// and checks each one's docs promise.
