@@ -367,3 +367,83 @@ fn daemonset_finds_the_hybrid_cgroup_v2_mount() -> Result<()> {
     );
     Ok(())
 }
+
+/// The listener of balancer `name` in the layout `deploy/<rel>`.
+fn shipped_listener(rel: &str, name: &str) -> Result<String> {
+    let cfg: toml::Value = toml::from_str(&lb_tests::repo_file(&format!("deploy/{rel}"))?)?;
+    let b = cfg["balancer"]
+        .as_array()
+        .context("balancers")?
+        .iter()
+        .find(|b| b["name"].as_str() == Some(name))
+        .with_context(|| format!("{rel}: no balancer {name}"))?;
+    Ok(b["listen"][0].as_str().context("listen")?.to_string())
+}
+
+/// The K3s/RKE2 options and drop-ins shipped beside the layouts agree with them: the agent's
+/// `server:` is lb's supervisor listener (on RKE2, whose agent derives the apiserver from its
+/// host with port 6443, lb's apiserver listener is that address, and the agent's own balancer
+/// moves off it), K3s's agent turns its balancer off, a server's `etcd-servers` is lb's etcd
+/// listener, and the drop-ins start lb before the K3s/RKE2 units.
+#[test]
+fn k3s_and_rke2_options_point_at_the_layouts_listeners() -> Result<()> {
+    let option = |rel: &str, key: &str| -> Result<String> {
+        let yaml = lb_tests::repo_file(&format!("deploy/{rel}"))?;
+        lb_tests::yaml_scalar(&yaml, key).with_context(|| format!("{rel}: no {key}"))
+    };
+    for dist in ["k3s", "rke2"] {
+        let agent = format!("{dist}/config.yaml.d/agent.yaml");
+        let sup = shipped_listener(&format!("{dist}/agent.toml"), "supervisor")?;
+        ensure!(
+            option(&agent, "server")? == format!("https://{sup}"),
+            "{agent}: server is not lb's {sup}"
+        );
+        let server = format!("{dist}/config.yaml.d/server.yaml");
+        let etcd = shipped_listener(&format!("{dist}/server.toml"), "etcd")?;
+        ensure!(option(&server, "disable-etcd")? == "true", "{server}");
+        let yaml = lb_tests::repo_file(&format!("deploy/{server}"))?;
+        let arg = yaml
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("- etcd-servers="))
+            .with_context(|| format!("{server}: no kube-apiserver-arg etcd-servers"))?;
+        ensure!(
+            arg == format!("https://{etcd}"),
+            "{server}: etcd-servers {arg} is not lb's {etcd}"
+        );
+    }
+    ensure!(option("k3s/config.yaml.d/agent.yaml", "disable-apiserver-lb")? == "true");
+    let api = shipped_listener("rke2/agent.toml", "apiserver")?;
+    ensure!(
+        api == "127.0.0.1:6443",
+        "RKE2 derives https://127.0.0.1:6443, lb listens on {api}"
+    );
+    let lb_port: u16 = option("rke2/config.yaml.d/agent.yaml", "lb-server-port")?.parse()?;
+    ensure!(
+        lb_port - 1 != 6443 && lb_port != 6443 && lb_port != 9345,
+        "the agent's balancer on {lb_port}"
+    );
+    let after = lb_tests::repo_file("deploy/systemd/after-lb.conf")?;
+    for key in ["Wants", "After"] {
+        ensure!(
+            lb_tests::unit_values(&after, key) == ["lb.service"],
+            "after-lb.conf {key}="
+        );
+    }
+    for (conf, units) in [
+        (
+            "k3s/lb.service.d/k3s.conf",
+            ["k3s-agent.service", "k3s.service"],
+        ),
+        (
+            "rke2/lb.service.d/rke2.conf",
+            ["rke2-agent.service", "rke2-server.service"],
+        ),
+    ] {
+        let text = lb_tests::repo_file(&format!("deploy/{conf}"))?;
+        ensure!(
+            lb_tests::unit_values(&text, "Before") == units,
+            "{conf}: Before="
+        );
+    }
+    Ok(())
+}
