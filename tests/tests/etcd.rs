@@ -1,6 +1,6 @@
-//! The K3s/RKE2 agent node end to end (issue 15): lb fronts etcd (2379) of three servers and
-//! judges each server by its supervisor (`GET http://{host}:9345/ping`), not by the balanced
-//! port. When the supervisor of the server lb is using goes away (that server's etcd keeps
+//! A K3s/RKE2 server without etcd, end to end (issue 15): lb fronts etcd (2379) of three
+//! servers and judges each server by its supervisor (`GET http://{host}:9345/ping`), not by the
+//! balanced port. When the supervisor of the server lb is using goes away (that server's etcd keeps
 //! serving), lb marks it FAILED, resets its connections, and an `etcdctl watch` through lb
 //! resumes on another member without missing or repeating a key while `etcdctl put`s go on.
 //! Also a check of the etcd test support itself: stopping and starting a supervisor and a

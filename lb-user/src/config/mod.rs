@@ -91,6 +91,13 @@ fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigEr
             ConfigError::invalid(key, path.display(), "the file is empty"),
         ),
         Ok(_) => Ok(()),
+        Err(e) if path.starts_with(CREDENTIALS_DIR) => Err(ConfigError::invalid(
+            key,
+            path.display(),
+            format!(
+                "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
+            ),
+        )),
         Err(e) => Err(ConfigError::invalid(
             key,
             path.display(),
@@ -98,6 +105,9 @@ fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigEr
         )),
     }
 }
+
+/// Where systemd hands a unit its credentials (`LoadCredential=`), only while the unit runs.
+const CREDENTIALS_DIR: &str = "/run/credentials";
 
 /// A client certificate and its key go together: the one given without the other is named.
 fn paired_files(

@@ -219,21 +219,62 @@ fn check_placeholders_and_targets() {
     assert!(err.contains("health.address"), "{err}");
 }
 
-/// The K3s/RKE2 agent layout shipped in `deploy/k3s/` passes `lb config check`.
+/// A shipped layout: its file, its balancers (name, listener) and its checks' URL.
+type Layout = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
+/// The K3s and RKE2 layouts shipped in `deploy/` pass `lb config check`, with the listeners
+/// and checks each one's docs promise.
 #[test]
-fn the_k3s_deploy_config_is_valid() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k3s/lb.toml");
-    let cfg = Config::from_file(&path).unwrap();
-    let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
-    assert_eq!(names, ["supervisor", "apiserver", "etcd"]);
-    assert!(
-        cfg.balancers.iter().all(|b| b
-            .health
-            .url
-            .as_deref()
-            .is_some_and(|u| u.contains("{host}:9345"))),
-        "every balancer is judged by the supervisor"
-    );
+fn the_k3s_and_rke2_deploy_configs_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let layouts: [Layout; 4] = [
+        (
+            "k3s/agent.toml",
+            &[("supervisor", "127.0.0.1:6444")],
+            "https://{server}/ping",
+        ),
+        (
+            "k3s/server.toml",
+            &[("etcd", "127.0.0.1:12379")],
+            "https://{host}:6443/ping",
+        ),
+        (
+            "rke2/agent.toml",
+            &[
+                ("supervisor", "127.0.0.1:9345"),
+                ("apiserver", "127.0.0.1:6443"),
+            ],
+            "https://{host}:9345/ping",
+        ),
+        (
+            "rke2/server.toml",
+            &[("etcd", "127.0.0.1:12379")],
+            "https://{host}:9345/ping",
+        ),
+    ];
+    for (file, balancers, url) in layouts {
+        let cfg = Config::from_file(&root.join(file)).unwrap();
+        let got: Vec<(String, String)> = cfg
+            .balancers
+            .iter()
+            .map(|b| (b.name.clone(), b.listen[0].to_string()))
+            .collect();
+        let want: Vec<(String, String)> = balancers
+            .iter()
+            .map(|(n, l)| ((*n).into(), (*l).into()))
+            .collect();
+        assert_eq!(got, want, "{file}");
+        assert!(
+            cfg.balancers
+                .iter()
+                .all(|b| b.health.url.as_deref() == Some(url)),
+            "{file}: every balancer is judged by the supervisor's /ping"
+        );
+    }
 }
 
 #[test]
@@ -504,4 +545,22 @@ fn namespaces_default_to_own_inherit_and_are_overridden() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("namespaces"), "{e}");
+}
+
+/// A credential file named by the layouts' advice is missing whenever the unit is not running:
+/// the error says so and names the check that skips it, which then passes.
+#[test]
+fn a_missing_systemd_credential_points_at_skip_files() {
+    let text = FULL.replace(
+        "kind = \"http\"",
+        "kind = \"http\"\nca_file = \"/run/credentials/lb-test-absent.service/server-ca.crt\"",
+    );
+    let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("ca_file")
+            && err.contains("--skip-files")
+            && err.contains("while its unit runs"),
+        "{err}"
+    );
+    Config::from_toml_with(&text, "f.toml", CredentialFiles::Skip).unwrap();
 }

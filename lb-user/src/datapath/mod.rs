@@ -51,7 +51,7 @@ pub use self::{
     credit::Pair,
     maps::{TableWrite, sock_key},
     passive::{PassiveKind, PassiveSink},
-    probe::{detect_cgroup2, probe_kernel},
+    probe::{detect_cgroup2, probe_kernel, resolve_cgroup},
 };
 use crate::config::Namespaces;
 
@@ -89,7 +89,9 @@ pub enum DatapathError {
         source: std::io::Error,
     },
     /// The directory is not in a cgroup v2 hierarchy.
-    #[error("{0} is not a cgroup v2 directory (sockops attaches to cgroup v2 only)")]
+    #[error(
+        "{0} is not a cgroup v2 directory and no cgroup v2 is mounted below it (sockops attaches to cgroup v2 only)"
+    )]
     NotCgroup2(PathBuf),
     /// The kernel lacks a program type, map type or helper.
     #[error("kernel lacks the {0}")]
