@@ -77,7 +77,12 @@ fn dial(s: &ConnectLb) -> Result<Value> {
 
 /// `n` dials one after another; how many reached each server.
 fn dial_times(s: &ConnectLb, n: u32) -> Result<Value> {
-    run_client(&s.place(), s.listen, &["dial", "--times", &n.to_string()], T)
+    run_client(
+        &s.place(),
+        s.listen,
+        &["dial", "--times", &n.to_string()],
+        T,
+    )
 }
 
 #[test]
@@ -92,7 +97,10 @@ fn connect_time_blackholed_server_is_avoided_before_any_check_fails() -> Result<
     )?;
     let s0 = s.hosts[0].addr(9000).to_string();
     let first = dial(&s)?;
-    ensure!(first["server"] == "s0", "failover sends to s0 first: {first}");
+    ensure!(
+        first["server"] == "s0",
+        "failover sends to s0 first: {first}"
+    );
 
     s.hosts[0].blackhole(true)?;
     let t0 = Instant::now();
@@ -131,7 +139,8 @@ fn connect_time_blackholed_server_is_avoided_before_any_check_fails() -> Result<
         st["state"] != "FAILED" && st["suspect"] == true,
         "s0 should be suspect, not FAILED (no check ran): {st}"
     );
-    let marks = s.lb.metric("lb_connect_suspect_total", &format!("server=\"{s0}\""));
+    let marks =
+        s.lb.metric("lb_connect_suspect_total", &format!("server=\"{s0}\""));
     ensure!(marks == 1.0, "lb_connect_suspect_total for s0: {marks}");
 
     // s0 answers again; a check passes (asked for now) and clears the suspicion.
@@ -173,7 +182,15 @@ impl Drop for DropToPort<'_> {
     fn drop(&mut self) {
         let _ = self.host.exec_ok(
             "ip",
-            &["rule", "del", "ipproto", "6", "dport", &self.port, "blackhole"],
+            &[
+                "rule",
+                "del",
+                "ipproto",
+                "6",
+                "dport",
+                &self.port,
+                "blackhole",
+            ],
         );
     }
 }
@@ -200,7 +217,10 @@ fn connect_time_lost_syns_below_the_threshold_divert_nothing() -> Result<()> {
         &["dial", "--bind", &bind, "--timeout-ms", "300"],
         T,
     )?;
-    ensure!(one["ok"] == false, "the dial from :{port} should time out: {one}");
+    ensure!(
+        one["ok"] == false,
+        "the dial from :{port} should time out: {one}"
+    );
     let next = dial_times(&s, 3)?;
     eprintln!("one SYN timeout, then: {next}");
     ensure!(
@@ -251,16 +271,26 @@ fn connect_time_syn_timeout_and_syncnt_apply_to_rewritten_sockets() -> Result<()
         Ok(s.map_entries("LB_CONNECT_SYN")? == 2)
     })?;
     s.hosts[0].blackhole(true)?;
-    let v = run_client(&s.place(), s.listen, &["syn-sent", "--within-ms", "3000"], T)?;
+    let v = run_client(
+        &s.place(),
+        s.listen,
+        &["syn-sent", "--within-ms", "3000"],
+        T,
+    )?;
     eprintln!("SYN_SENT socket to the blackholed s0: {v}");
-    ensure!(v["ok"] == true && v["state"] == 2, "a connect in SYN_SENT: {v}");
+    ensure!(
+        v["ok"] == true && v["state"] == 2,
+        "a connect in SYN_SENT: {v}"
+    );
     ensure!(v["syncnt"] == 1, "TCP_SYNCNT set from syn_retries = 1: {v}");
     let rto = v["rto_us"].as_u64().context("rto_us")?;
     ensure!(
         (100_000..1_000_000).contains(&rto),
         "the SYN timeout should be lb's (100 ms up), not the kernel's 1 s: {v}"
     );
-    let first = v["first_retransmit_ms"].as_u64().context("no SYN retransmission")?;
+    let first = v["first_retransmit_ms"]
+        .as_u64()
+        .context("no SYN retransmission")?;
     if timed() {
         ensure!(
             first < 700,
@@ -272,13 +302,20 @@ fn connect_time_syn_timeout_and_syncnt_apply_to_rewritten_sockets() -> Result<()
     // passed, (2^2 - 1) × the SYN timeout, not after tcp_syn_retries' two minutes.
     let t0 = Instant::now();
     let d = dial(&s)?;
-    eprintln!("blocking connect: {d} after {:.3} s", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "blocking connect: {d} after {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
     ensure!(
         d["errno"] == libc::ETIMEDOUT,
         "TCP_SYNCNT should end the connect with ETIMEDOUT: {d}"
     );
     if timed() {
-        ensure!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t0.elapsed()
+        );
     }
     Ok(())
 }

@@ -111,7 +111,12 @@ fn suspect(server: &ConnectServer, balancer: u32) -> bool {
 /// next in preference order); `pick` when every server is suspect, so a connect still goes
 /// somewhere (K3s's "try them all"). Index < `count`.
 #[inline(always)]
-pub(super) fn avoid_suspect(table: &ConnectTable, balancer: u32, pick: usize, count: usize) -> usize {
+pub(super) fn avoid_suspect(
+    table: &ConnectTable,
+    balancer: u32,
+    pick: usize,
+    count: usize,
+) -> usize {
     let Some(first) = table.servers.get(pick) else {
         return pick;
     };

@@ -107,7 +107,10 @@ pub fn status(daemon: &Handle) -> StatusBody {
                 let suspects = daemon.connect_suspects(b.id);
                 let mut servers = b.status();
                 for s in &mut servers {
-                    s.suspect = s.address.socket_addr().is_some_and(|a| suspects.contains(&a));
+                    s.suspect = s
+                        .address
+                        .socket_addr()
+                        .is_some_and(|a| suspects.contains(&a));
                     if let Some(n) = s.address.socket_addr().and_then(|a| direct.get(&a)) {
                         s.connections += usize::try_from(*n).unwrap_or(usize::MAX);
                     }

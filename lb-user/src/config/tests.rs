@@ -525,21 +525,36 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
     );
     let cfg = Config::from_toml(&global, "test").unwrap();
     let ff = cfg.fail_fast_of(&cfg.balancers[0]);
-    assert_eq!(ff.syn_timeout, SynTimeout::Fixed(Dur(Duration::from_millis(300))));
+    assert_eq!(
+        ff.syn_timeout,
+        SynTimeout::Fixed(Dur(Duration::from_millis(300)))
+    );
     assert_eq!(ff.suspect_after, 1);
-    assert_eq!(ff.timeout_for(Some(Duration::from_millis(1))), Duration::from_millis(300));
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(1))),
+        Duration::from_millis(300)
+    );
 
     // A balancer's own table replaces the default whole.
     let own = format!("{global}\n[balancer.fail_fast]\nsyn_retries = 5\n");
     let cfg = Config::from_toml(&own, "test").unwrap();
     let ff = cfg.fail_fast_of(&cfg.balancers[0]);
-    assert_eq!((ff.syn_timeout, ff.suspect_after, ff.syn_retries), (SynTimeout::Auto, 2, 5));
+    assert_eq!(
+        (ff.syn_timeout, ff.suspect_after, ff.syn_retries),
+        (SynTimeout::Auto, 2, 5)
+    );
 
     for (bad, key) in [
-        ("syn_timeout = \"10ms\"", "balancer[0].fail_fast.syn_timeout"),
+        (
+            "syn_timeout = \"10ms\"",
+            "balancer[0].fail_fast.syn_timeout",
+        ),
         ("syn_timeout = \"2s\"", "balancer[0].fail_fast.syn_timeout"),
         ("syn_timeout = \"soon\"", "syn_timeout"),
-        ("syn_timeout_min = \"20ms\"", "balancer[0].fail_fast.syn_timeout_min"),
+        (
+            "syn_timeout_min = \"20ms\"",
+            "balancer[0].fail_fast.syn_timeout_min",
+        ),
         ("syn_retries = 128", "balancer[0].fail_fast.syn_retries"),
     ] {
         let e = Config::from_toml(&format!("{FULL}\n[balancer.fail_fast]\n{bad}\n"), "test")

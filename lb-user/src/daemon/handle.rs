@@ -80,7 +80,10 @@ impl Handle {
     /// Balancer `id`'s servers the kernel marked suspect (empty without the kernel data path).
     pub fn connect_suspects(&self, id: u32) -> Vec<SocketAddr> {
         self.0.datapath.as_ref().map_or_else(Vec::new, |dp| {
-            dp.connect_suspects(id).into_iter().map(|(a, _)| a).collect()
+            dp.connect_suspects(id)
+                .into_iter()
+                .map(|(a, _)| a)
+                .collect()
         })
     }
 

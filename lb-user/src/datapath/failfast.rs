@@ -53,7 +53,10 @@ impl FailFastMaps {
         let syn = self.syn.lock().expect("poisoned");
         let suspect = self.suspect.lock().expect("poisoned");
         Ok(vec![
-            (MAP_CONNECT_SYN, syn.map().fd().as_fd().try_clone_to_owned()?),
+            (
+                MAP_CONNECT_SYN,
+                syn.map().fd().as_fd().try_clone_to_owned()?,
+            ),
             (
                 MAP_CONNECT_SUSPECT,
                 suspect.map().fd().as_fd().try_clone_to_owned()?,
@@ -102,7 +105,11 @@ impl Datapath {
             n += gone.iter().filter(|k| syn.remove(k).is_ok()).count();
         }
         let mut suspect = f.suspect.lock().expect("poisoned");
-        let gone: Vec<_> = suspect.keys().filter_map(Result::ok).filter(stale).collect();
+        let gone: Vec<_> = suspect
+            .keys()
+            .filter_map(Result::ok)
+            .filter(stale)
+            .collect();
         n + gone.iter().filter(|k| suspect.remove(k).is_ok()).count()
     }
 
@@ -159,9 +166,12 @@ pub fn kernel_hz() -> Option<u32> {
 /// One `(now ns, jiffies)` sample of `/proc/timer_list`.
 fn timer_sample() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/timer_list").ok()?;
-    let now = text
-        .lines()
-        .find_map(|l| l.strip_prefix("now at ")?.strip_suffix(" nsecs")?.parse().ok())?;
+    let now = text.lines().find_map(|l| {
+        l.strip_prefix("now at ")?
+            .strip_suffix(" nsecs")?
+            .parse()
+            .ok()
+    })?;
     let jiffies = text
         .lines()
         .find_map(|l| l.strip_prefix("jiffies: ")?.trim().parse().ok())?;

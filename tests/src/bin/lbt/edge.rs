@@ -76,9 +76,7 @@ pub(crate) fn run(addr: SocketAddr, action: EdgeAction) -> io::Result<serde_json
             stall_ms,
             gap_ms,
         } => nb_burst(addr, (burst, tail), (sndbuf, chunk), stall_ms, gap_ms),
-        EdgeAction::SynSent { within_ms } => {
-            syn::syn_sent(addr, Duration::from_millis(within_ms))
-        }
+        EdgeAction::SynSent { within_ms } => syn::syn_sent(addr, Duration::from_millis(within_ms)),
     }
 }
 

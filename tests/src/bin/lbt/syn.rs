@@ -17,7 +17,13 @@ fn get_opt<T: Default>(fd: libc::c_int, level: libc::c_int, name: libc::c_int) -
     let mut len = libc::socklen_t::try_from(size_of::<T>()).unwrap_or(0);
     // SAFETY: `v` is a live `T` of `len` bytes the kernel writes at most `len` of.
     let rc = unsafe {
-        libc::getsockopt(fd, level, name, std::ptr::from_mut(&mut v).cast(), &raw mut len)
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            std::ptr::from_mut(&mut v).cast(),
+            &raw mut len,
+        )
     };
     if rc == 0 {
         Ok(v)
