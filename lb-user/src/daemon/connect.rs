@@ -40,7 +40,7 @@ pub(super) async fn sync_table(
     dp: Arc<Datapath>,
     metrics: Arc<Metrics>,
     mut kills: tokio::sync::mpsc::UnboundedReceiver<DirectKill>,
-    (stop, fail_fast_default): (CancellationToken, super::failfast::Default),
+    (stop, fail_fast_default): (CancellationToken, super::failfast::DefaultConfig),
 ) {
     let hz = tokio::task::spawn_blocking(crate::datapath::kernel_hz)
         .await

@@ -26,11 +26,11 @@ use crate::{
 pub(super) const TICK: Duration = Duration::from_millis(100);
 
 /// `[datapath.fail_fast]` as the config says now.
-pub(super) type Default = Arc<dyn Fn() -> FailFastConfig + Send + Sync>;
+pub(super) type DefaultConfig = Arc<dyn Fn() -> FailFastConfig + Send + Sync>;
 
 /// One connect-time balancer's fail-fast bookkeeping.
 pub(super) struct FailFast {
-    default: Default,
+    default: DefaultConfig,
     /// The kernel's `HZ`; `None` leaves the kernel's SYN timeout.
     hz: Option<u32>,
     /// The policy written per server.
@@ -40,7 +40,7 @@ pub(super) struct FailFast {
 }
 
 impl FailFast {
-    pub(super) fn new(default: Default, hz: Option<u32>) -> FailFast {
+    pub(super) fn new(default: DefaultConfig, hz: Option<u32>) -> FailFast {
         FailFast {
             default,
             hz,

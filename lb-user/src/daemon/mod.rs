@@ -374,7 +374,7 @@ impl Daemon {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
                     let weak = Arc::downgrade(&daemon);
-                    let default: failfast::Default = Arc::new(move || {
+                    let default: failfast::DefaultConfig = Arc::new(move || {
                         weak.upgrade()
                             .map(|d| d.config.load().datapath.fail_fast)
                             .unwrap_or_default()
