@@ -23,6 +23,10 @@
 //! each kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the
 //! ring is full, so a storm of failing connects cannot flood lb.
 //!
+//! Fail fast (`failfast`): a rewritten connect's SYN timeout and `TCP_SYNCNT` come from its
+//! server's policy, and unanswered SYNs mark the server suspect, which [`try_connect`] passes
+//! over while another server is in the table.
+//!
 //! A connect is rewritten only when its socket is in the balancer's network namespace scope
 //! (`LB_NETNS_SCOPE`, see `crate::in_scope`): by default lb's own, so a pod's connect to its own
 //! `127.0.0.1:P` reaches the pod's server.

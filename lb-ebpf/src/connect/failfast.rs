@@ -4,8 +4,8 @@
 //! connect programs then pass over while another server is in the table.
 //!
 //! Minimum kernel: 4.13 for `BPF_SOCK_OPS_TIMEOUT_INIT`, 4.16 for `BPF_SOCK_OPS_RTO_CB`, 5.8
-//! for `bpf_ktime_get_boot_ns`; `TCP_SYNCNT` through `bpf_setsockopt` from sockops (refused by
-//! older kernels, which leaves the kernel's `tcp_syn_retries`).
+//! for `bpf_ktime_get_boot_ns`, 5.9 for `TCP_SYNCNT` through `bpf_setsockopt` (an older kernel
+//! refuses it, which leaves its `tcp_syn_retries`); all older than the data path's 5.15.
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, BPF_TCP_SYN_SENT},
