@@ -23,6 +23,10 @@
 //! each kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the
 //! ring is full, so a storm of failing connects cannot flood lb.
 //!
+//! Fail fast (`failfast`): a rewritten connect's SYN timeout and `TCP_SYNCNT` come from its
+//! server's policy, and unanswered SYNs mark the server suspect, which [`try_connect`] passes
+//! over while another server is in the table.
+//!
 //! A connect is rewritten only when its socket is in the balancer's network namespace scope
 //! (`LB_NETNS_SCOPE`, see `crate::in_scope`): by default lb's own, so a pod's connect to its own
 //! `127.0.0.1:P` reaches the pod's server.
@@ -51,10 +55,14 @@ use lb_common::{
     CONNECT_ROUND_ROBIN, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer, ConnectTable,
     EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, GLOBAL_OWN_TGID, ListenerKey,
     MAP_CONNECT_COUNTS, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
-    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
-    MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4,
-    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, TABLE_SLOTS, table_index,
+    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES,
+    MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS,
+    MAX_LISTENERS, PROG_CONNECT_RELEASE, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS, table_index,
 };
+
+mod failfast;
+pub(crate) use failfast::on_timeout_init;
 
 named_as!(
     LB_CONNECT_LISTENERS = MAP_CONNECT_LISTENERS,
@@ -64,6 +72,8 @@ named_as!(
     LB_CONNECT_SOCKS = MAP_CONNECT_SOCKS,
     LB_CONNECT_COUNTS = MAP_CONNECT_COUNTS,
     LB_CONNECT_EVENTS = MAP_CONNECT_EVENTS,
+    LB_CONNECT_SYN = MAP_CONNECT_SYN,
+    LB_CONNECT_SUSPECT = MAP_CONNECT_SUSPECT,
     LB_OWN_TGID = GLOBAL_OWN_TGID,
     LB_OFF_SK_ERR = GLOBAL_OFF_SK_ERR,
     lb_connect_release = PROG_CONNECT_RELEASE,
@@ -99,6 +109,15 @@ static LB_CONNECT_COUNTS: HashMap<ConnectCountKey, u64> =
 
 #[map]
 static LB_CONNECT_EVENTS: RingBuf = RingBuf::with_byte_size(CONNECT_EVENTS_RING_BYTES, 0);
+
+// Fail fast (see failfast): per server, the SYN policy lb asks for and the suspect marks.
+#[map]
+static LB_CONNECT_SYN: HashMap<ConnectCountKey, SynPolicy> =
+    HashMap::with_max_entries(MAX_CONNECT_SYN, 0);
+
+#[map]
+static LB_CONNECT_SUSPECT: HashMap<ConnectCountKey, u64> =
+    HashMap::with_max_entries(MAX_CONNECT_SYN, 0);
 
 /// The sockops callbacks a rewritten socket asks for: state changes (its close uncounts it; a
 /// failed connect is reported) and retransmission timeouts (reported once).
@@ -275,6 +294,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     // gives the verifier the bound it cannot derive from a modulo (`black_box` keeps LLVM,
     // which knows the bound, from dropping it).
     let pick = core::hint::black_box(pick) & (MAX_CONNECT_SERVERS - 1);
+    let pick = failfast::avoid_suspect(table, balancer, pick, count);
     let Some(server) = table.servers.get(pick).copied() else {
         return Ok(());
     };
@@ -452,6 +472,7 @@ pub(crate) fn on_connect(ctx: &SockOpsContext) {
         return;
     };
     let _ = crate::add_cb_flags(ctx, CB_FLAGS);
+    failfast::on_connect(ctx, cookie);
     // The source port is bound by now: record the socket's own address for lb's kills.
     if let Some(tuple) = crate::client_tuple(ctx) {
         // SAFETY: a live map value; one socket's callbacks run under its lock.
@@ -482,7 +503,8 @@ fn report(orig: &ConnectOrig, kind: u32, cookie: u64, err: u32) {
 }
 
 /// Sockops `RTO_CB`: the first retransmission timeout of an established rewritten socket is
-/// reported (later ones, and those of a connect still sending SYNs, are not).
+/// reported (later ones are not); one of a connect still sending SYNs may mark its server
+/// suspect (see `failfast`).
 #[inline(always)]
 pub(crate) fn on_rto(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
@@ -492,7 +514,11 @@ pub(crate) fn on_rto(ctx: &SockOpsContext) {
     };
     // SAFETY: a live map value; one socket's callbacks run under its lock.
     let orig = unsafe { &mut *orig };
-    if orig.established == 1 && orig.reported & REPORTED_RTO == 0 {
+    if orig.established == 0 {
+        failfast::on_syn_rto(ctx, cookie);
+        return;
+    }
+    if orig.reported & REPORTED_RTO == 0 {
         orig.reported |= REPORTED_RTO;
         let copy = *orig;
         report(&copy, EVENT_RTO, cookie, 0);

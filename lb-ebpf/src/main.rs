@@ -53,7 +53,8 @@
 use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_STATE_CB,
-        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, sk_action,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TIMEOUT_INIT,
+        BPF_TCP_CLOSE, sk_action,
     },
     cty::c_void,
     helpers::{
@@ -207,6 +208,7 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
             connect::on_connect(ctx);
             return Ok(1);
         }
+        BPF_SOCK_OPS_TIMEOUT_INIT => return Ok(connect::on_timeout_init(ctx)),
         BPF_SOCK_OPS_RTO_CB => {
             connect::on_rto(ctx);
             return Ok(1);

@@ -105,8 +105,13 @@ pub fn status(daemon: &Handle) -> StatusBody {
                 let cfg = b.config();
                 let (forwarding, forwarding_fallback) = daemon.forwarding(&b.name);
                 let direct = daemon.connect_counts(b.id);
+                let suspects = daemon.connect_suspects(b.id);
                 let mut servers = b.status();
                 for s in &mut servers {
+                    s.suspect = s
+                        .address
+                        .socket_addr()
+                        .is_some_and(|a| suspects.contains(&a));
                     if let Some(n) = s.address.socket_addr().and_then(|a| direct.get(&a)) {
                         s.connections += usize::try_from(*n).unwrap_or(usize::MAX);
                     }

@@ -2,6 +2,7 @@
 //! [`Config`]. Unknown keys are refused; every error names the key, the value and the reason.
 
 mod discovery;
+mod failfast;
 mod health;
 mod validate;
 
@@ -9,6 +10,7 @@ pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
     DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
 };
+pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
 pub use validate::CredentialFiles;
 
@@ -308,6 +310,8 @@ pub struct DatapathConfig {
     pub forwarding: Forwarding,
     /// Default `namespaces` of balancers that set none: own (default) | all.
     pub namespaces: Namespaces,
+    /// Default `fail_fast` of connect-time balancers that set none.
+    pub fail_fast: FailFastConfig,
 }
 
 impl Default for DatapathConfig {
@@ -320,6 +324,7 @@ impl Default for DatapathConfig {
             blocking_splice: true,
             forwarding: Forwarding::Auto,
             namespaces: Namespaces::Own,
+            fail_fast: FailFastConfig::default(),
         }
     }
 }
@@ -384,6 +389,9 @@ pub struct BalancerConfig {
     /// `[datapath] namespaces` when absent.
     #[serde(default)]
     pub namespaces: Option<Namespaces>,
+    /// Connect-time fail fast; `[datapath.fail_fast]` when absent.
+    #[serde(default)]
+    pub fail_fast: Option<FailFastConfig>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -469,6 +477,11 @@ impl Config {
             Forwarding::Auto => b.proxy.is_none(),
             Forwarding::Splice => false,
         }
+    }
+
+    /// The `fail_fast` of `b`: its own, else `[datapath.fail_fast]`.
+    pub fn fail_fast_of(&self, b: &BalancerConfig) -> FailFastConfig {
+        b.fail_fast.unwrap_or(self.datapath.fail_fast)
     }
 
     /// The network namespaces `b`'s kernel programs act in: its own `namespaces`, else
@@ -565,6 +578,7 @@ impl Config {
                     proxy: None,
                     forwarding: None,
                     namespaces: None,
+                    fail_fast: None,
                     health: HealthConfig::default(),
                 });
             }

@@ -564,3 +564,81 @@ fn a_missing_systemd_credential_points_at_skip_files() {
     );
     Config::from_toml_with(&text, "f.toml", CredentialFiles::Skip).unwrap();
 }
+
+#[test]
+fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
+    use std::time::Duration;
+    let cfg = Config::from_toml(FULL, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(ff, FailFastConfig::default());
+    assert_eq!(ff.suspect_after, 2);
+    assert_eq!(ff.syn_retries, 3);
+    // auto: 3 × the round trip, at least the floor, at most 1 s, 1 s before a measurement.
+    assert_eq!(ff.timeout_for(None), Duration::from_secs(1));
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(1))),
+        Duration::from_millis(200)
+    );
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(100))),
+        Duration::from_millis(300)
+    );
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_secs(2))),
+        Duration::from_secs(1)
+    );
+
+    let global = FULL.replace(
+        "mode = \"auto\"",
+        "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"300ms\"\nsuspect_after = 1",
+    );
+    let cfg = Config::from_toml(&global, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(
+        ff.syn_timeout,
+        SynTimeout::Fixed(Dur(Duration::from_millis(300)))
+    );
+    assert_eq!(ff.suspect_after, 1);
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(1))),
+        Duration::from_millis(300)
+    );
+
+    // A balancer's own table replaces the default whole.
+    let own = format!("{global}\n[balancer.fail_fast]\nsyn_retries = 5\n");
+    let cfg = Config::from_toml(&own, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(
+        (ff.syn_timeout, ff.suspect_after, ff.syn_retries),
+        (SynTimeout::Auto, 2, 5)
+    );
+
+    for (bad, key) in [
+        (
+            "syn_timeout = \"10ms\"",
+            "balancer[0].fail_fast.syn_timeout",
+        ),
+        ("syn_timeout = \"2s\"", "balancer[0].fail_fast.syn_timeout"),
+        ("syn_timeout = \"soon\"", "syn_timeout"),
+        (
+            "syn_timeout_min = \"20ms\"",
+            "balancer[0].fail_fast.syn_timeout_min",
+        ),
+        ("syn_retries = 128", "balancer[0].fail_fast.syn_retries"),
+    ] {
+        let e = Config::from_toml(&format!("{FULL}\n[balancer.fail_fast]\n{bad}\n"), "test")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+    let e = Config::from_toml(
+        &FULL.replace(
+            "mode = \"auto\"",
+            "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"5s\"",
+        ),
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("datapath.fail_fast.syn_timeout"), "{e}");
+}

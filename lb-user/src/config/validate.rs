@@ -52,6 +52,7 @@ impl Config {
                 "at least one [[balancer]] (or --listen and --server) is required",
             ));
         }
+        self.datapath.fail_fast.validate("datapath.fail_fast")?;
         if self.datapath.max_buffered_bytes < 64 * 1024 {
             return Err(ConfigError::invalid(
                 "datapath.max_buffered_bytes",
@@ -143,6 +144,9 @@ impl Config {
                 }
             }
             validate_balancer(i, b, &all_listens, files)?;
+            if let Some(f) = &b.fail_fast {
+                f.validate(&key("fail_fast"))?;
+            }
             if let (super::Forwarding::Connect, Some(proxy)) = (self.forwarding_of(b), &b.proxy) {
                 return Err(ConfigError::invalid(
                     key("forwarding"),

@@ -4,6 +4,7 @@
 
 mod adopt;
 mod connect;
+mod failfast;
 mod handle;
 pub mod ids;
 mod listeners;
@@ -387,12 +388,18 @@ impl Daemon {
         if let Some(dp) = &daemon.datapath {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
+                    let weak = Arc::downgrade(&daemon);
+                    let default: failfast::DefaultConfig = Arc::new(move || {
+                        weak.upgrade()
+                            .map(|d| d.config.load().datapath.fail_fast)
+                            .unwrap_or_default()
+                    });
                     let sync = connect::sync_table(
                         b.clone(),
                         dp.clone(),
                         daemon.metrics.clone(),
                         rx,
-                        daemon.background.clone(),
+                        (daemon.background.clone(), default),
                     );
                     let go = go.clone();
                     tasks.spawn(async move {

@@ -37,6 +37,8 @@ pub(super) struct ConnectMaps {
     pub(super) fresh: bool,
     pub(super) socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
     pub(super) counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
+    /// The fail-fast maps: SYN policies and suspect marks per server.
+    pub(super) failfast: super::failfast::FailFastMaps,
 }
 
 /// What [`ConnectMaps::set_table`] did.

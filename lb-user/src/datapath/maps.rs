@@ -181,6 +181,7 @@ impl Maps {
                     .as_fd())?,
             ),
         ];
+        out.extend(self.connect.failfast.export()?);
         for (name, fd) in &self.rings {
             out.push((name, dup(fd.as_fd())?));
         }
@@ -254,6 +255,7 @@ impl Maps {
                     HashMap::try_from(take(MAP_CONNECT_COUNTS)?)
                         .map_err(map_err(MAP_CONNECT_COUNTS))?,
                 ),
+                failfast: super::failfast::FailFastMaps::take(&mut take)?,
             },
         };
         Ok((maps, ring, events))

@@ -16,6 +16,7 @@ mod attach;
 mod btf;
 mod connect_maps;
 mod credit;
+mod failfast;
 mod handover;
 mod kernel_log;
 mod maps;
@@ -46,6 +47,7 @@ use lb_common::{
 };
 use tracing::{debug, info, warn};
 
+pub use self::failfast::{jiffies, kernel_hz};
 pub use self::{
     btf::BtfError,
     credit::Pair,

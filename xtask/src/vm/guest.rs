@@ -22,6 +22,7 @@ pub const TESTS: &[&str] = &[
     "kernel_log",
     "connect_time",
     "connect_time_health",
+    "connect_time_failfast",
     "namespaces",
     "upgrade",
 ];
