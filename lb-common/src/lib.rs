@@ -7,6 +7,9 @@
 
 use core::mem::size_of;
 
+mod failfast;
+pub use failfast::*;
+
 /// Name of the sockops program (ELF section `sockops`).
 pub const PROG_SOCKOPS: &str = "lb_sockops";
 /// Name of the sk_msg program attached to [`MAP_CLIENTS`].
@@ -167,8 +170,10 @@ pub const CTL_SLOTS: u32 = 4;
 /// adopts pins only of its own. Bump it with any change to them.
 pub const CONNECT_PIN_LAYOUT: u64 = 1;
 /// The connect-time maps, pinned with their programs' links (the splice's maps are not).
-pub const CONNECT_MAPS: [&str; 10] = [
+pub const CONNECT_MAPS: [&str; 12] = [
     MAP_CONNECT_CTL,
+    MAP_CONNECT_SYN,
+    MAP_CONNECT_SUSPECT,
     MAP_CONNECT_LISTENERS,
     MAP_CONNECT_TABLES,
     MAP_CONNECT_CURRENT,
@@ -404,11 +409,13 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 20] = [
+pub const MAP_NAMES: [&str; 22] = [
     MAP_CONNECT_CTL,
     MAP_CONNECT_SCOPE,
     MAP_CONNECT_STATS,
     MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_SYN,
+    MAP_CONNECT_SUSPECT,
     MAP_CONNECT_EVENTS,
     MAP_CONNECT_TABLES,
     MAP_CONNECT_CURRENT,
@@ -697,4 +704,6 @@ mod pod {
     unsafe impl aya::Pod for super::ConnectOrig {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ConnectEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::SynPolicy {}
 }

@@ -31,6 +31,10 @@
 //! each kind per socket, dropped (and counted in `BalancerStats::connect_event_drops`) when the
 //! ring is full, so a storm of failing connects cannot flood lb.
 //!
+//! Fail fast (`failfast`): a rewritten connect's SYN timeout and `TCP_SYNCNT` come from its
+//! server's policy, and unanswered SYNs mark the server suspect, which [`try_connect`] passes
+//! over while another server is in the table.
+//!
 //! A connect is rewritten only when its socket is in the balancer's network namespace scope
 //! (`LB_CONNECT_SCOPE`, see [`in_scope`]): by default lb's own, so a pod's connect to its own
 //! `127.0.0.1:P` reaches the pod's server.
@@ -44,7 +48,7 @@ use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
         BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TIMEOUT_INIT, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT,
     },
     cty::c_void,
     helpers::{
@@ -61,11 +65,14 @@ use lb_common::{
     ConnectEvent, ConnectOrig, ConnectServer, ConnectTable, EVENT_CONNECT_FAILED, EVENT_RTO,
     GLOBAL_OFF_SK_ERR, ListenerKey, MAP_CONNECT_COUNTS, MAP_CONNECT_CTL, MAP_CONNECT_CURRENT,
     MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SCOPE,
-    MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
-    MAX_CONNECT_SERVERS, MAX_CONNECTIONS, MAX_LISTENERS, NETNS_SCOPE_ALL, PROG_CONNECT_RELEASE,
-    PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
-    REPORTED_RTO, TABLE_SLOTS, table_index,
+    MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES,
+    MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS,
+    MAX_LISTENERS, NETNS_SCOPE_ALL, PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4,
+    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS,
+    table_index,
 };
+
+mod failfast;
 
 named_as!(
     LB_CONNECT_LISTENERS = MAP_CONNECT_LISTENERS,
@@ -78,6 +85,8 @@ named_as!(
     LB_CONNECT_CTL = MAP_CONNECT_CTL,
     LB_CONNECT_SCOPE = MAP_CONNECT_SCOPE,
     LB_CONNECT_STATS = MAP_CONNECT_STATS,
+    LB_CONNECT_SYN = MAP_CONNECT_SYN,
+    LB_CONNECT_SUSPECT = MAP_CONNECT_SUSPECT,
     LB_OFF_SK_ERR = GLOBAL_OFF_SK_ERR,
     lb_connect_sockops = PROG_CONNECT_SOCKOPS,
     lb_connect_release = PROG_CONNECT_RELEASE,
@@ -113,6 +122,15 @@ static LB_CONNECT_COUNTS: HashMap<ConnectCountKey, u64> =
 
 #[map]
 static LB_CONNECT_EVENTS: RingBuf = RingBuf::with_byte_size(CONNECT_EVENTS_RING_BYTES, 0);
+
+// Fail fast (see failfast): per server, the SYN policy lb asks for and the suspect marks.
+#[map]
+static LB_CONNECT_SYN: HashMap<ConnectCountKey, SynPolicy> =
+    HashMap::with_max_entries(MAX_CONNECT_SYN, 0);
+
+#[map]
+static LB_CONNECT_SUSPECT: HashMap<ConnectCountKey, u64> =
+    HashMap::with_max_entries(MAX_CONNECT_SYN, 0);
 
 /// The sockops callbacks a rewritten socket asks for: state changes (its close uncounts it; a
 /// failed connect is reported) and retransmission timeouts (reported once).
@@ -162,6 +180,8 @@ pub fn lb_connect_sockops(ctx: SockOpsContext) -> u32 {
         BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == BPF_TCP_CLOSE => on_state(&ctx),
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
         BPF_SOCK_OPS_RTO_CB => on_rto(&ctx),
+        // Called whatever the socket's callback flags: the rewritten connect's SYN timeout.
+        BPF_SOCK_OPS_TIMEOUT_INIT => return failfast::on_timeout_init(&ctx),
         _ => {}
     }
     1
@@ -307,6 +327,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     // gives the verifier the bound it cannot derive from a modulo (`black_box` keeps LLVM,
     // which knows the bound, from dropping it).
     let pick = core::hint::black_box(pick) & (MAX_CONNECT_SERVERS - 1);
+    let pick = failfast::avoid_suspect(table, balancer, pick, count);
     let Some(server) = table.servers.get(pick).copied() else {
         return Ok(());
     };
@@ -515,6 +536,7 @@ fn on_connect(ctx: &SockOpsContext) {
         return;
     };
     let _ = crate::add_cb_flags(ctx, CB_FLAGS);
+    failfast::on_connect(ctx, cookie);
     // The source port is bound by now: record the socket's own address for lb's kills.
     if let Some(tuple) = crate::client_tuple(ctx) {
         // SAFETY: a live map value; one socket's callbacks run under its lock.
@@ -545,7 +567,8 @@ fn report(orig: &ConnectOrig, kind: u32, cookie: u64, err: u32) {
 }
 
 /// Sockops `RTO_CB`: the first retransmission timeout of an established rewritten socket is
-/// reported (later ones, and those of a connect still sending SYNs, are not).
+/// reported (later ones are not); one of a connect still sending SYNs may mark its server
+/// suspect (see `failfast`).
 #[inline(always)]
 fn on_rto(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
@@ -555,7 +578,11 @@ fn on_rto(ctx: &SockOpsContext) {
     };
     // SAFETY: a live map value; one socket's callbacks run under its lock.
     let orig = unsafe { &mut *orig };
-    if orig.established == 1 && orig.reported & REPORTED_RTO == 0 {
+    if orig.established == 0 {
+        failfast::on_syn_rto(ctx, cookie);
+        return;
+    }
+    if orig.reported & REPORTED_RTO == 0 {
         orig.reported |= REPORTED_RTO;
         let copy = *orig;
         report(&copy, EVENT_RTO, cookie, 0);

@@ -132,7 +132,7 @@ impl ServerAddr {
     /// `template` with this server's parts put in: `{server}` → `host:port` (IPv6 in
     /// brackets), `{host}` → the host alone (IPv6 in brackets, as a URL wants it; a pinned
     /// name gives its name), `{port}` → the port. So a check can target another port of the
-    /// same host, e.g. K3s's supervisor: `https://{host}:9345/ping`.
+    /// same host, e.g. RKE2's supervisor: `https://{host}:9345/ping`.
     pub fn fill(&self, template: &str) -> String {
         let host = match &self.host {
             Host::Ip(IpAddr::V6(ip)) => format!("[{ip}]"),

@@ -128,6 +128,12 @@ pub async fn check_once(
         .unwrap_or(Err(CheckError::Timeout(limit)))
 }
 
+tokio::task_local! {
+    /// How long the TCP connect of the check running in this task took, for the connect-time
+    /// SYN timeout (`Balancer::note_rtt`).
+    static CONNECT_TOOK: std::cell::Cell<Option<Duration>>;
+}
+
 /// Connect to `target` (`host:port`) by `route`. The socket closes with RST (`SO_LINGER` 0) so
 /// checks leave no TIME_WAIT behind on either side.
 async fn connect_tcp(target: &str, route: &Route) -> Result<TcpStream, CheckError> {
@@ -135,7 +141,9 @@ async fn connect_tcp(target: &str, route: &Route) -> Result<TcpStream, CheckErro
         url: target.to_string(),
         reason: e.to_string(),
     })?;
+    let began = Instant::now();
     let s = crate::net::connect(&addr, route).await?;
+    let _ = CONNECT_TOOK.try_with(|c| c.set(Some(began.elapsed())));
     let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
     // A check that reaches lb's own listener would pass for a server that only loops back to
     // lb (which the dial refuses): it fails, so the server stays FAILED instead of recovering,
@@ -255,13 +263,22 @@ impl Shared {
         let cfg = &config.health;
         let _inflight = self.metrics.inflight_guard();
         let start = Instant::now();
-        let result = match (cfg.kind, self.tunnels.ping(&balancer.name, &server)) {
-            (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
-                .await
-                .unwrap_or(Err(CheckError::PongTimeout(cfg.timeout.0))),
-            _ => check_once(cfg, &server, &Route::from_env(config.proxy.clone())).await,
-        };
-        self.record(&balancer, &server, result, start.elapsed())
+        let (result, connect_took) = CONNECT_TOOK
+            .scope(std::cell::Cell::new(None), async {
+                let result = match (cfg.kind, self.tunnels.ping(&balancer.name, &server)) {
+                    (CheckKind::Tunnel, Some(ping)) => tokio::time::timeout(cfg.timeout.0, ping)
+                        .await
+                        .unwrap_or(Err(CheckError::PongTimeout(cfg.timeout.0))),
+                    _ => check_once(cfg, &server, &Route::from_env(config.proxy.clone())).await,
+                };
+                (result, CONNECT_TOOK.with(std::cell::Cell::get))
+            })
+            .await;
+        let took = start.elapsed();
+        if result.is_ok() && config.proxy.is_none() {
+            balancer.note_rtt(&server, connect_took.unwrap_or(took));
+        }
+        self.record(&balancer, &server, result, took)
     }
 }
 
@@ -464,6 +481,7 @@ mod tests {
             consecutive_failures: failures,
             last_check: None,
             last_error: None,
+            suspect: false,
         }
     }
 

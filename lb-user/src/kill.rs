@@ -13,29 +13,22 @@
 
 use std::{
     net::{IpAddr, SocketAddr, ToSocketAddrs as _},
-    sync::atomic::{AtomicBool, AtomicU32, Ordering},
-    time::Duration,
+    sync::atomic::{AtomicBool, Ordering},
 };
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkBuffer, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload, NetlinkSerializable,
-};
+use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_sock_diag::{
     IPPROTO_TCP, SockDiagDestroy, SockDiagMessage,
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
-use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_SOCK_DIAG};
-use nix::{
-    errno::Errno,
-    sys::{
-        socket::{setsockopt, sockopt},
-        time::TimeVal,
-    },
-};
+use netlink_sys::SocketAddr as NetlinkAddr;
+use nix::errno::Errno;
 use tracing::{info, warn};
 
-use crate::netns;
+use crate::{
+    netns,
+    sock_diag::{NEXT_SEQ, Netlink, encode, errno},
+};
 
 /// TCP states a live connection can be in (LISTEN, TIME_WAIT and CLOSE left out).
 const LIVE_STATES: StateFlags = StateFlags::ESTABLISHED
@@ -46,12 +39,6 @@ const LIVE_STATES: StateFlags = StateFlags::ESTABLISHED
     .union(StateFlags::CLOSE_WAIT)
     .union(StateFlags::LAST_ACK)
     .union(StateFlags::CLOSING);
-/// Bound on one netlink reply wait.
-const RECV_TIMEOUT: Duration = Duration::from_secs(2);
-/// Bound on the sockets one dump may return.
-const MAX_SOCKETS: usize = 1_000_000;
-/// Receive buffer for one batch of replies (bytes).
-const RECV_BUFFER: usize = 64 * 1024;
 
 /// Errors of a node-wide kill.
 #[derive(Debug, thiserror::Error)]
@@ -135,7 +122,7 @@ pub fn destroy_connect_sockets(
                 }
             }
         }
-        let mut done = destroy_all(&Netlink::open()?, targets)?;
+        let mut done = destroy_all(&Netlink::open().map_err(KillError::Socket)?, targets)?;
         if !unsent.is_empty() {
             let k = destroy_matching(peer, LIVE_STATES, |id| unsent.contains(&cookie_of(id)))?;
             done.found += k.found;
@@ -182,7 +169,7 @@ pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError>
         .iter()
         .map(|&(local, peer)| own_target(local, peer))
         .collect();
-    destroy_all(&Netlink::open()?, targets)
+    destroy_all(&Netlink::open().map_err(KillError::Socket)?, targets)
 }
 
 /// Destroy `targets`, 64 requests per `sendmsg`, each acknowledged; a socket that closed
@@ -329,7 +316,7 @@ fn destroy_matching(
     states: StateFlags,
     keep: impl Fn(&SocketId) -> bool,
 ) -> Result<NodeKill, KillError> {
-    let nl = Netlink::open()?;
+    let nl = Netlink::open().map_err(KillError::Socket)?;
     let mut targets = Vec::new();
     match peer.ip() {
         IpAddr::V4(v4) => {
@@ -385,8 +372,6 @@ fn kill_node(server: &str) {
     }
 }
 
-static NEXT_SEQ: AtomicU32 = AtomicU32::new(1);
-
 /// One socket found by a dump: its family and the id the kernel gave it (ports, addresses,
 /// interface, cookie), which `SOCK_DESTROY` takes back as is.
 struct Target {
@@ -394,118 +379,7 @@ struct Target {
     id: SocketId,
 }
 
-/// A `NETLINK_SOCK_DIAG` socket.
-struct Netlink {
-    socket: Socket,
-}
-
-/// One netlink message: header (`seq`, `flags`, type and length from `payload`) and payload.
-fn encode<M: NetlinkSerializable>(seq: u32, flags: u16, payload: M) -> Vec<u8> {
-    let mut header = NetlinkHeader::default();
-    header.flags = flags;
-    header.sequence_number = seq;
-    let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
-    msg.finalize();
-    let mut buf = vec![0u8; msg.buffer_len()];
-    msg.serialize(&mut buf);
-    buf
-}
-
-/// An io error from the netlink socket as an errno.
-fn errno(e: &std::io::Error) -> Errno {
-    Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
-}
-
 impl Netlink {
-    fn open() -> Result<Netlink, KillError> {
-        let socket = Socket::new(NETLINK_SOCK_DIAG).map_err(|e| KillError::Socket(errno(&e)))?;
-        let tv = TimeVal::new(i64::try_from(RECV_TIMEOUT.as_secs()).unwrap_or(2), 0);
-        setsockopt(&socket, sockopt::ReceiveTimeout, &tv).map_err(KillError::Socket)?;
-        Ok(Netlink { socket })
-    }
-
-    /// Send `payload` with `flags` to the kernel; returns the sequence number.
-    fn send<M: NetlinkSerializable>(&self, flags: u16, payload: M) -> Result<u32, Errno> {
-        let seq = NEXT_SEQ.fetch_add(1, Ordering::Relaxed);
-        self.socket
-            .send_to(&encode(seq, flags, payload), &NetlinkAddr::new(0, 0), 0)
-            .map_err(|e| errno(&e))?;
-        Ok(seq)
-    }
-
-    /// Read replies, passing the payload of each message whose sequence number `wanted`
-    /// accepts to `each` (`Err` when it does not decode), until `each` returns the outcome.
-    fn read_replies(
-        &self,
-        wanted: impl Fn(u32) -> bool,
-        mut each: impl FnMut(Result<NetlinkPayload<SockDiagMessage>, ()>) -> Option<Result<(), Errno>>,
-    ) -> Result<(), Errno> {
-        let mut buf = vec![0u8; RECV_BUFFER];
-        loop {
-            let n = self
-                .socket
-                .recv(&mut &mut buf[..], 0)
-                .map_err(|e| errno(&e))?;
-            if n == 0 || n > buf.len() {
-                return Err(Errno::EPROTO);
-            }
-            let mut batch = &buf[..n];
-            while !batch.is_empty() {
-                // Checks the header and that its length fits in what arrived.
-                let frame = NetlinkBuffer::new_checked(batch).map_err(|_| Errno::EPROTO)?;
-                let len = frame.length() as usize;
-                let seq = frame.sequence_number();
-                let msg = &batch[..len];
-                batch = batch.get((len + 3) & !3..).unwrap_or_default();
-                if !wanted(seq) {
-                    continue;
-                }
-                let payload = NetlinkMessage::<SockDiagMessage>::deserialize(msg)
-                    .map(|m| m.payload)
-                    .map_err(|_| ());
-                if let Some(outcome) = each(payload) {
-                    return outcome;
-                }
-            }
-        }
-    }
-
-    /// Receive replies to `seq`, calling `each` with every inner message until `DONE` or an
-    /// error message; an error message with errno 0 (an ACK) ends the wait successfully. An
-    /// inner message that does not decode is passed as `None`.
-    fn receive(
-        &self,
-        seq: u32,
-        mut each: impl FnMut(Option<SockDiagMessage>),
-    ) -> Result<(), Errno> {
-        let mut seen = 0usize;
-        self.read_replies(
-            |s| s == seq,
-            |payload| {
-                match payload {
-                    Ok(NetlinkPayload::Done(_)) => return Some(Ok(())),
-                    Ok(NetlinkPayload::Error(e)) => {
-                        return Some(match e.code {
-                            None => Ok(()),
-                            Some(code) => Err(Errno::from_raw(-code.get())),
-                        });
-                    }
-                    Ok(NetlinkPayload::InnerMessage(m)) => {
-                        seen += 1;
-                        each(Some(m));
-                    }
-                    Ok(_) => {}
-                    // The header parsed but the payload did not.
-                    Err(()) => {
-                        seen += 1;
-                        each(None);
-                    }
-                }
-                (seen > MAX_SOCKETS).then_some(Err(Errno::E2BIG))
-            },
-        )
-    }
-
     /// Append the TCP sockets in `states` whose peer is `peer` (its family's dump).
     fn dump(
         &self,

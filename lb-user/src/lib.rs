@@ -20,3 +20,4 @@ pub mod net;
 pub mod netns;
 pub mod proxy;
 pub mod singleflight;
+pub mod sock_diag;

@@ -190,6 +190,9 @@ pub struct Metrics {
     /// `lb_connect_kill_netns_failures_total`: connect-time sockets a kill could not reach
     /// because their process's network namespace could not be opened or entered.
     pub connect_kill_netns_failures: Family<BalancerLabel, Counter>,
+    /// `lb_connect_suspect_total`: times the kernel marked a server suspect (a connect-time
+    /// connect's SYN went unanswered `suspect_after` times).
+    pub connect_suspect: Family<ServerLabels, Counter>,
     /// `lb_netns_skipped_total`: sockets the kernel programs left alone because they are in
     /// another network namespace than the balancer's scope (`namespaces = "own"`).
     pub netns_skipped: Family<NetnsSkipLabels, Counter>,
@@ -356,6 +359,12 @@ impl Metrics {
             "Connect-time sockets a kill or abort could not reach because their process's network namespace could not be opened (process gone, or no CAP_SYS_PTRACE) or entered (no CAP_SYS_ADMIN); each process is logged with its pid",
             connect_kill_netns_failures.clone(),
         );
+        let connect_suspect = Family::<ServerLabels, Counter>::default();
+        registry.register(
+            "connect_suspect",
+            "Times the kernel marked a server suspect because a connect-time connect's SYN went unanswered suspect_after times; new connects avoid it until a check passes",
+            connect_suspect.clone(),
+        );
         let netns_skipped = Family::<NetnsSkipLabels, Counter>::default();
         registry.register(
             "netns_skipped",
@@ -452,6 +461,7 @@ impl Metrics {
             passive_events,
             passive_event_drops,
             connect_kill_netns_failures,
+            connect_suspect,
             netns_skipped,
             datapath_info,
             balancer_forwarding,

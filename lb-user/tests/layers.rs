@@ -12,6 +12,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("singleflight", 0),
     ("errors", 0),
     ("netns", 0),
+    ("sock_diag", 0),
     ("kill", 1),
     ("config", 1),
     ("handover", 1),

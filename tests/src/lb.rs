@@ -46,8 +46,9 @@ impl Lb {
     }
 
     /// One balancer on `listen` with the one `server`, the kernel data path attached to the
-    /// cgroup `cgroup` (`--datapath bpf`), plus `extra` arguments; waits until its first checks
-    /// settled (10 s at most).
+    /// cgroup `cgroup` (`--datapath bpf`) and splice forwarding (unless `extra` names another
+    /// `--forwarding`), plus `extra` arguments; waits until its first checks settled (10 s at
+    /// most).
     ///
     /// # Errors
     /// As [`Lb::start`] and [`Lb::wait_settled`].
@@ -68,6 +69,9 @@ impl Lb {
             "--cgroup",
             &cgp,
         ];
+        if !extra.contains(&"--forwarding") {
+            args.extend_from_slice(&["--forwarding", "splice"]);
+        }
         args.extend_from_slice(extra);
         let lb = Lb::start(&args)?;
         lb.wait_settled(Duration::from_secs(10))?;

@@ -13,6 +13,7 @@ mod connect;
 mod deploy;
 mod dns;
 mod etcd;
+mod fleet;
 mod host;
 mod http;
 mod lb;
@@ -35,6 +36,7 @@ pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
     SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
 };
+pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_until};

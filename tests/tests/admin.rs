@@ -775,6 +775,8 @@ fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()>
         "bpf",
         "--cgroup",
         cg.path.to_str().context("path")?,
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     let attached = bpftool_cgroup(&cg.path)?;
@@ -1038,5 +1040,146 @@ fn cli_against_a_live_daemon() -> Result<()> {
         code(&o) == 0 && mandir.join("lb-servers.1").exists(),
         "{o:?}"
     );
+    Ok(())
+}
+
+/// `lb args...` as uid and gid 65534 (nobody), bounded in time; `None` when that user cannot
+/// run the binary (it lives under a directory closed to others).
+fn lb_cli_as_nobody(args: &[&str]) -> Result<Option<Output>> {
+    use std::os::unix::process::CommandExt as _;
+    let child = Command::new(lb_bin())
+        .args(args)
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("lb {args:?} as nobody did not finish within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Some(child.wait_with_output()?))
+}
+
+#[test]
+fn changes_need_root_lbs_user_or_the_token() -> Result<()> {
+    if skip_unless_root("changes_need_root_lbs_user_or_the_token") {
+        return Ok(());
+    }
+    let _g = serial();
+    let (h, lb, _) = simple(&[])?;
+    let server = h.addr(9000).to_string();
+    let admin = lb.admin.to_string();
+    // Reading is open to every local user.
+    let Some(o) = lb_cli_as_nobody(&["status", "--admin", &admin])? else {
+        lb_tests::skip(
+            "changes_need_root_lbs_user_or_the_token",
+            "uid 65534 cannot execute the lb binary here",
+        );
+        return Ok(());
+    };
+    ensure!(code(&o) == 0, "status as nobody: {o:?}");
+    // A change from another user is refused, and nothing changes.
+    let drain = [
+        "servers", "drain", "-b", "default", &server, "--admin", &admin,
+    ];
+    let o = lb_cli_as_nobody(&drain)?.context("ran before")?;
+    ensure!(
+        code(&o) != 0 && text(&o.stderr).contains("403"),
+        "drain as nobody: {o:?}"
+    );
+    let state = || -> Result<String> {
+        Ok(lb.status()?["balancers"][0]["servers"][0]["state"]
+            .as_str()
+            .unwrap_or("?")
+            .to_string())
+    };
+    ensure!(
+        state()? != "DRAINING",
+        "a refused drain drained: {}",
+        state()?
+    );
+    ensure!(
+        lb.log_text().contains("admin change refused"),
+        "the refusal is logged"
+    );
+    // Root may.
+    let o = lb_cli(&drain, &[])?;
+    ensure!(code(&o) == 0, "drain as root: {o:?}");
+    Ok(())
+}
+
+#[test]
+fn the_token_lets_another_user_change_and_a_remote_admin_needs_one() -> Result<()> {
+    if skip_unless_root("the_token_lets_another_user_change_and_a_remote_admin_needs_one") {
+        return Ok(());
+    }
+    let _g = serial();
+    let mut h = Host::new()?;
+    h.serve(9000, "s0")?;
+    let dir = TempDir::new()?;
+    let token = dir.write("token", "s3cret-token\n")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let listen = loopback_addr()?;
+    let server = h.addr(9000).to_string();
+    let cfg = dir.write(
+        "lb.toml",
+        &format!(
+            "[admin]\nlisten = \"127.0.0.1:{}\"\ntoken_file = \"{}\"\n[datapath]\nmode = \"userspace\"\n[[balancer]]\nname = \"t\"\nlisten = [\"{listen}\"]\nservers = [\"{server}\"]\n",
+            free_port()?,
+            token.display(),
+        ),
+    )?;
+    let lb = Lb::start(&["--config", cfg.to_str().context("path")?])?;
+    let admin = lb.admin.to_string();
+    let tok = token.to_str().context("path")?;
+    let drain = ["servers", "drain", "-b", "t", &server, "--admin", &admin];
+    let Some(o) = lb_cli_as_nobody(&drain)? else {
+        lb_tests::skip(
+            "the_token_lets_another_user_change_and_a_remote_admin_needs_one",
+            "uid 65534 cannot execute the lb binary here",
+        );
+        return Ok(());
+    };
+    ensure!(
+        code(&o) != 0 && text(&o.stderr).contains("401"),
+        "drain as nobody without the token: {o:?}"
+    );
+    let mut with_token = drain.to_vec();
+    with_token.extend(["--token-file", tok]);
+    let o = lb_cli_as_nobody(&with_token)?.context("ran before")?;
+    ensure!(code(&o) == 0, "drain as nobody with the token: {o:?}");
+
+    // A non-loopback admin address without a token is refused at the config check, naming
+    // the key, unless the file opts out.
+    let open = dir.write(
+        "open.toml",
+        "[admin]\nlisten = \"0.0.0.0:9901\"\n[[balancer]]\nname = \"t\"\nlisten = [\"127.0.0.1:6444\"]\nservers = [\"198.18.0.2:6443\"]\n",
+    )?;
+    let o = lb_cli(&["config", "check", open.to_str().context("path")?], &[])?;
+    ensure!(
+        code(&o) == 2 && text(&o.stderr).contains("admin.listen"),
+        "{o:?}"
+    );
+    let opted = dir.write(
+        "opted.toml",
+        &std::fs::read_to_string(&open)?.replace(
+            "listen = \"0.0.0.0:9901\"",
+            "listen = \"0.0.0.0:9901\"\nallow_without_token = true",
+        ),
+    )?;
+    let o = lb_cli(&["config", "check", opted.to_str().context("path")?], &[])?;
+    ensure!(code(&o) == 0, "{o:?}");
     Ok(())
 }

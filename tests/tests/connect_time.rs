@@ -589,6 +589,8 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
         "bpf",
         "--cgroup",
         &cg.path.display().to_string(),
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     let shown = lb_tests::sh(
@@ -601,6 +603,91 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
         "splice-only lb should attach no connect-time program: {shown}"
     );
     ensure!(lb.status()?["balancers"][0]["forwarding"] == "splice");
+    Ok(())
+}
+
+#[test]
+fn connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy() -> Result<()> {
+    if skip_unless_root("connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy") {
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let (direct, proxied) = (free_port()?, free_port()?);
+    let server = hosts[0].addr(9000);
+    // No `forwarding` anywhere: both balancers are `auto`. The proxy is never dialed: the
+    // check and the test only look at what each balancer got.
+    let text = format!(
+        r#"
+[datapath]
+mode = "bpf"
+cgroup = "{cg}"
+
+[[balancer]]
+name = "direct"
+listen = ["127.0.0.1:{direct}"]
+servers = ["{server}"]
+
+[[balancer]]
+name = "proxied"
+listen = ["127.0.0.1:{proxied}"]
+servers = ["{server}"]
+proxy = "http://127.0.0.1:9"
+"#,
+        cg = cg.path.display()
+    );
+    let dir = lb_tests::TempDir::new("lb-auto-forwarding")?;
+    let file = dir.join("lb.toml");
+    std::fs::write(&file, text)?;
+    let lb = Lb::start(&["--config", &file.display().to_string()])?;
+    // Not ready as a whole: the proxied balancer's checks go to a proxy that refuses.
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        let st = lb.status()?;
+        Ok(st["balancers"].as_array().is_some_and(|a| {
+            a.iter().any(|b| {
+                b["name"] == "direct"
+                    && b["servers"][0]["state"]
+                        .as_str()
+                        .is_some_and(|s| s == "PREFERRED" || s == "ACTIVE")
+            })
+        }))
+    })
+    .with_context(|| {
+        format!(
+            "the direct balancer's server never passed\n{}",
+            lb.log_text()
+        )
+    })?;
+    let status = lb.status()?;
+    let b = |name: &str| {
+        status["balancers"]
+            .as_array()
+            .and_then(|a| a.iter().find(|b| b["name"] == name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    ensure!(b("direct")["forwarding"] == "connect", "{status}");
+    ensure!(b("proxied")["forwarding"] == "splice", "{status}");
+    ensure!(
+        b("proxied")["forwarding_fallback"]
+            .as_str()
+            .is_some_and(|why| why.contains("proxy")),
+        "the proxied balancer's reason: {status}"
+    );
+    let log = lb.log_text();
+    ensure!(
+        log.contains("forwarding = auto: connect-time")
+            && log.contains("forwarding = auto: splice"),
+        "one line per balancer says what auto chose: {log}"
+    );
+    // The direct balancer's client is rewritten: it reaches the server and lb accepts nothing.
+    let addr: SocketAddr = format!("127.0.0.1:{direct}").parse()?;
+    let v = run_client(&Place::cgroup(&cg.path), addr, &["dial"], T)?;
+    ensure!(v["ok"] == true && v["server"] == "s0", "{v}");
+    ensure!(
+        lb.metric("lb_connections_total", "") == 0.0,
+        "the client went through lb"
+    );
     Ok(())
 }
 

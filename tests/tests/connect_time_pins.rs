@@ -324,8 +324,13 @@ fn check_modes(dir: &Path) -> Result<()> {
         );
         pins += 1;
     }
-    // Ten maps and six links.
-    ensure!(pins == 16, "{pins} pins in {}", dir.display());
+    // Twelve maps (lb_common::CONNECT_MAPS) and six links, one per connect-time program.
+    let want = 18;
+    ensure!(
+        pins == want,
+        "{pins} pins in {}, want {want}",
+        dir.display()
+    );
     Ok(())
 }
 

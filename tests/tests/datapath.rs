@@ -30,6 +30,7 @@ impl Setup {
             mode.into(),
         ];
         args.extend(["--cgroup".to_string(), cg.path.display().to_string()]);
+        args.extend(["--forwarding".to_string(), "splice".to_string()]);
         for h in &hosts {
             args.extend(["--server".to_string(), h.addr(9000).to_string()]);
         }

@@ -76,6 +76,7 @@ on_unhealthy = "kill"
 
 [[balancer]]
 name = "spliced"
+forwarding = "splice"
 listen = ["127.0.0.1:{spliced}"]
 servers = ["{s1}"]
 "#

@@ -70,7 +70,14 @@ fall = 1
     std::fs::write(&cfg_path, config)?;
     let cfgp = cfg_path.display().to_string();
     let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
+    let lb = Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])?;
     let took = wait_until(Duration::from_secs(10), || {
         Ok(addresses(&lb)? == sorted(addr[..2].to_vec()))
     })
@@ -192,7 +199,14 @@ fall = 1
     std::fs::write(&cfg_path, config)?;
     let cfgp = cfg_path.display().to_string();
     let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
+    let lb = Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])?;
     let took = wait_until(Duration::from_secs(15), || {
         Ok(addresses(&lb)? == sorted(members.clone()))
     })

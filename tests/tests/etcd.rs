@@ -1,6 +1,6 @@
-//! The K3s/RKE2 agent node end to end (issue 15): lb fronts etcd (2379) of three servers and
-//! judges each server by its supervisor (`GET http://{host}:9345/ping`), not by the balanced
-//! port. When the supervisor of the server lb is using goes away (that server's etcd keeps
+//! A K3s/RKE2 server without etcd, end to end (issue 15): lb fronts etcd (2379) of three
+//! servers and judges each server by its supervisor (`GET http://{host}:9345/ping`), not by the
+//! balanced port. When the supervisor of the server lb is using goes away (that server's etcd keeps
 //! serving), lb marks it FAILED, resets its connections, and an `etcdctl watch` through lb
 //! resumes on another member without missing or repeating a key while `etcdctl put`s go on.
 //! Also a check of the etcd test support itself: stopping and starting a supervisor and a
@@ -299,6 +299,8 @@ fn supervisor_down_fails_over_the_etcd_balancer() -> Result<()> {
         &cfgp,
         "--cgroup",
         &cg.path.display().to_string(),
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     lb.wait_settled(Duration::from_secs(10))?;

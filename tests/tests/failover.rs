@@ -81,6 +81,8 @@ impl Setup {
             &config.display().to_string(),
             "--cgroup",
             &cg.path.display().to_string(),
+            "--forwarding",
+            "splice",
         ])?;
         let s = Setup {
             hosts,
@@ -376,6 +378,8 @@ max_age = "1s"
         &config.display().to_string(),
         "--cgroup",
         &cg.path.display().to_string(),
+        "--forwarding",
+        "splice",
     ]);
     let _ = std::fs::remove_file(&config);
     let lb = lb?;

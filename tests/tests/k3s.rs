@@ -94,7 +94,14 @@ fall = 1
     std::fs::write(&cfg_path, config(&addr[0]))?;
     let cgp = cg.path.display().to_string();
     let cfgp = cfg_path.display().to_string();
-    let mut lb = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
+    let mut lb = Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     for a in &addr {
         wait_state(&lb, a, "PREFERRED", Duration::from_secs(5))?;
@@ -165,7 +172,14 @@ fall = 1
     );
     ensure!(saved["default"] == addr[1], "state file default: {saved}");
     lb.terminate(Duration::from_secs(35))?;
-    let lb2 = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
+    let lb2 = Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])?;
     ensure!(
         state_of(&lb2, &addr[0])? == "(absent)",
         "state file not loaded: s1 is back"
@@ -178,7 +192,14 @@ fall = 1
     // The operator edited the config's server list (here its default): the edit wins and the
     // state file is ignored.
     std::fs::write(&cfg_path, config(&addr[2]))?;
-    let lb3 = Lb::start(&["--config", &cfgp, "--cgroup", &cgp])?;
+    let lb3 = Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])?;
     ensure!(
         state_of(&lb3, &addr[0])? != "(absent)",
         "a state file written under another config list must be ignored"

@@ -31,6 +31,8 @@ fn credit_fallbacks(log_level: &str) -> Result<(TestCgroup, Host, Lb, u16)> {
         "bpf",
         "--cgroup",
         &cgp,
+        "--forwarding",
+        "splice",
         "--log-level",
         log_level,
         // The lines are read as text whatever LB_LOG_FORMAT the tests run with.

@@ -81,6 +81,8 @@ servers = ["{}"]
         "bpf",
         "--cgroup",
         &cgp,
+        "--forwarding",
+        "splice",
     ])?;
     lb.wait_settled(Duration::from_secs(10))?;
     let place = Place::cgroup(&cg.path);

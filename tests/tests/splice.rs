@@ -68,6 +68,8 @@ fn one_server(cg: &TestCgroup, listen: &str, extra: &[&str]) -> Result<(Host, Lb
         "bpf",
         "--cgroup",
         &cgp,
+        "--forwarding",
+        "splice",
     ];
     args.extend_from_slice(extra);
     let lb = Lb::start(&args)?;

@@ -42,7 +42,7 @@ struct Setup {
 
 impl Setup {
     /// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data
-    /// path attached to a child cgroup.
+    /// path attached to a child cgroup, splice forwarding unless `extra` names another.
     fn new(extra: &[&str], env: &[(&str, &str)]) -> Result<Setup> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
         let cg = TestCgroup::new()?;
@@ -55,6 +55,9 @@ impl Setup {
             "--cgroup".into(),
             cg.path.display().to_string(),
         ];
+        if !extra.contains(&"--forwarding") {
+            args.extend(["--forwarding".into(), "splice".into()]);
+        }
         for h in &hosts {
             args.extend(["--server".to_string(), h.addr(9000).to_string()]);
         }

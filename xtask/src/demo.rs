@@ -1,7 +1,8 @@
 //! `cargo xtask demo`: lb on an embedded default config in front of three test hosts, real
-//! traffic through the kernel splice, and a failover you can watch; then the same servers behind
-//! a connect-time balancer (`forwarding = "connect"`), whose clients talk to the server directly
-//! and are reset by lb and reconnect when their server fails.
+//! traffic through the kernel splice (`forwarding = "splice"`), and a failover you can watch;
+//! then the same servers behind a balancer with the default forwarding (`auto`: connect-time
+//! where the kernel has the hooks), whose clients talk to the server directly and are reset by
+//! lb and reconnect when their server fails.
 
 use std::{
     fmt::Write as _,
@@ -14,8 +15,8 @@ use lb_tests::{Holder, Lb, Place, TestCgroup, free_port, run_client, sh};
 use crate::util::root;
 
 /// The embedded default: one balancer, three servers, K3s-style failover, an HTTP check
-/// (`GET /healthz`) every 500 ms; and a second balancer in front of the same servers with
-/// connect-time forwarding.
+/// (`GET /healthz`) every 500 ms, forwarding through lb; and a second balancer in front of the
+/// same servers with the default forwarding (connect-time where the kernel has it).
 const CONFIG: &str = r#"
 [datapath]
 mode = "auto"
@@ -25,6 +26,7 @@ name = "apiserver"
 listen = ["127.0.0.1:{port}"]
 servers = [{servers}]
 policy = "failover"
+forwarding = "splice"
 dial_timeout = "2s"
 
 [balancer.health]
@@ -41,7 +43,6 @@ name = "apiserver-direct"
 listen = ["127.0.0.1:{port2}"]
 servers = [{servers}]
 policy = "failover"
-forwarding = "connect"
 
 [balancer.health]
 kind = "http"

@@ -4,12 +4,13 @@
 //! It runs on its own current-thread runtime on a dedicated thread, so a saturated data path
 //! cannot starve it, and the probes answer from snapshots (an atomic heartbeat and a readiness
 //! value refreshed every 100 ms) without taking a balancer lock. It listens on loopback by
-//! default, optionally also on a unix socket (mode 0600), and with `[admin] token_file` wants
-//! `Authorization: Bearer TOKEN` on everything but the two probes. Request heads must arrive
+//! default, optionally also on a unix socket (mode 0600); who may read and who may change is
+//! in [`authz`]: changes only from root or lb's own user, or with `[admin] token_file`'s token. Request heads must arrive
 //! within 5 s, bodies are limited to 64 KiB, handlers are bounded in time, connections in
 //! number and lifetime.
 
 pub mod api;
+mod authz;
 mod check;
 pub mod client;
 mod probes;
@@ -26,7 +27,7 @@ use std::{
 use axum::{
     Json, Router,
     extract::{DefaultBodyLimit, Request, State},
-    http::{HeaderValue, StatusCode, header},
+    http::{StatusCode, header},
     middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::{delete, get, post, put},
@@ -109,8 +110,13 @@ pub fn status(daemon: &Handle) -> StatusBody {
                 let cfg = b.config();
                 let (forwarding, forwarding_fallback) = daemon.forwarding(&b.name);
                 let direct = daemon.connect_counts(b.id);
+                let suspects = daemon.connect_suspects(b.id);
                 let mut servers = b.status();
                 for s in &mut servers {
+                    s.suspect = s
+                        .address
+                        .socket_addr()
+                        .is_some_and(|a| suspects.contains(&a));
                     if let Some(n) = s.address.socket_addr().and_then(|a| direct.get(&a)) {
                         s.connections += usize::try_from(*n).unwrap_or(usize::MAX);
                     }
@@ -217,7 +223,10 @@ fn router(state: Arc<AdminState>) -> Router {
     let protected = check
         .merge(api)
         .merge(upgrade)
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authz::authorize,
+        ));
     probes
         .merge(protected)
         .fallback(not_found)
@@ -297,48 +306,6 @@ fn read_token(path: &Path) -> Result<String, String> {
     Ok(token.to_string())
 }
 
-/// Compare without an early exit on the first differing byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-async fn authorize(State(s): State<Arc<AdminState>>, req: Request, next: Next) -> Response {
-    let Some(path) = s.daemon.config().admin.token_file.clone() else {
-        return next.run(req).await;
-    };
-    let expected = match s.token.get(&path) {
-        Ok(t) => t,
-        Err(reason) => {
-            error!(file = %path.display(), reason, "admin token file unreadable; refusing requests");
-            return ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the admin token file is unreadable (see lb's log)",
-            )
-            .into_response();
-        }
-    };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), expected.as_bytes())) {
-        return next.run(req).await;
-    }
-    let mut resp = ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "a valid `Authorization: Bearer TOKEN` header is required",
-    )
-    .into_response();
-    resp.headers_mut()
-        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    resp
-}
-
 /// `POST /upgrade`: hand everything to a new lb from lb's binary; 200 with
 /// [`crate::daemon::upgrade::Upgraded`] (this process exits right after), 409 at once when
 /// another upgrade is under way (or this lb handed over or is shutting down), 500 with the
@@ -382,21 +349,32 @@ enum Listener {
 }
 
 impl Listener {
-    async fn accept(&self) -> std::io::Result<Box<dyn Io>> {
+    async fn accept(&self) -> std::io::Result<(Box<dyn Io>, authz::Peer)> {
         match self {
             Listener::Tcp(l) => {
-                let (s, _) = l.accept().await?;
+                let (s, remote) = l.accept().await?;
                 let _ = s.set_nodelay(true);
-                Ok(Box::new(s))
+                let local = s.local_addr()?;
+                Ok((Box::new(s), authz::Peer::Tcp { local, remote }))
             }
-            Listener::Unix(l, _) => Ok(Box::new(l.accept().await?.0)),
+            Listener::Unix(l, _) => {
+                let s = l.accept().await?.0;
+                let uid = s.peer_cred().ok().map(|c| c.uid());
+                Ok((Box::new(s), authz::Peer::Unix { uid }))
+            }
         }
     }
 }
 
 /// Serve one connection: HTTP/1.1, head read bounded, closed at shutdown or after
 /// [`CONNECTION_LIFETIME`]. A client that goes away mid-request drops the handler's future.
-async fn serve_connection(io: Box<dyn Io>, app: Router, shutdown: CancellationToken) {
+async fn serve_connection(
+    io: Box<dyn Io>,
+    peer: authz::Peer,
+    app: Router,
+    shutdown: CancellationToken,
+) {
+    let app = app.layer(axum::Extension(peer));
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
@@ -437,11 +415,11 @@ async fn accept_loop(
             }
             continue;
         }
-        let io = tokio::select! {
+        let (io, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
             r = gate.changed() => if r.is_err() { break } else { continue },
             r = listener.accept() => match r {
-                Ok(io) => io,
+                Ok(conn) => conn,
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
                     warn!(error = %e, "admin accept failed");
@@ -459,7 +437,7 @@ async fn accept_loop(
         };
         let (app, shutdown) = (app.clone(), shutdown.clone());
         conns.spawn(async move {
-            serve_connection(io, app, shutdown).await;
+            serve_connection(io, peer, app, shutdown).await;
             drop(permit);
         });
     }
@@ -508,7 +486,7 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
             warn!(file = %path.display(), "admin token file is readable by group or others");
         }
     } else if !cfg.listen.ip().is_loopback() {
-        warn!(listen = %cfg.listen, "admin API on a non-loopback address without a token_file: anyone who reaches it can change servers");
+        warn!(listen = %cfg.listen, "admin API on a non-loopback address without a token_file (allow_without_token): anyone who reaches it can read /status and /metrics");
     }
     // After `lb upgrade` the admin sockets are the old process's, served as they are.
     let tcp_key = crate::handover::ListenerKey::AdminTcp(cfg.listen);
@@ -624,13 +602,6 @@ async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn token_compare() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-    }
 
     #[test]
     fn token_file_rules() {

@@ -104,6 +104,10 @@ pub struct ServerStatus {
     pub last_check: Option<f64>,
     /// Last check error.
     pub last_error: Option<String>,
+    /// Connect-time: the kernel marked it suspect (its SYNs went unanswered) and no check
+    /// passed since; new connects avoid it while another server is usable.
+    #[serde(default)]
+    pub suspect: bool,
 }
 
 /// What a balancer's discovery source last did, for `/status`, `lb status` and metrics.
@@ -152,6 +156,8 @@ pub struct Balancer {
     observer: Arc<dyn Observer>,
     discovery: Mutex<Option<DiscoveryStatus>>,
     state_file_turn: Mutex<()>,
+    /// Per server, the connect round trip of its last passing check (see [`Balancer::rtt`]).
+    rtts: Mutex<std::collections::HashMap<ServerAddr, std::time::Duration>>,
     /// Bumped on every state change and config replacement; the health scheduler, discovery
     /// and admin watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
@@ -218,6 +224,7 @@ impl Balancer {
             observer: opts.observer,
             discovery: Mutex::new(None),
             state_file_turn: Mutex::new(()),
+            rtts: Mutex::new(std::collections::HashMap::new()),
             changed: tokio::sync::watch::channel(0).0,
         });
         if on_disk.as_ref() != Some(&b.state()) {
@@ -300,6 +307,7 @@ impl Balancer {
                     .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
                     .map(|d| d.as_secs_f64()),
                 last_error: s.last_error.clone(),
+                suspect: false,
             })
             .collect()
     }

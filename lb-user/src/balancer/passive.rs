@@ -79,4 +79,18 @@ impl Balancer {
         }
         due
     }
+
+    /// Remember `rtt`, the connect round trip a passing check of `server` measured (its TCP
+    /// connect; for a check kept on a tunnel, the ping's round trip).
+    pub fn note_rtt(&self, server: &ServerAddr, rtt: std::time::Duration) {
+        self.rtts
+            .lock()
+            .expect("poisoned")
+            .insert(server.clone(), rtt);
+    }
+
+    /// The last connect round trip [`Balancer::note_rtt`] remembered for `server`.
+    pub fn rtt(&self, server: &ServerAddr) -> Option<std::time::Duration> {
+        self.rtts.lock().expect("poisoned").get(server).copied()
+    }
 }

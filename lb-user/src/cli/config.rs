@@ -3,7 +3,8 @@
 use std::{path::Path, process::ExitCode};
 
 use crate::config::{
-    BalancerConfig, Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG, Namespaces,
+    BalancerConfig, Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG, Forwarding,
+    Namespaces,
 };
 
 /// Validate `file`, reading the credential files it names or not as `files` says: print a
@@ -39,7 +40,14 @@ pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
 
 /// One balancer's forwarding and namespace scope, as `lb config check` prints it.
 fn describe(cfg: &Config, b: &BalancerConfig) -> String {
-    let forwarding = cfg.forwarding_of(b);
+    let forwarding = match cfg.forwarding_of(b) {
+        Forwarding::Auto if b.proxy.is_some() => {
+            "auto (splice: its servers are dialed through a proxy)"
+        }
+        Forwarding::Auto => "auto (connect-time where the kernel has the hooks, else splice)",
+        Forwarding::Splice => "splice",
+        Forwarding::Connect => "connect",
+    };
     let namespaces = cfg.namespaces_of(b);
     let scope = match namespaces {
         Namespaces::Own => "the kernel acts on clients in lb's network namespace only",
@@ -72,6 +80,12 @@ namespaces = "own"
 name = "etcd"
 listen = ["127.0.0.1:2379"]
 servers = ["198.18.0.2:2379"]
+forwarding = "splice"
+
+[[balancer]]
+name = "supervisor"
+listen = ["127.0.0.1:9345"]
+servers = ["198.18.0.2:9345"]
 "#;
         let cfg = Config::from_toml(text, "test").unwrap();
         assert_eq!(
@@ -81,6 +95,10 @@ servers = ["198.18.0.2:2379"]
         assert_eq!(
             describe(&cfg, &cfg.balancers[1]),
             "balancer etcd: forwarding splice, namespaces all (the kernel acts on clients in every network namespace under the cgroup)"
+        );
+        assert_eq!(
+            describe(&cfg, &cfg.balancers[2]),
+            "balancer supervisor: forwarding auto (connect-time where the kernel has the hooks, else splice), namespaces all (the kernel acts on clients in every network namespace under the cgroup)"
         );
     }
 }

@@ -56,7 +56,12 @@ pub fn servers(indent: &str, servers: &[ServerStatus]) -> String {
         .map(|s| {
             vec![
                 s.address.to_string(),
-                s.state.name().to_string(),
+                // A connect-time server the kernel marked suspect shows it beside its state.
+                if s.suspect {
+                    format!("{}+suspect", s.state.name())
+                } else {
+                    s.state.name().to_string()
+                },
                 if s.default { "yes" } else { "-" }.to_string(),
                 match s.hold {
                     Hold::None => "-",

@@ -294,8 +294,9 @@ fn compatible_datapath(cfg: &Config, hello: &Hello) -> Result<(), String> {
         (None, DatapathMode::Bpf) => Err(
             "the running lb copies in userspace and the new config asks for bpf: restart lb to change it".into(),
         ),
+        // A configured directory stands for the cgroup v2 mount found below it, as at start.
         (Some(offer), _) => match &cfg.datapath.cgroup {
-            Some(c) if *c != offer.cgroup => Err(format!(
+            Some(c) if crate::datapath::resolve_cgroup(c).unwrap_or_else(|_| c.clone()) != offer.cgroup => Err(format!(
                 "the running lb's programs are attached to {} and the new config names {}: restart lb to change it",
                 offer.cgroup.display(),
                 c.display()

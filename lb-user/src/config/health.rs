@@ -57,7 +57,7 @@ pub struct HealthConfig {
     pub loop_enabled: bool,
     /// URL template for http (`http://{server}/ping`) and tunnel (`ws://{server}/tunnel`):
     /// `{server}` is the server's `host:port`, `{host}` its host alone and `{port}` its port, so
-    /// `https://{host}:9345/ping` checks another port of the same host (K3s's supervisor).
+    /// `https://{host}:9345/ping` checks another port of the same host (RKE2's supervisor).
     pub url: Option<String>,
     /// tcp and tls: check this port instead of the server's (HAProxy's `check port N`).
     pub port: Option<u16>,

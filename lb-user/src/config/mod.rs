@@ -2,6 +2,7 @@
 //! [`Config`]. Unknown keys are refused; every error names the key, the value and the reason.
 
 mod discovery;
+mod failfast;
 mod health;
 mod validate;
 
@@ -9,6 +10,7 @@ pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
     DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
 };
+pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
 pub use validate::CredentialFiles;
 
@@ -91,6 +93,13 @@ fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigEr
             ConfigError::invalid(key, path.display(), "the file is empty"),
         ),
         Ok(_) => Ok(()),
+        Err(e) if path.starts_with(CREDENTIALS_DIR) => Err(ConfigError::invalid(
+            key,
+            path.display(),
+            format!(
+                "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
+            ),
+        )),
         Err(e) => Err(ConfigError::invalid(
             key,
             path.display(),
@@ -98,6 +107,9 @@ fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigEr
         )),
     }
 }
+
+/// Where systemd hands a unit its credentials (`LoadCredential=`), only while the unit runs.
+const CREDENTIALS_DIR: &str = "/run/credentials";
 
 /// A client certificate and its key go together: the one given without the other is named.
 fn paired_files(
@@ -181,8 +193,11 @@ impl fmt::Display for DatapathMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Forwarding {
-    /// Through lb: it accepts, dials the server and splices (or copies) the bytes.
+    /// `Connect` where the running kernel has the connect-time hooks and the balancer dials
+    /// no HTTP CONNECT `proxy`, otherwise `Splice`; the daemon logs which, and why, once.
     #[default]
+    Auto,
+    /// Through lb: it accepts, dials the server and splices (or copies) the bytes.
     Splice,
     /// Decided at `connect()`: the kernel's cgroup connect programs send clients in lb's cgroup
     /// straight to the chosen server (kernel 5.8+); others still take the splice path.
@@ -192,6 +207,7 @@ pub enum Forwarding {
 impl fmt::Display for Forwarding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Forwarding::Auto => "auto",
             Forwarding::Splice => "splice",
             Forwarding::Connect => "connect",
         })
@@ -254,8 +270,12 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Also serve on this unix socket (mode 0600).
     pub unix_socket: Option<PathBuf>,
-    /// File holding a bearer token required on every request but `/livez` and `/readyz`.
+    /// File holding a bearer token: required on every request but `/livez` and `/readyz`,
+    /// and what lets a caller other than root or lb's user make changes.
     pub token_file: Option<PathBuf>,
+    /// Allow a non-loopback `listen` without `token_file` (anyone who reaches it may read
+    /// `/status` and `/metrics`; changes still come only from root or lb's user on this host).
+    pub allow_without_token: bool,
 }
 
 impl Default for AdminConfig {
@@ -264,6 +284,7 @@ impl Default for AdminConfig {
             listen: DEFAULT_ADMIN_LISTEN.parse().expect("constant address"),
             unix_socket: None,
             token_file: None,
+            allow_without_token: false,
         }
     }
 }
@@ -285,7 +306,7 @@ pub struct DatapathConfig {
     /// with `MSG_DONTWAIT` on blocking sockets and then poll: the program cannot see per-send
     /// flags, and such a client would spin while the server socket is full.
     pub blocking_splice: bool,
-    /// Default `forwarding` of balancers that set none: splice (default) | connect.
+    /// Default `forwarding` of balancers that set none: auto (default) | splice | connect.
     pub forwarding: Forwarding,
     /// Default `namespaces` of balancers that set none: own (default) | all.
     pub namespaces: Namespaces,
@@ -296,6 +317,8 @@ pub struct DatapathConfig {
     /// How long pinned connect-time programs go on rewriting after lb's last heartbeat; then
     /// they leave connects alone. Default 10 minutes, at least 2 s.
     pub orphan_timeout: Dur,
+    /// Default `fail_fast` of connect-time balancers that set none.
+    pub fail_fast: FailFastConfig,
 }
 
 /// Default `datapath.orphan_timeout`: outlasts a pod replacement or a CrashLoopBackOff's
@@ -310,10 +333,11 @@ impl Default for DatapathConfig {
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             copy_buffer_bytes: 256 * 1024,
             blocking_splice: true,
-            forwarding: Forwarding::Splice,
+            forwarding: Forwarding::Auto,
             namespaces: Namespaces::Own,
             pin_dir: None,
             orphan_timeout: Dur(DEFAULT_ORPHAN_TIMEOUT),
+            fail_fast: FailFastConfig::default(),
         }
     }
 }
@@ -371,13 +395,16 @@ pub struct BalancerConfig {
     /// Dial through this HTTP CONNECT proxy (`http://host:port`); NO_PROXY is honoured.
     #[serde(default)]
     pub proxy: Option<ProxyUrl>,
-    /// splice | connect; `[datapath] forwarding` when absent.
+    /// auto | splice | connect; `[datapath] forwarding` when absent.
     #[serde(default)]
     pub forwarding: Option<Forwarding>,
     /// own | all: the network namespaces whose sockets the kernel programs rewrite or register;
     /// `[datapath] namespaces` when absent.
     #[serde(default)]
     pub namespaces: Option<Namespaces>,
+    /// Connect-time fail fast; `[datapath.fail_fast]` when absent.
+    #[serde(default)]
+    pub fail_fast: Option<FailFastConfig>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -455,6 +482,21 @@ impl Config {
     /// The forwarding `b` asked for: its own, else `[datapath] forwarding`.
     pub fn forwarding_of(&self, b: &BalancerConfig) -> Forwarding {
         b.forwarding.unwrap_or(self.datapath.forwarding)
+    }
+
+    /// Whether `b` takes connect-time forwarding when the kernel has it: `connect`, or `auto`
+    /// without a `proxy` (clients that connect straight to a server cannot go through one).
+    pub fn wants_connect(&self, b: &BalancerConfig) -> bool {
+        match self.forwarding_of(b) {
+            Forwarding::Connect => true,
+            Forwarding::Auto => b.proxy.is_none(),
+            Forwarding::Splice => false,
+        }
+    }
+
+    /// The `fail_fast` of `b`: its own, else `[datapath.fail_fast]`.
+    pub fn fail_fast_of(&self, b: &BalancerConfig) -> FailFastConfig {
+        b.fail_fast.unwrap_or(self.datapath.fail_fast)
     }
 
     /// The network namespaces `b`'s kernel programs act in: its own `namespaces`, else
@@ -551,6 +593,7 @@ impl Config {
                     proxy: None,
                     forwarding: None,
                     namespaces: None,
+                    fail_fast: None,
                     health: HealthConfig::default(),
                 });
             }

@@ -230,21 +230,62 @@ fn check_placeholders_and_targets() {
     assert!(err.contains("health.address"), "{err}");
 }
 
-/// The K3s/RKE2 agent layout shipped in `deploy/k3s/` passes `lb config check`.
+/// A shipped layout: its file, its balancers (name, listener) and its checks' URL.
+type Layout = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
+/// The K3s and RKE2 layouts shipped in `deploy/` pass `lb config check`, with the listeners
+/// and checks each one's docs promise.
 #[test]
-fn the_k3s_deploy_config_is_valid() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k3s/lb.toml");
-    let cfg = Config::from_file(&path).unwrap();
-    let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
-    assert_eq!(names, ["supervisor", "apiserver", "etcd"]);
-    assert!(
-        cfg.balancers.iter().all(|b| b
-            .health
-            .url
-            .as_deref()
-            .is_some_and(|u| u.contains("{host}:9345"))),
-        "every balancer is judged by the supervisor"
-    );
+fn the_k3s_and_rke2_deploy_configs_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let layouts: [Layout; 4] = [
+        (
+            "k3s/agent.toml",
+            &[("supervisor", "127.0.0.1:6444")],
+            "https://{server}/ping",
+        ),
+        (
+            "k3s/server.toml",
+            &[("etcd", "127.0.0.1:12379")],
+            "https://{host}:6443/ping",
+        ),
+        (
+            "rke2/agent.toml",
+            &[
+                ("supervisor", "127.0.0.1:9345"),
+                ("apiserver", "127.0.0.1:6443"),
+            ],
+            "https://{host}:9345/ping",
+        ),
+        (
+            "rke2/server.toml",
+            &[("etcd", "127.0.0.1:12379")],
+            "https://{host}:9345/ping",
+        ),
+    ];
+    for (file, balancers, url) in layouts {
+        let cfg = Config::from_file(&root.join(file)).unwrap();
+        let got: Vec<(String, String)> = cfg
+            .balancers
+            .iter()
+            .map(|b| (b.name.clone(), b.listen[0].to_string()))
+            .collect();
+        let want: Vec<(String, String)> = balancers
+            .iter()
+            .map(|(n, l)| ((*n).into(), (*l).into()))
+            .collect();
+        assert_eq!(got, want, "{file}");
+        assert!(
+            cfg.balancers
+                .iter()
+                .all(|b| b.health.url.as_deref() == Some(url)),
+            "{file}: every balancer is judged by the supervisor's /ping"
+        );
+    }
 }
 
 #[test]
@@ -394,8 +435,13 @@ fn bad_discovery_names_its_key() {
 #[test]
 fn forwarding_defaults_inherits_and_is_overridden() {
     let cfg = Config::from_toml(FULL, "test").unwrap();
-    assert_eq!(cfg.datapath.forwarding, Forwarding::Splice);
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Splice);
+    assert_eq!(cfg.datapath.forwarding, Forwarding::Auto);
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
+    assert_eq!(
+        cfg.wants_connect(&cfg.balancers[0]),
+        cfg.balancers[0].proxy.is_none(),
+        "auto asks for connect-time unless the balancer dials through a proxy"
+    );
 
     let global = FULL.replace(
         "mode = \"auto\"",
@@ -442,6 +488,11 @@ fn connect_forwarding_refuses_a_proxy() {
     // The same proxy with splice is fine.
     let ok = text.replace("forwarding = \"connect\"", "forwarding = \"splice\"");
     Config::from_toml(&ok, "test").unwrap();
+    // With auto (the default) it is accepted too, and that balancer keeps to splice.
+    let auto = text.replace("forwarding = \"connect\"\n", "");
+    let cfg = Config::from_toml(&auto, "test").unwrap();
+    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
+    assert!(!cfg.wants_connect(&cfg.balancers[0]));
 }
 
 #[test]
@@ -505,4 +556,100 @@ fn namespaces_default_to_own_inherit_and_are_overridden() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("namespaces"), "{e}");
+}
+
+/// A credential file named by the layouts' advice is missing whenever the unit is not running:
+/// the error says so and names the check that skips it, which then passes.
+#[test]
+fn a_missing_systemd_credential_points_at_skip_files() {
+    let text = FULL.replace(
+        "kind = \"http\"",
+        "kind = \"http\"\nca_file = \"/run/credentials/lb-test-absent.service/server-ca.crt\"",
+    );
+    let err = Config::from_toml(&text, "f.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("ca_file")
+            && err.contains("--skip-files")
+            && err.contains("while its unit runs"),
+        "{err}"
+    );
+    Config::from_toml_with(&text, "f.toml", CredentialFiles::Skip).unwrap();
+}
+
+#[test]
+fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
+    use std::time::Duration;
+    let cfg = Config::from_toml(FULL, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(ff, FailFastConfig::default());
+    assert_eq!(ff.suspect_after, 2);
+    assert_eq!(ff.syn_retries, 3);
+    // auto: 3 × the round trip, at least the floor, at most 1 s, 1 s before a measurement.
+    assert_eq!(ff.timeout_for(None), Duration::from_secs(1));
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(1))),
+        Duration::from_millis(200)
+    );
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(100))),
+        Duration::from_millis(300)
+    );
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_secs(2))),
+        Duration::from_secs(1)
+    );
+
+    let global = FULL.replace(
+        "mode = \"auto\"",
+        "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"300ms\"\nsuspect_after = 1",
+    );
+    let cfg = Config::from_toml(&global, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(
+        ff.syn_timeout,
+        SynTimeout::Fixed(Dur(Duration::from_millis(300)))
+    );
+    assert_eq!(ff.suspect_after, 1);
+    assert_eq!(
+        ff.timeout_for(Some(Duration::from_millis(1))),
+        Duration::from_millis(300)
+    );
+
+    // A balancer's own table replaces the default whole.
+    let own = format!("{global}\n[balancer.fail_fast]\nsyn_retries = 5\n");
+    let cfg = Config::from_toml(&own, "test").unwrap();
+    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
+    assert_eq!(
+        (ff.syn_timeout, ff.suspect_after, ff.syn_retries),
+        (SynTimeout::Auto, 2, 5)
+    );
+
+    for (bad, key) in [
+        (
+            "syn_timeout = \"10ms\"",
+            "balancer[0].fail_fast.syn_timeout",
+        ),
+        ("syn_timeout = \"2s\"", "balancer[0].fail_fast.syn_timeout"),
+        ("syn_timeout = \"soon\"", "syn_timeout"),
+        (
+            "syn_timeout_min = \"20ms\"",
+            "balancer[0].fail_fast.syn_timeout_min",
+        ),
+        ("syn_retries = 128", "balancer[0].fail_fast.syn_retries"),
+    ] {
+        let e = Config::from_toml(&format!("{FULL}\n[balancer.fail_fast]\n{bad}\n"), "test")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+    let e = Config::from_toml(
+        &FULL.replace(
+            "mode = \"auto\"",
+            "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"5s\"",
+        ),
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("datapath.fail_fast.syn_timeout"), "{e}");
 }

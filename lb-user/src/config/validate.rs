@@ -52,6 +52,7 @@ impl Config {
                 "at least one [[balancer]] (or --listen and --server) is required",
             ));
         }
+        self.datapath.fail_fast.validate("datapath.fail_fast")?;
         if self.datapath.max_buffered_bytes < 64 * 1024 {
             return Err(ConfigError::invalid(
                 "datapath.max_buffered_bytes",
@@ -91,6 +92,17 @@ impl Config {
         }
         if let Some(path) = &self.admin.token_file {
             files.check("admin.token_file", path, true)?;
+        }
+        let admin = &self.admin;
+        if !admin.listen.ip().is_loopback()
+            && admin.token_file.is_none()
+            && !admin.allow_without_token
+        {
+            return Err(ConfigError::invalid(
+                "admin.listen",
+                admin.listen,
+                "a non-loopback admin address needs admin.token_file (or admin.allow_without_token = true, which opens /status and /metrics to whoever reaches it)",
+            ));
         }
         let all_listens: Vec<SocketAddr> = self
             .balancers
@@ -148,6 +160,9 @@ impl Config {
                 }
             }
             validate_balancer(i, b, &all_listens, files)?;
+            if let Some(f) = &b.fail_fast {
+                f.validate(&key("fail_fast"))?;
+            }
             if let (super::Forwarding::Connect, Some(proxy)) = (self.forwarding_of(b), &b.proxy) {
                 return Err(ConfigError::invalid(
                     key("forwarding"),

@@ -40,8 +40,18 @@ pub(super) async fn sync_table(
     dp: Arc<Datapath>,
     metrics: Arc<Metrics>,
     mut kills: tokio::sync::mpsc::UnboundedReceiver<DirectKill>,
-    stop: CancellationToken,
+    (stop, fail_fast_default): (CancellationToken, super::failfast::DefaultConfig),
 ) {
+    let hz = tokio::task::spawn_blocking(crate::datapath::kernel_hz)
+        .await
+        .ok()
+        .flatten();
+    if hz.is_none() {
+        warn!(balancer = %b.name, "connect-time: the kernel's HZ cannot be measured (no /proc/timer_list, no /boot/config-*); SYN timeouts stay the kernel's 1 s");
+    }
+    let mut fail_fast = super::failfast::FailFast::new(fail_fast_default, hz);
+    let mut ff_tick = tokio::time::interval(super::failfast::TICK);
+    ff_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut changed = b.changed.subscribe();
     let mut last: Option<(ConnectPolicy, Vec<SocketAddr>)> = None;
     let mut failed: std::collections::HashSet<ServerAddr> = std::collections::HashSet::new();
@@ -53,6 +63,11 @@ pub(super) async fn sync_table(
         tokio::select! {
             () = stop.cancelled() => return,
             r = changed.changed() => if r.is_err() { return },
+            _ = ff_tick.tick() => {
+                if let Some((_, servers)) = &last {
+                    fail_fast.tick(&b, &dp, &metrics, servers);
+                }
+            }
             _ = prune.tick() => {
                 if let Some((_, servers)) = &last {
                     let pruned = dp.prune_connect_counts(b.id, servers);
@@ -170,7 +185,7 @@ fn abort_newly_failed(
                 server.clone(),
             );
             drop(tokio::task::spawn_blocking(move || {
-                abort_connecting(&dp, &metrics, &name, id, &server);
+                abort_connecting(&dp, &metrics, &name, id, &server, "failed");
             }));
         }
     }
@@ -275,20 +290,21 @@ pub(super) fn passive_sink(daemon: &Arc<Daemon>) -> PassiveSink {
 /// Abort the connect-time sockets balancer `id`'s programs sent to `server` that are still in
 /// `SYN_SENT` (netlink `SOCK_DESTROY`; the clients' connects fail with `ECONNABORTED`), leaving
 /// its established connections to `on_unhealthy`; once more after [`SWEEP_AGAIN_AFTER`].
-/// Blocking.
-fn abort_connecting(
+/// `why` says what the server is (`failed`, `suspect`) in the log. Blocking.
+pub(super) fn abort_connecting(
     dp: &Datapath,
     metrics: &Metrics,
     balancer: &str,
     id: u32,
     server: &ServerAddr,
+    why: &'static str,
 ) {
     let Some(addr) = server.socket_addr() else {
         return;
     };
-    abort_sweep(dp, metrics, balancer, id, (server, addr));
+    abort_sweep(dp, metrics, balancer, id, (server, addr), why);
     std::thread::sleep(SWEEP_AGAIN_AFTER);
-    abort_sweep(dp, metrics, balancer, id, (server, addr));
+    abort_sweep(dp, metrics, balancer, id, (server, addr), why);
 }
 
 /// One sweep of [`abort_connecting`].
@@ -298,6 +314,7 @@ fn abort_sweep(
     balancer: &str,
     id: u32,
     (server, addr): (&ServerAddr, SocketAddr),
+    why: &'static str,
 ) {
     let sockets = dp.connect_sockets(id, addr);
     dp.ignore_events_of(&sockets);
@@ -307,7 +324,7 @@ fn abort_sweep(
     }
     match r {
         Ok(k) if k.destroyed > 0 => {
-            warn!(%balancer, %server, aborted = k.destroyed, "aborted connect-time connects still in SYN_SENT to a FAILED server");
+            warn!(%balancer, %server, aborted = k.destroyed, server_is = why, "aborted connect-time connects still in SYN_SENT");
         }
         Ok(_) => {}
         Err(e) => {

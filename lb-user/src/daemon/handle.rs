@@ -77,6 +77,16 @@ impl Handle {
             .unwrap_or_default()
     }
 
+    /// Balancer `id`'s servers the kernel marked suspect (empty without the kernel data path).
+    pub fn connect_suspects(&self, id: u32) -> Vec<SocketAddr> {
+        self.0.datapath.as_ref().map_or_else(Vec::new, |dp| {
+            dp.connect_suspects(id)
+                .into_iter()
+                .map(|(a, _)| a)
+                .collect()
+        })
+    }
+
     /// Balancer `id`'s current connect-time table generation and servers as the kernel holds
     /// them (`None` without the kernel data path).
     pub fn connect_table(&self, id: u32) -> Option<(u32, Vec<SocketAddr>)> {

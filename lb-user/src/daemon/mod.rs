@@ -4,6 +4,7 @@
 
 mod adopt;
 mod connect;
+mod failfast;
 mod handle;
 pub mod ids;
 mod listeners;
@@ -118,10 +119,7 @@ pub fn attach_datapath(
     cfg: &Config,
 ) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
     let d = &cfg.datapath;
-    let want_connect = cfg
-        .balancers
-        .iter()
-        .any(|b| cfg.forwarding_of(b) == Forwarding::Connect);
+    let want_connect = cfg.balancers.iter().any(|b| cfg.wants_connect(b));
     // Pins first, in every mode that loads programs: a directory another lb holds, or whose
     // objects are of another layout, refuses the start (the pinned programs keep serving).
     let pins = match d.mode {
@@ -149,9 +147,10 @@ pub fn attach_datapath(
     }
 }
 
-/// The forwarding each balancer of `cfg` gets: `connect` needs the kernel data path with the
-/// connect-time programs attached; without them the balancer uses splice (or copy), with one
-/// warning naming why.
+/// The forwarding each balancer of `cfg` gets, and why it is not the one it asked for:
+/// `connect` needs the kernel data path with the connect-time programs attached, and without
+/// them the balancer uses splice (or copy), with one warning naming why; `auto` is connect-time
+/// where it can be and splice otherwise, with one info line naming which and why.
 fn decide_forwarding(
     cfg: &Config,
     datapath: Option<&Datapath>,
@@ -160,22 +159,39 @@ fn decide_forwarding(
     let mut out = std::collections::HashMap::new();
     for b in &cfg.balancers {
         let want = cfg.forwarding_of(b);
-        let why = match (want, datapath) {
-            (Forwarding::Splice, _) => None,
-            (Forwarding::Connect, None) => Some(format!(
+        let unavailable = || match datapath {
+            None => Some(format!(
                 "the kernel data path is off ({})",
                 fallback.unwrap_or("datapath.mode = userspace")
             )),
-            (Forwarding::Connect, Some(dp)) => dp.connect_unavailable().map(str::to_string),
+            Some(dp) => dp.connect_unavailable().map(str::to_string),
         };
-        if let Some(why) = &why {
-            warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
-        }
-        let got = if why.is_some() {
+        let why = match want {
+            Forwarding::Splice => None,
+            Forwarding::Connect => unavailable(),
+            Forwarding::Auto if b.proxy.is_some() => Some(
+                "the balancer dials its servers through an HTTP CONNECT proxy, which connect-time clients cannot use"
+                    .to_string(),
+            ),
+            Forwarding::Auto => unavailable(),
+        };
+        let got = if want == Forwarding::Splice || why.is_some() {
             Forwarding::Splice
         } else {
-            want
+            Forwarding::Connect
         };
+        match (want, &why) {
+            (Forwarding::Connect, Some(why)) => {
+                warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
+            }
+            (Forwarding::Auto, Some(why)) => {
+                info!(balancer = %b.name, reason = %why, "forwarding = auto: splice (through lb)");
+            }
+            (Forwarding::Auto, None) => {
+                info!(balancer = %b.name, "forwarding = auto: connect-time (the kernel sends clients straight to the server)");
+            }
+            _ => {}
+        }
         out.insert(b.name.clone(), (got, why));
     }
     out
@@ -381,12 +397,18 @@ impl Daemon {
         if let Some(dp) = &daemon.datapath {
             for b in &balancers {
                 if let Some(rx) = direct_rx.remove(&b.id) {
+                    let weak = Arc::downgrade(&daemon);
+                    let default: failfast::DefaultConfig = Arc::new(move || {
+                        weak.upgrade()
+                            .map(|d| d.config.load().datapath.fail_fast)
+                            .unwrap_or_default()
+                    });
                     let sync = connect::sync_table(
                         b.clone(),
                         dp.clone(),
                         daemon.metrics.clone(),
                         rx,
-                        daemon.background.clone(),
+                        (daemon.background.clone(), default),
                     );
                     let go = go.clone();
                     tasks.spawn(async move {

@@ -43,6 +43,8 @@ pub(super) struct ConnectMaps {
     pub(super) stats: Mutex<PerCpuArray<MapData, BalancerStats>>,
     /// `LB_CONNECT_CTL`: lb's tgid, heartbeat, orphan timeout and the layout version.
     pub(super) ctl: Mutex<Array<MapData, u64>>,
+    /// The fail-fast maps: SYN policies and suspect marks per server.
+    pub(super) failfast: super::failfast::FailFastMaps,
 }
 
 /// What [`ConnectMaps::set_table`] did.

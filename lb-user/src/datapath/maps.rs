@@ -183,6 +183,7 @@ impl Maps {
             ),
         ];
         out.extend(self.connect.export_own()?);
+        out.extend(self.connect.failfast.export()?);
         for (name, fd) in &self.rings {
             out.push((name, dup(fd.as_fd())?));
         }
@@ -267,6 +268,7 @@ impl Maps {
                 ctl: Mutex::new(
                     Array::try_from(take(MAP_CONNECT_CTL)?).map_err(map_err(MAP_CONNECT_CTL))?,
                 ),
+                failfast: super::failfast::FailFastMaps::take(&mut take)?,
             },
         };
         Ok((maps, ring, events))

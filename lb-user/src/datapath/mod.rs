@@ -17,6 +17,7 @@ mod attach;
 mod btf;
 mod connect_maps;
 mod credit;
+mod failfast;
 mod handover;
 mod heartbeat;
 mod kernel_log;
@@ -49,6 +50,7 @@ use lb_common::{
 };
 use tracing::{debug, info, warn};
 
+pub use self::failfast::{jiffies, kernel_hz};
 pub use self::{
     btf::BtfError,
     credit::Pair,
@@ -56,7 +58,7 @@ pub use self::{
     maps::{TableWrite, sock_key},
     passive::{PassiveKind, PassiveSink},
     pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
-    probe::{detect_cgroup2, probe_kernel},
+    probe::{detect_cgroup2, probe_kernel, resolve_cgroup},
 };
 use crate::config::Namespaces;
 
@@ -94,7 +96,9 @@ pub enum DatapathError {
         source: std::io::Error,
     },
     /// The directory is not in a cgroup v2 hierarchy.
-    #[error("{0} is not a cgroup v2 directory (sockops attaches to cgroup v2 only)")]
+    #[error(
+        "{0} is not a cgroup v2 directory and no cgroup v2 is mounted below it (sockops attaches to cgroup v2 only)"
+    )]
     NotCgroup2(PathBuf),
     /// The kernel lacks a program type, map type or helper.
     #[error("kernel lacks the {0}")]

@@ -70,14 +70,61 @@ fn cgroup2_in(mounts: &str) -> Option<PathBuf> {
         .next()
 }
 
-/// Open the cgroup to attach sockops to: `configured`, or the detected cgroup v2 root.
+/// Whether `dir` is in a cgroup v2 file system.
+fn is_cgroup2(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir)
+        .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+}
+
+/// The cgroup v2 mount at or below `root` in the text of `/proc/mounts` nearest to `root` (the
+/// fewest path components), e.g. `/host/sys/fs/cgroup/unified` below `/host/sys/fs/cgroup` on
+/// a host with the hybrid layout (cgroup v1 controllers at `/sys/fs/cgroup/*`, v2 at
+/// `/sys/fs/cgroup/unified`).
+fn cgroup2_under(mounts: &str, root: &Path) -> Option<PathBuf> {
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_dev, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            let dir = PathBuf::from(dir);
+            (fstype == "cgroup2" && dir.starts_with(root)).then_some(dir)
+        })
+        .min_by_key(|d| d.components().count())
+}
+
+/// The cgroup v2 directory `configured` stands for: itself when it is in a cgroup v2 file
+/// system, else the cgroup v2 mount nearest below it (a host's `/sys/fs/cgroup` mounted into a
+/// container, whatever the host's layout: unified, or hybrid with v2 at `unified/`).
+///
+/// # Errors
+/// [`DatapathError::NotCgroup2`] when neither holds.
+pub fn resolve_cgroup(configured: &Path) -> Result<PathBuf, DatapathError> {
+    if is_cgroup2(configured) {
+        return Ok(configured.to_path_buf());
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    cgroup2_under(&mounts, configured)
+        .filter(|d| is_cgroup2(d))
+        .ok_or_else(|| DatapathError::NotCgroup2(configured.to_path_buf()))
+}
+
+/// Open the cgroup to attach sockops to: `configured` resolved by [`resolve_cgroup`], or the
+/// detected cgroup v2 root.
 ///
 /// # Errors
 /// [`DatapathError::NoCgroup2`], [`DatapathError::OpenCgroup`], or
-/// [`DatapathError::NotCgroup2`] when the directory is in another file system.
+/// [`DatapathError::NotCgroup2`] when the directory is in another file system and no cgroup v2
+/// is mounted below it.
 pub(super) fn open_cgroup(configured: Option<&Path>) -> Result<(PathBuf, File), DatapathError> {
     let cgroup = match configured {
-        Some(p) => p.to_path_buf(),
+        Some(p) if !p.exists() => p.to_path_buf(),
+        Some(p) => {
+            let found = resolve_cgroup(p)?;
+            if found != p {
+                tracing::info!(configured = %p.display(), cgroup = %found.display(), "cgroup v2 found below the configured directory");
+            }
+            found
+        }
         None => detect_cgroup2()?,
     };
     let file = File::open(&cgroup).map_err(|source| DatapathError::OpenCgroup {
@@ -327,6 +374,26 @@ mod tests {
             Some(PathBuf::from("/sys/fs/cgroup/unified"))
         );
         assert_eq!(cgroup2_in("proc /proc proc rw 0 0\n"), None);
+    }
+
+    #[test]
+    fn finds_the_cgroup2_mount_below_a_root() {
+        let hybrid = "tmpfs /host/sys/fs/cgroup tmpfs ro 0 0\n\
+                      cgroup /host/sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n\
+                      cgroup2 /host/sys/fs/cgroup/unified cgroup2 rw 0 0\n\
+                      cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n";
+        let root = Path::new("/host/sys/fs/cgroup");
+        assert_eq!(
+            cgroup2_under(hybrid, root),
+            Some(PathBuf::from("/host/sys/fs/cgroup/unified"))
+        );
+        // The nearest one wins; a mount beside the root (a longer name) is not below it.
+        let nested = "cgroup2 /r/a/b cgroup2 rw 0 0\ncgroup2 /r/a cgroup2 rw 0 0\ncgroup2 /rr cgroup2 rw 0 0\n";
+        assert_eq!(
+            cgroup2_under(nested, Path::new("/r")),
+            Some(PathBuf::from("/r/a"))
+        );
+        assert_eq!(cgroup2_under(hybrid, Path::new("/elsewhere")), None);
     }
 
     #[test]

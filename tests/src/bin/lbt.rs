@@ -13,7 +13,7 @@
 //! - `GET /path HTTP/1.1` → HTTP response; `/status/NNN` answers NNN; the body names the server.
 //!
 //! `lbt supervisor` stands in for a K3s/RKE2 server's supervisor (port 9345): plain HTTP/1.1,
-//! `GET /ping` answers 200 `pong`, anything else 404.
+//! `GET /ping` answers 200 `pong`, anything else 404; over TLS with `--cert` and `--key`.
 //!
 //! Client commands print one JSON object per line on stdout. Blocking reads retry on
 //! `WouldBlock`: a socket in a sockhash (every client socket sockops adds to lb's `LB_CLIENTS`)
@@ -29,6 +29,8 @@ use clap::{Parser, Subcommand};
 
 #[path = "lbt/edge.rs"]
 mod edge;
+#[path = "lbt/tls_supervisor.rs"]
+mod tls_supervisor;
 use lb_tests::{Digest, PatternStream};
 use serde_json::json;
 
@@ -53,6 +55,12 @@ enum Cmd {
     Supervisor {
         #[arg(long)]
         listen: SocketAddr,
+        /// Serve TLS with this PEM certificate chain (with `--key`).
+        #[arg(long, requires = "key")]
+        cert: Option<std::path::PathBuf>,
+        /// The PEM key of `--cert`.
+        #[arg(long, requires = "cert")]
+        key: Option<std::path::PathBuf>,
     },
     /// Run one client action against `connect`.
     Client {
@@ -181,7 +189,7 @@ fn main() {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve { listen, name } => serve(&listen, &name),
-        Cmd::Supervisor { listen } => supervisor(listen),
+        Cmd::Supervisor { listen, cert, key } => supervisor(listen, cert.zip(key)),
         Cmd::Client { connect, action } => {
             let out = match client(connect, action) {
                 Ok(v) => v,
@@ -233,7 +241,13 @@ fn serve(listen: &[SocketAddr], name: &str) {
     }
 }
 
-fn supervisor(listen: SocketAddr) {
+fn supervisor(listen: SocketAddr, tls: Option<(std::path::PathBuf, std::path::PathBuf)>) {
+    let tls = tls.map(|(cert, key)| {
+        tls_supervisor::config(&cert, &key).unwrap_or_else(|e| {
+            eprintln!("lbt supervisor: {e}");
+            std::process::exit(1);
+        })
+    });
     let l = match listen_on(listen) {
         Ok(l) => l,
         Err(e) => {
@@ -243,6 +257,9 @@ fn supervisor(listen: SocketAddr) {
     };
     println!("ready");
     let _ = io::stdout().flush();
+    if let Some(cfg) = tls {
+        return tls_supervisor::serve(&l, &cfg);
+    }
     for conn in l.incoming().flatten() {
         std::thread::spawn(move || {
             let _ = supervise_conn(conn);

@@ -19,7 +19,8 @@ use serde::Serialize;
 pub enum Kind {
     /// The client dials the server itself: the limit.
     Direct,
-    /// lb with the kernel data path (upstream splice, copy downstream).
+    /// lb with the kernel data path and `--forwarding splice` (upstream splice, copy
+    /// downstream).
     LbBpf,
     /// lb with connect-time forwarding (`--forwarding connect --datapath bpf`): the client's
     /// `connect()` to the listener is rewritten to the server, lb carries no byte.
@@ -365,6 +366,8 @@ impl Running {
                 let mut args = vec!["--config", &cfg, "--cgroup", &cg];
                 if kind == Kind::LbConnect {
                     args.extend(["--forwarding", "connect", "--datapath", "bpf"]);
+                } else if kind == Kind::LbBpf {
+                    args.extend(["--forwarding", "splice"]);
                 }
                 Proc::Lb(start_lb(&args, kind, primary)?)
             }

@@ -15,6 +15,9 @@ use serde_json::json;
 
 use super::{read_line, write_retry};
 
+#[path = "syn.rs"]
+mod syn;
+
 #[derive(Subcommand, Clone)]
 pub(crate) enum EdgeAction {
     /// Connect (the old connection), send `UP\n`, print `{"event":"old_ready"}`, wait for a line
@@ -51,6 +54,13 @@ pub(crate) enum EdgeAction {
         #[arg(long, default_value_t = 500)]
         gap_ms: u64,
     },
+    /// A non-blocking connect whose SYN goes unanswered: reports the socket's `TCP_SYNCNT`
+    /// (`syncnt`), its SYN retransmission timeout (`rto_us`, from `tcp_info`) and when the
+    /// kernel first retransmitted the SYN (`first_retransmit_ms`, watched for `within_ms`).
+    SynSent {
+        #[arg(long, default_value_t = 3000)]
+        within_ms: u64,
+    },
 }
 
 /// Run one edge action against `addr`.
@@ -66,6 +76,7 @@ pub(crate) fn run(addr: SocketAddr, action: EdgeAction) -> io::Result<serde_json
             stall_ms,
             gap_ms,
         } => nb_burst(addr, (burst, tail), (sndbuf, chunk), stall_ms, gap_ms),
+        EdgeAction::SynSent { within_ms } => syn::syn_sent(addr, Duration::from_millis(within_ms)),
     }
 }
 
