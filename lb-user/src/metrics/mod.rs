@@ -7,144 +7,25 @@ use std::{
     sync::{Arc, Mutex, atomic::AtomicU64},
 };
 
+mod compat;
+mod labels;
+
+pub use compat::{
+    CompatDialLabels, CompatMetrics, CompatServerLabels, DIAL_BUCKETS_COUNT, DIAL_BUCKETS_FACTOR,
+    DIAL_BUCKETS_START, dial_buckets,
+};
+pub use labels::*;
+
 use prometheus_client::{
-    encoding::EncodeLabelSet,
     metrics::{MetricType, counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::{Metric, Registry},
 };
 
-use crate::{balancer::Balancer, datapath::Datapath};
-
-/// `{balancer}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BalancerLabel {
-    /// Balancer name.
-    pub balancer: String,
-}
-
-/// `{balancer,server}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ServerLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// Server address.
-    pub server: String,
-}
-
-/// `{balancer,status}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DialLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `ok` or `error`.
-    pub status: String,
-}
-
-/// `{balancer,server,result}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CheckLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// Server address.
-    pub server: String,
-    /// `success` or `failure`.
-    pub result: String,
-}
-
-/// `{balancer,server,reason}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KillLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// Server address.
-    pub server: String,
-    /// [`crate::balancer::KillReason::label`].
-    pub reason: String,
-}
-
-/// `{balancer,server,kind}` of `lb_passive_events_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PassiveLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// Server address.
-    pub server: String,
-    /// [`crate::datapath::PassiveKind::label`]: `connect_failed` or `rto`.
-    pub kind: String,
-}
-
-/// `{balancer,program}` of `lb_netns_skipped_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct NetnsSkipLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `connect` (a `connect()` the connect programs did not rewrite) or `sockops` (a socket
-    /// sockops did not register for the splice).
-    pub program: String,
-}
-
-/// `{balancer,forwarding}` of `lb_balancer_forwarding_info`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ForwardingLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `splice` or `connect`: the forwarding in effect.
-    pub forwarding: String,
-}
-
-/// `{balancer,direction}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DirectionLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `client_to_server` or `server_to_client`.
-    pub direction: String,
-}
-
-/// `{balancer,reason}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FallbackLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// [`lb_common::PassReason::label`].
-    pub reason: String,
-}
-
-/// `{mode}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModeLabel {
-    /// `bpf` or `userspace`.
-    pub mode: String,
-}
-
-/// `{balancer,kind}` of the discovery gauges.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DiscoveryLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `dns`, `etcd` or `file`.
-    pub kind: String,
-}
-
-/// `{balancer,kind,result}` of `lb_discovery_runs_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DiscoveryRunLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `dns`, `etcd` or `file`.
-    pub kind: String,
-    /// `ok` (a usable list) or `error` (failed or empty; the last good set stayed).
-    pub result: String,
-}
-
-/// Labels of `lb_clients_refused_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusedLabels {
-    /// Balancer name.
-    pub balancer: String,
-    /// `all_failed` or `all_servers_failed`.
-    pub reason: String,
-}
+use crate::{
+    balancer::{Balancer, KillReason},
+    config::Compat,
+    datapath::Datapath,
+};
 
 /// All metric families.
 #[derive(Debug)]
@@ -212,6 +93,8 @@ pub struct Metrics {
     pub discovery_last_success: Family<DiscoveryLabels, Gauge<f64, AtomicU64>>,
     /// `lb_discovery_servers{balancer,kind}`: servers in the last usable list.
     pub discovery_servers: Family<DiscoveryLabels, Gauge>,
+    /// The K3s or RKE2 series (`[metrics] compat`), when asked for.
+    pub compat: Option<CompatMetrics>,
     last_kernel: Mutex<HashMap<(String, String), u64>>,
     /// Every registered family: its full name and type.
     families: Vec<(String, MetricType)>,
@@ -229,7 +112,7 @@ impl Listed {
     fn register(&mut self, name: &str, help: &str, metric: impl Metric) {
         self.families
             .push((format!("lb_{name}"), metric.metric_type()));
-        self.registry.register(name, help, metric);
+        self.registry.register(format!("lb_{name}"), help, metric);
     }
 }
 
@@ -247,10 +130,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Register every family.
+    /// Register every `lb_*` family.
     pub fn new() -> Metrics {
+        Metrics::with_compat(None)
+    }
+
+    /// Register every `lb_*` family, and the three K3s families of `compat` when given.
+    pub fn with_compat(compat: Option<Compat>) -> Metrics {
         let mut registry = Listed {
-            registry: Registry::with_prefix("lb"),
+            registry: Registry::default(),
             families: Vec::new(),
         };
         let server_state = Family::<ServerLabels, Gauge>::default();
@@ -419,8 +307,13 @@ impl Metrics {
             "Clients reset without reaching a server",
             clients_refused.clone(),
         );
-        let Listed { registry, families } = registry;
+        let Listed {
+            mut registry,
+            families,
+        } = registry;
+        let compat = compat.map(|c| CompatMetrics::register(c, &mut registry));
         Metrics {
+            compat,
             registry,
             server_state,
             server_connections,
@@ -481,103 +374,35 @@ impl Metrics {
             .clone()
     }
 
-    /// Refresh the snapshot gauges, then encode everything.
+    /// The names of the families `[metrics] compat` adds, for either program: what a dashboard
+    /// may query besides [`Metrics::families`].
+    pub fn compat_families() -> impl Iterator<Item = String> {
+        [Compat::K3s, Compat::Rke2]
+            .into_iter()
+            .flat_map(CompatMetrics::names)
+    }
+
+    /// Observe one client's whole dial of `balancer` (every server it tried) in the compat
+    /// histogram, when `[metrics] compat` is set: `ok` when it got a server.
+    pub fn observe_client_dial(&self, balancer: &Balancer, ok: bool, seconds: f64) {
+        if let Some(c) = &self.compat {
+            c.observe_dial(balancer, ok, seconds);
+        }
+    }
+
+    /// Refresh the snapshot gauges, create every series whose labels are known at 0, then
+    /// encode everything.
     pub fn render(&self, balancers: &[Arc<Balancer>], datapath: Option<&Datapath>) -> String {
         self.server_state.clear();
         self.server_connections.clear();
+        if let Some(c) = &self.compat {
+            c.clear();
+        }
         for b in balancers {
-            // Connect-time connections go straight to the server; the kernel counts them.
-            let direct = datapath.map(|d| d.connect_counts(b.id)).unwrap_or_default();
-            for s in b.status() {
-                let l = ServerLabels {
-                    balancer: b.name.clone(),
-                    server: s.address.to_string(),
-                };
-                let direct = s
-                    .address
-                    .socket_addr()
-                    .and_then(|a| direct.get(&a).copied())
-                    .unwrap_or(0);
-                let total = u64::try_from(s.connections)
-                    .unwrap_or(u64::MAX)
-                    .saturating_add(direct);
-                self.server_state.get_or_create(&l).set(s.state as i64);
-                self.server_connections
-                    .get_or_create(&l)
-                    .set(i64::try_from(total).unwrap_or(i64::MAX));
-            }
-            let _ = self
-                .spliced_connections
-                .get_or_create(&BalancerLabel {
-                    balancer: b.name.clone(),
-                })
-                .get();
-            self.touch_balancer(&b.name);
+            self.refresh_servers(b, datapath);
+            self.touch_balancer(b);
             if let Some(dp) = datapath {
-                let st = dp.stats(b.id);
-                let name = b.name.as_str();
-                let balancer = BalancerLabel {
-                    balancer: b.name.clone(),
-                };
-                self.bump(
-                    &self.spliced_bytes,
-                    &DirectionLabels {
-                        balancer: b.name.clone(),
-                        direction: "client_to_server".into(),
-                    },
-                    (name, "client_to_server"),
-                    st.redirected_bytes,
-                );
-                let _ = self
-                    .spliced_bytes
-                    .get_or_create(&DirectionLabels {
-                        balancer: b.name.clone(),
-                        direction: "server_to_client".into(),
-                    })
-                    .get();
-                self.bump(
-                    &self.splice_blocking_redirects,
-                    &balancer,
-                    (name, "blocking_redirects"),
-                    st.blocking_redirects,
-                );
-                self.bump(
-                    &self.splice_credit_refreshes,
-                    &balancer,
-                    (name, "credit_refreshes"),
-                    st.refresh_requests,
-                );
-                self.bump(
-                    &self.passive_event_drops,
-                    &balancer,
-                    (name, "passive_event_drops"),
-                    st.connect_event_drops,
-                );
-                for (program, n) in [
-                    ("connect", st.netns_skipped_connects),
-                    ("sockops", st.netns_skipped_sockets),
-                ] {
-                    self.bump(
-                        &self.netns_skipped,
-                        &NetnsSkipLabels {
-                            balancer: b.name.clone(),
-                            program: program.into(),
-                        },
-                        (name, &format!("netns_skipped:{program}")),
-                        n,
-                    );
-                }
-                for r in lb_common::PassReason::ALL {
-                    self.bump(
-                        &self.splice_fallbacks,
-                        &FallbackLabels {
-                            balancer: b.name.clone(),
-                            reason: r.label().into(),
-                        },
-                        (name, &format!("fallback:{}", r.label())),
-                        st.pass[r as usize],
-                    );
-                }
+                self.bump_kernel(b, dp);
             }
         }
         let mut out = String::new();
@@ -587,22 +412,185 @@ impl Metrics {
         out
     }
 
-    /// Create the per-balancer series that exist from the start at 0 (dials by status, bytes by
-    /// direction), so they are exposed before the first event and `rate()` sees it.
-    fn touch_balancer(&self, balancer: &str) {
+    /// Set `lb_server_state` and `lb_server_connections` (and their compat twins) of every
+    /// server of `b`, connect-time connections (counted by the kernel) included.
+    fn refresh_servers(&self, b: &Balancer, datapath: Option<&Datapath>) {
+        let direct = datapath.map(|d| d.connect_counts(b.id)).unwrap_or_default();
+        let compat_name = self.compat.as_ref().map(|c| c.name_of(b));
+        for s in b.status() {
+            let l = ServerLabels {
+                balancer: b.name.clone(),
+                server: s.address.to_string(),
+            };
+            let direct = s
+                .address
+                .socket_addr()
+                .and_then(|a| direct.get(&a).copied())
+                .unwrap_or(0);
+            let total = u64::try_from(s.connections)
+                .unwrap_or(u64::MAX)
+                .saturating_add(direct);
+            let total = i64::try_from(total).unwrap_or(i64::MAX);
+            self.server_state.get_or_create(&l).set(s.state as i64);
+            self.server_connections.get_or_create(&l).set(total);
+            self.touch_server(&l);
+            if let (Some(c), Some(name)) = (&self.compat, &compat_name) {
+                c.set_server(name, l.server, s.state as i64, total);
+            }
+        }
+        if let (Some(c), Some(name)) = (&self.compat, &compat_name) {
+            c.touch(name);
+        }
+    }
+
+    /// Create one server's counters and histograms at 0, so they are exposed before their first
+    /// event (an `absent()` alert does not fire and `rate()` sees the first one).
+    fn touch_server(&self, l: &ServerLabels) {
+        let (balancer, server) = (&l.balancer, &l.server);
+        let _ = self.health_check_duration.get_or_create(l);
+        let _ = self.connect_suspect.get_or_create(l);
+        for result in ["success", "failure"] {
+            let _ = self.health_checks.get_or_create(&CheckLabels {
+                balancer: balancer.clone(),
+                server: server.clone(),
+                result: result.into(),
+            });
+        }
+        for reason in KillReason::ALL {
+            let _ = self.connections_killed.get_or_create(&KillLabels {
+                balancer: balancer.clone(),
+                server: server.clone(),
+                reason: reason.label().into(),
+            });
+        }
+        for kind in ["connect_failed", "connect_abandoned", "rto"] {
+            let _ = self.passive_events.get_or_create(&PassiveLabels {
+                balancer: balancer.clone(),
+                server: server.clone(),
+                kind: kind.into(),
+            });
+        }
+    }
+
+    /// Create the per-balancer series at 0 (dials by status, bytes by direction, fallbacks by
+    /// reason, ...), so they are exposed before the first event and `rate()` sees it.
+    fn touch_balancer(&self, b: &Balancer) {
+        let name = || b.name.clone();
+        let balancer = BalancerLabel { balancer: name() };
+        for family in [
+            &self.splice_blocking_redirects,
+            &self.splice_credit_refreshes,
+            &self.passive_event_drops,
+            &self.connect_kill_netns_failures,
+            &self.connections_total,
+            &self.dials_abandoned,
+            &self.dials_raced,
+        ] {
+            let _ = family.get_or_create(&balancer);
+        }
+        let _ = self.spliced_connections.get_or_create(&balancer);
         for status in ["ok", "error"] {
             let _ = self.dial_duration.get_or_create(&DialLabels {
-                balancer: balancer.to_string(),
+                balancer: name(),
                 status: status.into(),
             });
         }
         for direction in ["client_to_server", "server_to_client"] {
             let l = DirectionLabels {
-                balancer: balancer.to_string(),
+                balancer: name(),
                 direction: direction.into(),
             };
             let _ = self.spliced_bytes.get_or_create(&l);
             let _ = self.copied_bytes.get_or_create(&l);
+        }
+        for r in lb_common::PassReason::ALL {
+            let _ = self.splice_fallbacks.get_or_create(&FallbackLabels {
+                balancer: name(),
+                reason: r.label().into(),
+            });
+        }
+        for program in ["connect", "sockops"] {
+            let _ = self.netns_skipped.get_or_create(&NetnsSkipLabels {
+                balancer: name(),
+                program: program.into(),
+            });
+        }
+        for reason in ["all_failed", "all_servers_failed"] {
+            let _ = self.clients_refused.get_or_create(&RefusedLabels {
+                balancer: name(),
+                reason: reason.into(),
+            });
+        }
+        if let Some(d) = &b.config().discovery {
+            for result in ["ok", "error"] {
+                let _ = self.discovery_runs.get_or_create(&DiscoveryRunLabels {
+                    balancer: name(),
+                    kind: d.kind().into(),
+                    result: result.into(),
+                });
+            }
+        }
+    }
+
+    /// Advance the counters the kernel keeps for `b` to the kernel's running totals.
+    fn bump_kernel(&self, b: &Balancer, dp: &Datapath) {
+        let st = dp.stats(b.id);
+        let name = b.name.as_str();
+        let balancer = BalancerLabel {
+            balancer: b.name.clone(),
+        };
+        self.bump(
+            &self.spliced_bytes,
+            &DirectionLabels {
+                balancer: b.name.clone(),
+                direction: "client_to_server".into(),
+            },
+            (name, "client_to_server"),
+            st.redirected_bytes,
+        );
+        for (family, what, n) in [
+            (
+                &self.splice_blocking_redirects,
+                "blocking_redirects",
+                st.blocking_redirects,
+            ),
+            (
+                &self.splice_credit_refreshes,
+                "credit_refreshes",
+                st.refresh_requests,
+            ),
+            (
+                &self.passive_event_drops,
+                "passive_event_drops",
+                st.connect_event_drops,
+            ),
+        ] {
+            self.bump(family, &balancer, (name, what), n);
+        }
+        for (program, n) in [
+            ("connect", st.netns_skipped_connects),
+            ("sockops", st.netns_skipped_sockets),
+        ] {
+            self.bump(
+                &self.netns_skipped,
+                &NetnsSkipLabels {
+                    balancer: b.name.clone(),
+                    program: program.into(),
+                },
+                (name, &format!("netns_skipped:{program}")),
+                n,
+            );
+        }
+        for r in lb_common::PassReason::ALL {
+            self.bump(
+                &self.splice_fallbacks,
+                &FallbackLabels {
+                    balancer: b.name.clone(),
+                    reason: r.label().into(),
+                },
+                (name, &format!("fallback:{}", r.label())),
+                st.pass[r as usize],
+            );
         }
     }
 
