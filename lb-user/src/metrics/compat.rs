@@ -20,6 +20,7 @@ use prometheus_client::{
 };
 
 use crate::{
+    addr::ServerAddr,
     balancer::Balancer,
     config::{Compat, compat_name},
 };
@@ -152,6 +153,16 @@ impl CompatMetrics {
     }
 }
 
+/// The `server` label as K3s prints a server, `host:port`; one address of a host name lb
+/// dials separately (`name:port (address)` in `/status`) as `address:port`, so each keeps a
+/// series of its own.
+pub fn server_label(server: &ServerAddr) -> String {
+    match server.pin() {
+        Some(ip) => std::net::SocketAddr::new(ip, server.port()).to_string(),
+        None => server.authority(),
+    }
+}
+
 /// K3s's `status` value: `success` or `error`.
 fn status(ok: bool) -> &'static str {
     if ok { "success" } else { "error" }
@@ -170,6 +181,17 @@ mod tests {
         for w in b.windows(2) {
             assert!((w[1] / w[0] - 2.0).abs() < 1e-9, "{b:?}");
         }
+    }
+
+    #[test]
+    fn server_label_is_host_port() {
+        let name: ServerAddr = "k3s-1.example:6443".parse().unwrap();
+        assert_eq!(server_label(&name), "k3s-1.example:6443");
+        let pinned = name.pinned_to("192.0.2.7".parse().unwrap());
+        assert_eq!(pinned.to_string(), "k3s-1.example:6443 (192.0.2.7)");
+        assert_eq!(server_label(&pinned), "192.0.2.7:6443");
+        let v6: ServerAddr = "[2001:db8::1]:6443".parse().unwrap();
+        assert_eq!(server_label(&v6), "[2001:db8::1]:6443");
     }
 
     #[test]

@@ -435,7 +435,12 @@ impl Metrics {
             self.server_connections.get_or_create(&l).set(total);
             self.touch_server(&l);
             if let (Some(c), Some(name)) = (&self.compat, &compat_name) {
-                c.set_server(name, l.server, s.state as i64, total);
+                c.set_server(
+                    name,
+                    compat::server_label(&s.address),
+                    s.state as i64,
+                    total,
+                );
             }
         }
         if let (Some(c), Some(name)) = (&self.compat, &compat_name) {
