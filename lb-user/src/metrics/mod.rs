@@ -137,214 +137,201 @@ impl Metrics {
 
     /// Register every `lb_*` family, and the three K3s families of `compat` when given.
     pub fn with_compat(compat: Option<Compat>) -> Metrics {
-        let mut registry = Listed {
+        let mut m = Metrics {
+            registry: Registry::default(),
+            server_state: Family::<ServerLabels, Gauge>::default(),
+            server_connections: Family::<ServerLabels, Gauge>::default(),
+            dial_duration: Family::<DialLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(seconds_buckets())
+            }),
+            health_checks: Family::<CheckLabels, Counter>::default(),
+            health_check_duration: Family::<ServerLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(seconds_buckets())
+            }),
+            connections_killed: Family::<KillLabels, Counter>::default(),
+            spliced_connections: Family::<BalancerLabel, Gauge>::default(),
+            spliced_bytes: Family::<DirectionLabels, Counter>::default(),
+            copied_bytes: Family::<DirectionLabels, Counter>::default(),
+            splice_fallbacks: Family::<FallbackLabels, Counter>::default(),
+            splice_blocking_redirects: Family::<BalancerLabel, Counter>::default(),
+            splice_credit_refreshes: Family::<BalancerLabel, Counter>::default(),
+            passive_events: Family::<PassiveLabels, Counter>::default(),
+            passive_event_drops: Family::<BalancerLabel, Counter>::default(),
+            connect_kill_netns_failures: Family::<BalancerLabel, Counter>::default(),
+            connect_suspect: Family::<ServerLabels, Counter>::default(),
+            netns_skipped: Family::<NetnsSkipLabels, Counter>::default(),
+            datapath_info: Family::<ModeLabel, Gauge>::default(),
+            balancer_forwarding: Family::<ForwardingLabels, Gauge>::default(),
+            inflight_checks: Gauge::default(),
+            connections_total: Family::<BalancerLabel, Counter>::default(),
+            dials_abandoned: Family::<BalancerLabel, Counter>::default(),
+            dials_raced: Family::<BalancerLabel, Counter>::default(),
+            discovery_runs: Family::<DiscoveryRunLabels, Counter>::default(),
+            discovery_last_success: Family::<DiscoveryLabels, Gauge<f64, AtomicU64>>::default(),
+            discovery_servers: Family::<DiscoveryLabels, Gauge>::default(),
+            clients_refused: Family::<RefusedLabels, Counter>::default(),
+            compat: None,
+            last_kernel: Mutex::new(HashMap::new()),
+            families: Vec::new(),
+        };
+        let mut r = Listed {
             registry: Registry::default(),
             families: Vec::new(),
         };
-        let server_state = Family::<ServerLabels, Gauge>::default();
-        registry.register(
+        m.register_state_and_traffic(&mut r);
+        m.register_kernel_events(&mut r);
+        m.register_dials_and_discovery(&mut r);
+        m.compat = compat.map(|c| CompatMetrics::register(c, &mut r.registry));
+        m.registry = r.registry;
+        m.families = r.families;
+        m
+    }
+
+    /// Register lb's families of server state, connections, dials, checks, kills and bytes in `r`.
+    fn register_state_and_traffic(&self, r: &mut Listed) {
+        r.register(
             "server_state",
             "Server state: 0 INVALID, 1 FAILED, 2 STANDBY, 3 UNCHECKED, 4 RECOVERING, 5 HEALTHY, 6 PREFERRED, 7 ACTIVE",
-            server_state.clone(),
+            self.server_state.clone(),
         );
-        let server_connections = Family::<ServerLabels, Gauge>::default();
-        registry.register(
+        r.register(
             "server_connections",
             "Open client connections per server",
-            server_connections.clone(),
+            self.server_connections.clone(),
         );
-        let dial_duration = Family::<DialLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(seconds_buckets())
-        });
-        registry.register(
+        r.register(
             "dial_duration_seconds",
             "Time to dial a server, in seconds",
-            dial_duration.clone(),
+            self.dial_duration.clone(),
         );
-        let health_checks = Family::<CheckLabels, Counter>::default();
-        registry.register(
+        r.register(
             "health_checks",
             "Health checks run, by result",
-            health_checks.clone(),
+            self.health_checks.clone(),
         );
-        let health_check_duration = Family::<ServerLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(seconds_buckets())
-        });
-        registry.register(
+        r.register(
             "health_check_duration_seconds",
             "Duration of one health check, in seconds",
-            health_check_duration.clone(),
+            self.health_check_duration.clone(),
         );
-        let connections_killed = Family::<KillLabels, Counter>::default();
-        registry.register(
+        r.register(
             "connections_killed",
             "Connections lb reset, by reason",
-            connections_killed.clone(),
+            self.connections_killed.clone(),
         );
-        let spliced_connections = Family::<BalancerLabel, Gauge>::default();
-        registry.register(
+        r.register(
             "spliced_connections",
             "Connections whose client-to-server bytes the kernel splices now",
-            spliced_connections.clone(),
+            self.spliced_connections.clone(),
         );
-        let spliced_bytes = Family::<DirectionLabels, Counter>::default();
-        registry.register(
+        r.register(
             "spliced_bytes",
             "Bytes carried by the kernel splice, by direction",
-            spliced_bytes.clone(),
+            self.spliced_bytes.clone(),
         );
-        let copied_bytes = Family::<DirectionLabels, Counter>::default();
-        registry.register(
+        r.register(
             "copied_bytes",
             "Bytes lb copied in userspace, by direction",
-            copied_bytes.clone(),
+            self.copied_bytes.clone(),
         );
-        let splice_fallbacks = Family::<FallbackLabels, Counter>::default();
-        registry.register(
+        r.register(
             "splice_fallbacks",
             "Client sends that took the copy path instead of the splice, by reason",
-            splice_fallbacks.clone(),
+            self.splice_fallbacks.clone(),
         );
-        let splice_blocking_redirects = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// Register lb's families of kernel counters, data path, in-flight checks and accepts in `r`.
+    fn register_kernel_events(&self, r: &mut Listed) {
+        r.register(
             "splice_blocking_redirects",
             "Sends of blocking clients spliced past the credit; each waits in the kernel if the server socket has no room, as on a direct connection",
-            splice_blocking_redirects.clone(),
+            self.splice_blocking_redirects.clone(),
         );
-        let splice_credit_refreshes = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "splice_credit_refreshes",
             "Times the kernel program asked lb to recompute a connection's credit from its server socket's queue",
-            splice_credit_refreshes.clone(),
+            self.splice_credit_refreshes.clone(),
         );
-        let passive_events = Family::<PassiveLabels, Counter>::default();
-        registry.register(
+        r.register(
             "passive_events",
             "Connect-time sockets' reports about their server: connect_failed (a rewritten connect never got established) or rto (an established socket's first retransmission timeout)",
-            passive_events.clone(),
+            self.passive_events.clone(),
         );
-        let passive_event_drops = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "passive_event_drops",
             "Connect-time events the kernel dropped because lb's ring buffer was full",
-            passive_event_drops.clone(),
+            self.passive_event_drops.clone(),
         );
-        let connect_kill_netns_failures = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "connect_kill_netns_failures",
             "Connect-time sockets a kill or abort could not reach because their process's network namespace could not be opened (process gone, or no CAP_SYS_PTRACE) or entered (no CAP_SYS_ADMIN); each process is logged with its pid",
-            connect_kill_netns_failures.clone(),
+            self.connect_kill_netns_failures.clone(),
         );
-        let connect_suspect = Family::<ServerLabels, Counter>::default();
-        registry.register(
+        r.register(
             "connect_suspect",
             "Times the kernel marked a server suspect because a connect-time connect's SYN went unanswered suspect_after times; new connects avoid it until a check passes",
-            connect_suspect.clone(),
+            self.connect_suspect.clone(),
         );
-        let netns_skipped = Family::<NetnsSkipLabels, Counter>::default();
-        registry.register(
+        r.register(
             "netns_skipped",
             "Sockets of another network namespace than lb's that dialed a listener's address and were left alone (namespaces = \"own\"): connect (not rewritten) or sockops (not registered for the splice)",
-            netns_skipped.clone(),
+            self.netns_skipped.clone(),
         );
-        let datapath_info = Family::<ModeLabel, Gauge>::default();
-        registry.register(
+        r.register(
             "datapath_info",
             "Data path in use (value 1)",
-            datapath_info.clone(),
+            self.datapath_info.clone(),
         );
-        let balancer_forwarding = Family::<ForwardingLabels, Gauge>::default();
-        registry.register(
+        r.register(
             "balancer_forwarding_info",
             "Forwarding in effect per balancer: splice (through lb) or connect (kernel sends clients straight to the server) (value 1)",
-            balancer_forwarding.clone(),
+            self.balancer_forwarding.clone(),
         );
-        let inflight_checks = Gauge::default();
-        registry.register(
+        r.register(
             "inflight_checks",
             "Health checks running now, on-demand ones included",
-            inflight_checks.clone(),
+            self.inflight_checks.clone(),
         );
-        let connections_total = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// Register lb's families of raced dials, discovery and refused clients in `r`.
+    fn register_dials_and_discovery(&self, r: &mut Listed) {
+        r.register(
             "connections",
             "Client connections accepted",
-            connections_total.clone(),
+            self.connections_total.clone(),
         );
-        let dials_abandoned = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "dials_abandoned",
             "Dials given up because their server turned FAILED, was removed or held meanwhile",
-            dials_abandoned.clone(),
+            self.dials_abandoned.clone(),
         );
-        let dials_raced = Family::<BalancerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "dials_raced",
             "Dials made at once to every server because all were FAILED",
-            dials_raced.clone(),
+            self.dials_raced.clone(),
         );
-        let discovery_runs = Family::<DiscoveryRunLabels, Counter>::default();
-        registry.register(
+        r.register(
             "discovery_runs",
             "Discovery runs, by result: ok gave a usable list, error failed or found no server (the last good set stayed)",
-            discovery_runs.clone(),
+            self.discovery_runs.clone(),
         );
-        let discovery_last_success = Family::<DiscoveryLabels, Gauge<f64, AtomicU64>>::default();
-        registry.register(
+        r.register(
             "discovery_last_success_timestamp_seconds",
             "When discovery last gave a usable list, in seconds since the Unix epoch",
-            discovery_last_success.clone(),
+            self.discovery_last_success.clone(),
         );
-        let discovery_servers = Family::<DiscoveryLabels, Gauge>::default();
-        registry.register(
+        r.register(
             "discovery_servers",
             "Servers in the last usable list discovery gave",
-            discovery_servers.clone(),
+            self.discovery_servers.clone(),
         );
-        let clients_refused = Family::<RefusedLabels, Counter>::default();
-        registry.register(
+        r.register(
             "clients_refused",
             "Clients reset without reaching a server",
-            clients_refused.clone(),
+            self.clients_refused.clone(),
         );
-        let Listed {
-            mut registry,
-            families,
-        } = registry;
-        let compat = compat.map(|c| CompatMetrics::register(c, &mut registry));
-        Metrics {
-            compat,
-            registry,
-            server_state,
-            server_connections,
-            dial_duration,
-            health_checks,
-            health_check_duration,
-            connections_killed,
-            spliced_connections,
-            spliced_bytes,
-            copied_bytes,
-            splice_fallbacks,
-            splice_blocking_redirects,
-            splice_credit_refreshes,
-            passive_events,
-            passive_event_drops,
-            connect_kill_netns_failures,
-            connect_suspect,
-            netns_skipped,
-            datapath_info,
-            balancer_forwarding,
-            inflight_checks,
-            connections_total,
-            dials_abandoned,
-            dials_raced,
-            clients_refused,
-            discovery_runs,
-            discovery_last_success,
-            discovery_servers,
-            last_kernel: Mutex::new(HashMap::new()),
-            families,
-        }
     }
 
     /// Every registered family as `(name, type)`: `("lb_connections", "counter")`, whose
