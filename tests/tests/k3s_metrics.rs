@@ -7,11 +7,15 @@
 use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
-    time::Duration,
+    process::Command,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Result, ensure};
-use lb_tests::{Host, Lb, free_port, http_get, http_request, skip_unless_root, wait_until};
+use lb_tests::{
+    Host, Lb, TempDir, free_port, http_get, http_request, lb_bin, output_within, skip_unless_root,
+    wait_until,
+};
 
 /// Sum of the samples of `name` whose line contains every one of `labels`.
 fn sample(body: &str, name: &str, labels: &[&str]) -> Option<f64> {
@@ -179,5 +183,50 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
     ensure!(code == 404, "POST on the metrics listener answered {code}");
     let (code, _) = http_request(metrics, "PUT", "/metrics", None)?;
     ensure!(code == 405, "PUT /metrics answered {code}");
+
+    // A request head that never finishes is cut off after the head timeout (5 s).
+    let mut slow = TcpStream::connect_timeout(&metrics, Duration::from_secs(5))?;
+    slow.set_read_timeout(Some(Duration::from_secs(30)))?;
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")?;
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let _ = slow.read_to_end(&mut out);
+    let cut = start.elapsed();
+    ensure!(
+        cut >= Duration::from_secs(4) && cut < Duration::from_secs(15),
+        "slow head on the metrics listener closed after {cut:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_bad_metrics_listen_is_refused_naming_the_key() -> Result<()> {
+    let dir = TempDir::new("lb-k3s-metrics")?;
+    for (listen, why) in [
+        ("localhost", "not ADDR:PORT"),
+        ("127.0.0.1:9901", "admin.listen"),
+    ] {
+        let path = dir.join("lb.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[metrics]\nlisten = \"{listen}\"\n\n[[balancer]]\nname = \"a\"\n\
+                 listen = [\"127.0.0.1:7001\"]\nservers = [\"198.18.0.2:7001\"]\n"
+            ),
+        )?;
+        let mut cmd = Command::new(lb_bin());
+        cmd.args(["config", "check"]).arg(&path);
+        let out = output_within(cmd, Duration::from_secs(30))?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            out.status.code() == Some(2),
+            "{listen}: exit {:?}: {err}",
+            out.status.code()
+        );
+        ensure!(
+            err.contains("metrics.listen") && err.contains(why),
+            "{listen}: the error does not name metrics.listen and {why:?}: {err}"
+        );
+    }
     Ok(())
 }
