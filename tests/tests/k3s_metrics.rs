@@ -40,7 +40,7 @@ fn scrape(addr: SocketAddr) -> Result<String> {
 
 /// Two serving hosts, and lb (userspace copy) in front of them as the balancer `supervisor`
 /// with `compat = "k3s"` and `[metrics] listen` on its own loopback port.
-fn start() -> Result<(Vec<Host>, Lb, SocketAddr, SocketAddr, std::path::PathBuf)> {
+fn start(health: &str) -> Result<(Vec<Host>, Lb, SocketAddr, SocketAddr, std::path::PathBuf)> {
     let mut hosts = vec![Host::new()?, Host::new()?];
     for (i, h) in hosts.iter_mut().enumerate() {
         h.serve(9000, &format!("s{i}"))?;
@@ -50,11 +50,15 @@ fn start() -> Result<(Vec<Host>, Lb, SocketAddr, SocketAddr, std::path::PathBuf)
     let text = format!(
         "[datapath]\nmode = \"userspace\"\n\n[metrics]\ncompat = \"k3s\"\nlisten = \"{metrics}\"\n\n\
          [[balancer]]\nname = \"supervisor\"\nlisten = [\"{listen}\"]\nservers = [\"{}\", \"{}\"]\n\n\
-         [balancer.health]\nkind = \"tcp\"\ninterval = \"200ms\"\n",
+         [balancer.health]\nkind = \"tcp\"\n{health}\n",
         hosts[0].addr(9000),
         hosts[1].addr(9000),
     );
-    let path = std::env::temp_dir().join(format!("lb-k3s-metrics-{}.toml", std::process::id()));
+    let path = std::env::temp_dir().join(format!(
+        "lb-k3s-metrics-{}-{}.toml",
+        std::process::id(),
+        listen.port()
+    ));
     std::fs::write(&path, text)?;
     let lb = Lb::start(&["--config", path.to_str().unwrap_or_default()])?;
     Ok((hosts, lb, listen, metrics, path))
@@ -65,7 +69,7 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
     if skip_unless_root("k3s_series_on_the_metrics_listener") {
         return Ok(());
     }
-    let (hosts, lb, listen, metrics, path) = start()?;
+    let (hosts, lb, listen, metrics, path) = start("interval = \"200ms\"")?;
     let _ = std::fs::remove_file(&path);
     let name = "name=\"k3s-agent-load-balancer\"";
     let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
@@ -196,6 +200,74 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
         cut >= Duration::from_secs(4) && cut < Duration::from_secs(15),
         "slow head on the metrics listener closed after {cut:?}"
     );
+    Ok(())
+}
+
+/// The state numbers of `k3s_loadbalancer_server_health`, one per server of `servers`.
+fn health_of(body: &str, name: &str, servers: &[String]) -> Vec<f64> {
+    servers
+        .iter()
+        .filter_map(|s| {
+            let server = format!("server=\"{s}\"");
+            sample(body, "k3s_loadbalancer_server_health", &[name, &server])
+        })
+        .collect()
+}
+
+#[test]
+fn one_compat_observation_per_client_across_servers() -> Result<()> {
+    if skip_unless_root("one_compat_observation_per_client_across_servers") {
+        return Ok(());
+    }
+    // Checks every minute: the first server's refusal is found by the dial, not by a check.
+    let (mut hosts, lb, listen, metrics, path) =
+        start("interval = \"60s\"\nmax_age = \"60s\"\nrise = 1")?;
+    let _ = std::fs::remove_file(&path);
+    let name = "name=\"k3s-agent-load-balancer\"";
+    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    wait_until(Duration::from_secs(10), || {
+        let states = health_of(&scrape(metrics)?, name, &servers);
+        Ok(states.len() == 2 && states.iter().all(|v| *v >= 5.0))
+    })?;
+    hosts[0].stop_servers();
+
+    let mut client = TcpStream::connect_timeout(&listen, Duration::from_secs(5))?;
+    client.set_read_timeout(Some(Duration::from_secs(20)))?;
+    client.write_all(b"NAME\n")?;
+    let mut said = [0u8; 2];
+    client.read_exact(&mut said)?;
+    ensure!(
+        &said == b"s1",
+        "served by {:?}, not the second server",
+        String::from_utf8_lossy(&said)
+    );
+
+    let body = scrape(metrics)?;
+    let compat = |status: &str| {
+        let l = format!("status=\"{status}\"");
+        sample(
+            &body,
+            "k3s_loadbalancer_dial_duration_seconds_count",
+            &[name, &l],
+        )
+    };
+    ensure!(
+        compat("success") == Some(1.0) && compat("error") == Some(0.0),
+        "one client, one K3s observation: success {:?}, error {:?}",
+        compat("success"),
+        compat("error")
+    );
+    let own = |status: &str| {
+        let l = format!("status=\"{status}\"");
+        sample(&body, "lb_dial_duration_seconds_count", &[&l])
+    };
+    ensure!(
+        own("ok") == Some(1.0) && own("error") == Some(1.0),
+        "lb's own histogram counts each attempt: ok {:?}, error {:?}",
+        own("ok"),
+        own("error")
+    );
+    drop(lb);
     Ok(())
 }
 
