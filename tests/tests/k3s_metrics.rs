@@ -64,18 +64,9 @@ fn start(health: &str) -> Result<(Vec<Host>, Lb, SocketAddr, SocketAddr, std::pa
     Ok((hosts, lb, listen, metrics, path))
 }
 
-#[test]
-fn k3s_series_on_the_metrics_listener() -> Result<()> {
-    if skip_unless_root("k3s_series_on_the_metrics_listener") {
-        return Ok(());
-    }
-    let (hosts, lb, listen, metrics, path) = start("interval = \"200ms\"")?;
-    let _ = std::fs::remove_file(&path);
-    let name = "name=\"k3s-agent-load-balancer\"";
-    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
-
-    // Before any traffic: every lb family (discovery's need a discovery source), and K3s's.
-    let body = scrape(metrics)?;
+/// Every lb family (discovery's aside: no balancer has a discovery source) and the K3s series
+/// of every server are in `body`, the dial series at 0 with K3s's 15th bucket.
+fn present_before_traffic(body: &str, name: &str, servers: &[String]) -> Result<()> {
     let registry = lb::metrics::Metrics::new();
     let missing: Vec<&str> = registry
         .families()
@@ -87,14 +78,14 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
         missing.is_empty(),
         "families absent before any traffic: {missing:?}\n{body}"
     );
-    for s in &servers {
+    for s in servers {
         let server = format!("server=\"{s}\"");
         for family in [
             "k3s_loadbalancer_server_health",
             "k3s_loadbalancer_server_connections",
         ] {
             ensure!(
-                sample(&body, family, &[name, &server]).is_some(),
+                sample(body, family, &[name, &server]).is_some(),
                 "{family} has no series for {s}:\n{body}"
             );
         }
@@ -102,7 +93,7 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
     for status in ["success", "error"] {
         let l = format!("status=\"{status}\"");
         let n = sample(
-            &body,
+            body,
             "k3s_loadbalancer_dial_duration_seconds_count",
             &[name, &l],
         );
@@ -111,32 +102,66 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
             "dial count {status} before traffic: {n:?}\n{body}"
         );
         let top = sample(
-            &body,
+            body,
             "k3s_loadbalancer_dial_duration_seconds_bucket",
             &[name, &l, "le=\"16.384\""],
         );
         ensure!(top == Some(0.0), "no 16.384 s bucket (K3s's 15th):\n{body}");
     }
+    Ok(())
+}
+
+/// The metrics listener at `metrics` serves nothing but `GET /metrics`, and cuts off a request
+/// head that never finishes after the head timeout (5 s).
+fn read_only_and_bounded(metrics: SocketAddr) -> Result<()> {
+    // The metrics listener serves nothing else, and changes nothing.
+    let (code, _) = http_get(metrics, "/status")?;
+    ensure!(
+        code == 404,
+        "GET /status on the metrics listener answered {code}"
+    );
+    let (code, _) = http_request(
+        metrics,
+        "POST",
+        "/balancers/supervisor/servers/x/drain",
+        None,
+    )?;
+    ensure!(code == 404, "POST on the metrics listener answered {code}");
+    let (code, _) = http_request(metrics, "PUT", "/metrics", None)?;
+    ensure!(code == 405, "PUT /metrics answered {code}");
+
+    // A request head that never finishes is cut off after the head timeout (5 s).
+    let mut slow = TcpStream::connect_timeout(&metrics, Duration::from_secs(5))?;
+    slow.set_read_timeout(Some(Duration::from_secs(30)))?;
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")?;
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let _ = slow.read_to_end(&mut out);
+    let cut = start.elapsed();
+    ensure!(
+        cut >= Duration::from_secs(4) && cut < Duration::from_secs(15),
+        "slow head on the metrics listener closed after {cut:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn k3s_series_on_the_metrics_listener() -> Result<()> {
+    if skip_unless_root("k3s_series_on_the_metrics_listener") {
+        return Ok(());
+    }
+    let (hosts, lb, listen, metrics, path) = start("interval = \"200ms\"")?;
+    let _ = std::fs::remove_file(&path);
+    let name = "name=\"k3s-agent-load-balancer\"";
+    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+
+    // Before any traffic: every lb family (discovery's need a discovery source), and K3s's.
+    present_before_traffic(&scrape(metrics)?, name, &servers)?;
 
     // The checks bring both servers to HEALTHY (5) or better.
     wait_until(Duration::from_secs(10), || {
-        let body = scrape(metrics)?;
-        let states: Vec<f64> = servers
-            .iter()
-            .filter_map(|s| {
-                let server = format!("server=\"{s}\"");
-                sample(&body, "k3s_loadbalancer_server_health", &[name, &server])
-            })
-            .collect();
+        let states = health_of(&scrape(metrics)?, name, &servers);
         Ok(states.len() == 2 && states.iter().all(|v| *v >= 5.0))
-    })
-    .map_err(|e| {
-        let body = scrape(metrics).unwrap_or_default();
-        let health: Vec<&str> = body
-            .lines()
-            .filter(|l| l.starts_with("k3s_loadbalancer_server_health"))
-            .collect();
-        anyhow::anyhow!("{e}: servers not HEALTHY or better: {health:?}")
     })?;
 
     // One client, one dial observation with K3s's status value, one connection counted.
@@ -172,34 +197,7 @@ fn k3s_series_on_the_metrics_listener() -> Result<()> {
     ensure!(errors == Some(0.0), "a dial error counted: {errors:?}");
     ensure!(lb.metric("lb_dial_duration_seconds_count", "status=\"ok\"") >= 1.0);
 
-    // The metrics listener serves nothing else, and changes nothing.
-    let (code, _) = http_get(metrics, "/status")?;
-    ensure!(
-        code == 404,
-        "GET /status on the metrics listener answered {code}"
-    );
-    let (code, _) = http_request(
-        metrics,
-        "POST",
-        "/balancers/supervisor/servers/x/drain",
-        None,
-    )?;
-    ensure!(code == 404, "POST on the metrics listener answered {code}");
-    let (code, _) = http_request(metrics, "PUT", "/metrics", None)?;
-    ensure!(code == 405, "PUT /metrics answered {code}");
-
-    // A request head that never finishes is cut off after the head timeout (5 s).
-    let mut slow = TcpStream::connect_timeout(&metrics, Duration::from_secs(5))?;
-    slow.set_read_timeout(Some(Duration::from_secs(30)))?;
-    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")?;
-    let start = Instant::now();
-    let mut out = Vec::new();
-    let _ = slow.read_to_end(&mut out);
-    let cut = start.elapsed();
-    ensure!(
-        cut >= Duration::from_secs(4) && cut < Duration::from_secs(15),
-        "slow head on the metrics listener closed after {cut:?}"
-    );
+    read_only_and_bounded(metrics)?;
     Ok(())
 }
 
