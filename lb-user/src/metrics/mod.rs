@@ -96,6 +96,9 @@ pub struct Metrics {
     /// The K3s or RKE2 series (`[metrics] compat`), when asked for.
     pub compat: Option<CompatMetrics>,
     last_kernel: Mutex<HashMap<(String, String), u64>>,
+    /// Held through [`Metrics::render`]: the admin API and the metrics listener may scrape at
+    /// once, and one's clearing of the snapshot gauges must not empty the other's answer.
+    rendering: Mutex<()>,
     /// Every registered family: its full name and type.
     families: Vec<(String, MetricType)>,
 }
@@ -172,6 +175,7 @@ impl Metrics {
             clients_refused: Family::<RefusedLabels, Counter>::default(),
             compat: None,
             last_kernel: Mutex::new(HashMap::new()),
+            rendering: Mutex::new(()),
             families: Vec::new(),
         };
         let mut r = Listed {
@@ -380,6 +384,7 @@ impl Metrics {
     /// Refresh the snapshot gauges, create every series whose labels are known at 0, then
     /// encode everything.
     pub fn render(&self, balancers: &[Arc<Balancer>], datapath: Option<&Datapath>) -> String {
+        let _one_at_a_time = self.rendering.lock().unwrap_or_else(|p| p.into_inner());
         self.server_state.clear();
         self.server_connections.clear();
         if let Some(c) = &self.compat {
