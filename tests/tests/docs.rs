@@ -4,7 +4,8 @@
 //! are the medians of the generated `bench/results/latest.md`; the TOML examples pass
 //! `lb config check` ([`config_examples`]); the `lb ...` command lines parse with lb's own
 //! command line ([`commands`]); the metrics reference lists exactly the registered families
-//! ([`metrics`]). No root needed.
+//! ([`metrics`]); the Grafana dashboard queries only exported series ([`grafana`]). No root
+//! needed.
 //!
 //! `CHANGELOG.md` is history: its links are checked, its examples and command lines are not (a
 //! renamed flag must not force rewriting what was true then).
@@ -14,6 +15,8 @@
 mod commands;
 #[path = "docs/config_examples.rs"]
 mod config_examples;
+#[path = "docs/grafana.rs"]
+mod grafana;
 #[path = "docs/metrics.rs"]
 mod metrics;
 

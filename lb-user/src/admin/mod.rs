@@ -14,6 +14,7 @@ mod authz;
 mod check;
 pub mod client;
 mod probes;
+mod scrape;
 mod servers;
 
 use std::{
@@ -328,7 +329,11 @@ async fn status_handler(State(s): State<Arc<AdminState>>) -> Json<StatusBody> {
 }
 
 async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
-    let body = s.daemon.render_metrics();
+    metrics_response(s.daemon.render_metrics())
+}
+
+/// A metrics body as an OpenMetrics answer.
+fn metrics_response(body: String) -> Response {
     (
         [(
             header::CONTENT_TYPE,
@@ -529,6 +534,7 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
             Ok((l, p.to_path_buf()))
         })
         .transpose()?;
+    let scrape = scrape::bind(&daemon)?;
     info!(listen = %cfg.listen, unix_socket = ?cfg.unix_socket, token = cfg.token_file.is_some(), "admin API listening");
 
     // Checks started by /check run on the daemon's runtime; the admin thread only waits.
@@ -545,7 +551,7 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
                     return;
                 }
             };
-            rt.block_on(serve(daemon, tcp, unix));
+            rt.block_on(serve(daemon, tcp, unix, scrape));
         })
         .map_err(AdminError::Thread)?;
     Ok(())
@@ -555,6 +561,7 @@ async fn serve(
     daemon: Handle,
     tcp: std::net::TcpListener,
     unix: Option<(std::os::unix::net::UnixListener, PathBuf)>,
+    scrape: Option<std::net::TcpListener>,
 ) {
     let state = Arc::new(AdminState {
         probes: probes::Probes::new(&daemon),
@@ -590,6 +597,9 @@ async fn serve(
             ))),
             Err(e) => error!(error = %e, "admin unix listener"),
         }
+    }
+    if let Some(l) = scrape {
+        loops.extend(scrape::spawn(l, &daemon, shutdown.clone(), conns.clone()));
     }
     probes::refresh_until(&state.probes, &daemon, &shutdown).await;
     for l in loops {

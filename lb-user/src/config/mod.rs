@@ -4,6 +4,7 @@
 mod discovery;
 mod failfast;
 mod health;
+mod metrics;
 mod validate;
 
 pub use discovery::{
@@ -12,6 +13,7 @@ pub use discovery::{
 };
 pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
+pub use metrics::{Compat, MetricsConfig, compat_name};
 pub use validate::CredentialFiles;
 
 use std::{
@@ -405,6 +407,10 @@ pub struct BalancerConfig {
     /// Connect-time fail fast; `[datapath.fail_fast]` when absent.
     #[serde(default)]
     pub fail_fast: Option<FailFastConfig>,
+    /// The `name` label of the `[metrics] compat` series; K3s's service name for the balancers
+    /// of the shipped K3s and RKE2 layouts, the balancer's `name` for others.
+    #[serde(default)]
+    pub metrics_name: Option<String>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -430,6 +436,9 @@ pub struct Config {
     /// `[datapath]`.
     #[serde(default)]
     pub datapath: DatapathConfig,
+    /// `[metrics]`.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
     /// Grace period for draining on SIGTERM; default 30 s.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: Dur,
@@ -443,6 +452,7 @@ impl Default for Config {
         Config {
             admin: AdminConfig::default(),
             datapath: DatapathConfig::default(),
+            metrics: MetricsConfig::default(),
             shutdown_grace: default_shutdown_grace(),
             balancers: Vec::new(),
         }
@@ -594,6 +604,7 @@ impl Config {
                     forwarding: None,
                     namespaces: None,
                     fail_fast: None,
+                    metrics_name: None,
                     health: HealthConfig::default(),
                 });
             }

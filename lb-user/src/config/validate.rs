@@ -124,6 +124,7 @@ impl Config {
                 }
             }
         }
+        self.metrics.validate(self, &all_listens)?;
         let mut names = HashSet::new();
         let mut listens = HashSet::new();
         for (i, b) in self.balancers.iter().enumerate() {

@@ -279,7 +279,7 @@ impl Daemon {
             Some(None) => (None, DatapathMode::Userspace, None),
             None => attach_datapath(&cfg)?,
         };
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::with_compat(cfg.metrics.compat));
         metrics
             .datapath_info
             .get_or_create(&ModeLabel {

@@ -16,7 +16,7 @@ pub struct ReloadSummary {
     /// Balancers left as they were (identical config).
     pub unchanged: Vec<String>,
     /// Changes that need a restart and were not applied (new or removed balancers, listeners,
-    /// admin listeners, data path).
+    /// admin listeners, `[metrics]`, data path).
     pub need_restart: Vec<String>,
 }
 
@@ -37,6 +37,9 @@ pub fn reload_config(
         summary
             .need_restart
             .push("[admin] listen or unix_socket".into());
+    }
+    if new.metrics != old.metrics {
+        summary.need_restart.push("[metrics]".into());
     }
     if new.datapath != old.datapath {
         summary.need_restart.push("[datapath]".into());

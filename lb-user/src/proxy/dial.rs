@@ -35,12 +35,25 @@ enum Failed {
 }
 
 /// Dial the first server that answers, in the balancer's order, within `dial_timeout` each and
-/// `connect_budget` overall. Returns the server and the socket.
+/// `connect_budget` overall. Returns the server and the socket. The whole dial, every server it
+/// tried, is one observation of the `[metrics] compat` histogram (as K3s records its dials).
 ///
 /// # Errors
 /// `io::ErrorKind::NotConnected` with "all servers failed" when none answered, or with
 /// "every server is FAILED" at once under `all_failed = "refuse"`.
 pub async fn dial(balancer: &Arc<Balancer>, ctx: &ProxyCtx) -> io::Result<(ServerAddr, TcpStream)> {
+    let start = Instant::now();
+    let result = dial_servers(balancer, ctx).await;
+    ctx.metrics
+        .observe_client_dial(balancer, result.is_ok(), start.elapsed().as_secs_f64());
+    result
+}
+
+/// [`dial`] without the client's observation.
+async fn dial_servers(
+    balancer: &Arc<Balancer>,
+    ctx: &ProxyCtx,
+) -> io::Result<(ServerAddr, TcpStream)> {
     let cfg = balancer.config();
     let deadline = Instant::now() + cfg.connect_budget.0;
     let route = Route::from_env(cfg.proxy.clone());
