@@ -290,7 +290,8 @@ impl TokenCache {
 
 /// Read a token file: its content without surrounding white space, which must not be empty.
 fn read_token(path: &Path) -> Result<String, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let text = crate::files::read_limited_string(path, crate::files::INPUT_LIMIT)
+        .map_err(|e| e.to_string())?;
     let token = text.trim();
     if token.is_empty() {
         return Err("the file is empty".into());

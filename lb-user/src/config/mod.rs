@@ -23,7 +23,10 @@ use std::{
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::addr::{ProxyUrl, ServerAddr};
+use crate::{
+    addr::{ProxyUrl, ServerAddr},
+    files,
+};
 
 /// Exit code of `lb config check` and `lb run` for an invalid configuration.
 pub const EXIT_INVALID_CONFIG: i32 = 2;
@@ -86,26 +89,33 @@ impl ConfigError {
     }
 }
 
-/// Check that `path` can be read (and, with `non_empty`, holds something).
+/// Check that `path` is a regular file of at most [`files::INPUT_LIMIT`] bytes that can be read
+/// (and, with `non_empty`, holds something).
 fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigError> {
-    match std::fs::read(path) {
+    match files::read_limited(path, files::INPUT_LIMIT) {
         Ok(bytes) if non_empty && bytes.iter().all(u8::is_ascii_whitespace) => Err(
             ConfigError::invalid(key, path.display(), "the file is empty"),
         ),
         Ok(_) => Ok(()),
-        Err(e) if path.starts_with(CREDENTIALS_DIR) => Err(ConfigError::invalid(
-            key,
-            path.display(),
-            format!(
-                "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
-            ),
-        )),
-        Err(e) => Err(ConfigError::invalid(
-            key,
-            path.display(),
-            format!("cannot read it: {e}"),
-        )),
+        Err(files::ReadError::Io(e)) if path.starts_with(CREDENTIALS_DIR) => {
+            Err(ConfigError::invalid(
+                key,
+                path.display(),
+                format!(
+                    "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
+                ),
+            ))
+        }
+        Err(e) => Err(ConfigError::invalid(key, path.display(), e.to_string())),
     }
+}
+
+/// The config file's text, at most [`files::CONFIG_LIMIT`] bytes of a regular file.
+fn read_config_text(path: &Path) -> Result<String, ConfigError> {
+    files::read_limited_string(path, files::CONFIG_LIMIT).map_err(|e| ConfigError::Read {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })
 }
 
 /// Where systemd hands a unit its credentials (`LoadCredential=`), only while the unit runs.
@@ -530,10 +540,7 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Read`] or as [`Config::from_toml_with`].
     pub fn from_file_with(path: &Path, files: CredentialFiles) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_config_text(path)?;
         Config::from_toml_with(&text, &path.display().to_string(), files)
     }
 
@@ -548,10 +555,7 @@ impl Config {
     pub fn load(file: Option<&Path>, o: &Overrides) -> Result<Config, ConfigError> {
         let mut cfg = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
+                let text = read_config_text(path)?;
                 toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
                     path: path.display().to_string(),
                     message: e.to_string().trim().replace('\n', " "),
