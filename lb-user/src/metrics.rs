@@ -146,6 +146,24 @@ pub struct RefusedLabels {
     pub reason: String,
 }
 
+/// Labels of `lb_connections_rejected_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectedLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `max_connections`.
+    pub reason: String,
+}
+
+/// Labels of `lb_accept_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AcceptErrorLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// The error's name, e.g. `EMFILE`.
+    pub errno: String,
+}
+
 /// All metric families.
 #[derive(Debug)]
 pub struct Metrics {
@@ -205,6 +223,11 @@ pub struct Metrics {
     /// `lb_clients_refused_total{reason}`: clients reset without a server (`all_failed`: every
     /// server FAILED with `all_failed = "refuse"`; `all_servers_failed`: no dial succeeded).
     pub clients_refused: Family<RefusedLabels, Counter>,
+    /// `lb_connections_rejected_total{balancer,reason}`: clients reset at accept by a limit.
+    pub connections_rejected: Family<RejectedLabels, Counter>,
+    /// `lb_accept_errors_total{balancer,errno}`: failed accepts (out of descriptors: `EMFILE`,
+    /// `ENFILE`).
+    pub accept_errors: Family<AcceptErrorLabels, Counter>,
     /// `lb_discovery_runs_total{balancer,kind,result}`.
     pub discovery_runs: Family<DiscoveryRunLabels, Counter>,
     /// `lb_discovery_last_success_timestamp_seconds{balancer,kind}`: seconds since the Unix
@@ -419,6 +442,18 @@ impl Metrics {
             "Clients reset without reaching a server",
             clients_refused.clone(),
         );
+        let connections_rejected = Family::<RejectedLabels, Counter>::default();
+        registry.register(
+            "connections_rejected",
+            "Clients reset at accept by a limit (max_connections)",
+            connections_rejected.clone(),
+        );
+        let accept_errors = Family::<AcceptErrorLabels, Counter>::default();
+        registry.register(
+            "accept_errors",
+            "Failed accepts on a balancer's listeners, by error (EMFILE, ENFILE: out of descriptors)",
+            accept_errors.clone(),
+        );
         let Listed { registry, families } = registry;
         Metrics {
             registry,
@@ -446,6 +481,8 @@ impl Metrics {
             dials_abandoned,
             dials_raced,
             clients_refused,
+            connections_rejected,
+            accept_errors,
             discovery_runs,
             discovery_last_success,
             discovery_servers,

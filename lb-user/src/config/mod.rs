@@ -402,6 +402,14 @@ pub struct BalancerConfig {
     /// Connect-time fail fast; `[datapath.fail_fast]` when absent.
     #[serde(default)]
     pub fail_fast: Option<FailFastConfig>,
+    /// Most client connections through lb (splice or copy) at once; beyond it a new client is
+    /// reset at once and counted. None: no limit. Connect-time clients never reach lb.
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+    /// Close a connection through lb that carried no byte either way for this long; none (the
+    /// default): never, as watches are long and quiet.
+    #[serde(default)]
+    pub idle_timeout: Option<Dur>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -583,6 +591,8 @@ impl Config {
                     forwarding: None,
                     namespaces: None,
                     fail_fast: None,
+                    max_connections: None,
+                    idle_timeout: None,
                     health: HealthConfig::default(),
                 });
             }

@@ -8,6 +8,9 @@ use super::{
 };
 use crate::addr::validate_set;
 
+/// Shortest `idle_timeout`.
+const MIN_IDLE_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// Whether validation reads the credential files a config names (`[admin] token_file`, the
 /// `ca_file`, `cert_file` and `key_file` of health checks and etcd discovery).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -216,6 +219,22 @@ fn validate_balancer(
             key("connect_budget"),
             b.connect_budget,
             "must be at least dial_timeout",
+        ));
+    }
+    if b.max_connections == Some(0) {
+        return Err(ConfigError::invalid(
+            key("max_connections"),
+            0,
+            "must be at least 1 (leave it out for no limit)",
+        ));
+    }
+    if let Some(idle) = b.idle_timeout
+        && idle.0 < MIN_IDLE_TIMEOUT
+    {
+        return Err(ConfigError::invalid(
+            key("idle_timeout"),
+            idle,
+            "must be at least 100ms (leave it out to never close idle connections)",
         ));
     }
     validate_health(i, &b.health, files)?;

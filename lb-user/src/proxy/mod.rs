@@ -18,7 +18,7 @@ use std::{
     cell::RefCell,
     sync::{
         OnceLock,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -37,9 +37,11 @@ pub type PreDial = Arc<
 
 mod dial;
 mod handover;
+mod limits;
 
 pub use dial::dial;
 pub use handover::{Dir, Freezer, Frozen, adopt};
+pub use limits::{Admitted, Limits};
 
 thread_local! {
     /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
@@ -60,6 +62,8 @@ pub struct ProxyCtx {
     pub tasks: TaskTracker,
     /// Stops every connection at a point where it can be handed over (`lb upgrade`).
     pub freezer: Freezer,
+    /// Connections through lb per balancer (`max_connections`) and rate-limited logs.
+    pub limits: Limits,
 }
 
 impl std::fmt::Debug for ProxyCtx {
@@ -110,16 +114,18 @@ pub async fn serve(
             a = listener.accept() => a,
         };
         match accepted {
-            Ok((client, peer)) => {
-                let balancer = balancer.clone();
-                let ctx2 = ctx.clone();
-                ctx.tasks.spawn(handle(client, peer, bound, balancer, ctx2));
-            }
-            Err(e) => {
-                // EMFILE and friends: back off briefly instead of spinning.
-                warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            Ok((client, peer)) => match ctx.limits.admit(&balancer) {
+                Ok(admitted) => {
+                    let conn = handle(client, peer, bound, balancer.clone(), ctx.clone());
+                    ctx.tasks.spawn(async move {
+                        conn.await;
+                        drop(admitted);
+                    });
+                }
+                Err(limit) => limits::reject(&client, &balancer, &ctx, limit),
+            },
+            // EMFILE and friends: counted, logged once a second, retried after a pause.
+            Err(e) => limits::accept_failed(&e, &balancer, &ctx).await,
         }
     }
 }
@@ -234,6 +240,7 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         dp: ctx.datapath.as_deref(),
         ctx: &ctx,
         balancer: &balancer.name,
+        copied: AtomicU64::new(0),
     };
     let (mut up, mut down) = match resume {
         Resume::Fresh => {
@@ -260,11 +267,20 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         }
     };
     let freeze = ctx.freezer.token();
+    let idle_timeout = balancer.config().idle_timeout.map(|d| d.0);
+    let idle = async {
+        match idle_timeout {
+            // Boxed: only connections of a balancer with a timeout pay for its timer.
+            Some(t) => Box::pin(limits::idle(&splice, t)).await,
+            None => std::future::pending().await,
+        }
+    };
     let outcome = tokio::select! {
         // A kill resets the client in the kernel first: the relay may see that error too.
         biased;
         () = guard.cancel.cancelled() => Outcome::Killed,
         () = freeze.cancelled() => Outcome::Frozen,
+        () = idle => Outcome::Idle,
         r = relay(&client, &server, &splice, &ctx, &mut up, &mut down) => r,
     };
     let outcome = match outcome {
@@ -295,7 +311,7 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
     // A kill ends thousands of connections at once: reset the client first, then let the other
     // killed connections reset theirs before this one cleans its map entries (the server socket
     // stays open until its pair is out of the maps, as always).
-    let client = if let Outcome::Killed = outcome {
+    let client = if let Outcome::Killed | Outcome::Idle = outcome {
         abort(&client);
         drop(client);
         tokio::task::yield_now().await;
@@ -331,7 +347,24 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
             debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
             abort(&server);
         }
+        Outcome::Idle => {
+            debug!(balancer = %balancer.name, server = %spec, client = %peer, "idle connection closed");
+            idle_closed(&ctx, &balancer.name, &spec);
+            abort(&server);
+        }
     }
+}
+
+/// Count a connection closed by `idle_timeout` (`lb_connections_killed_total{reason="idle"}`).
+fn idle_closed(ctx: &ProxyCtx, balancer: &str, server: &ServerAddr) {
+    ctx.metrics
+        .connections_killed
+        .get_or_create(&crate::metrics::KillLabels {
+            balancer: balancer.to_string(),
+            server: server.to_string(),
+            reason: crate::balancer::KillReason::Idle.label().into(),
+        })
+        .inc();
 }
 
 /// How long a client may stay silent, with all it sent copied, before lb pairs it.
@@ -356,6 +389,18 @@ struct Splice<'a> {
     dp: Option<&'a Datapath>,
     ctx: &'a ProxyCtx,
     balancer: &'a str,
+    /// Bytes lb copied, both ways (what [`limits::idle`] watches, with the kernel's count).
+    copied: AtomicU64,
+}
+
+impl limits::Activity for Splice<'_> {
+    fn moved(&self) -> u64 {
+        let redirected = match (self.dp, self.pair.get()) {
+            (Some(dp), Some(p)) => dp.flow(&p.key()).map_or(0, |f| f.redirected),
+            _ => 0,
+        };
+        self.copied.load(Ordering::Relaxed) + redirected
+    }
 }
 
 impl Splice<'_> {
@@ -428,6 +473,8 @@ fn spliced_gauge(ctx: &ProxyCtx, balancer: &str) -> prometheus_client::metrics::
 
 enum Outcome {
     Closed,
+    /// No byte either way for `idle_timeout`.
+    Idle,
     /// Stopped for a hand-over; the sockets go to the next process as they are.
     Frozen,
     Reset(io::Error, Side),
@@ -468,6 +515,7 @@ async fn relay(
         pump(client, server, ctx, up_dir, Some(splice), |copied, full| {
             chunks += 1;
             splice.copied(copied, full, chunks);
+            splice.copied.fetch_add(copied - last, Ordering::Relaxed);
             up_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -481,6 +529,7 @@ async fn relay(
     let down = async {
         let mut last = down_dir.written;
         pump(server, client, ctx, down_dir, None, |copied, _| {
+            splice.copied.fetch_add(copied - last, Ordering::Relaxed);
             down_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -622,6 +671,7 @@ mod tests {
                 pre_dial: None,
                 tasks: TaskTracker::new(),
                 freezer: Freezer::default(),
+                limits: Limits::default(),
             };
             let splice = Splice {
                 peer: addr,
@@ -633,6 +683,7 @@ mod tests {
                 dp: None,
                 ctx: &ctx,
                 balancer: "b",
+                copied: AtomicU64::new(0),
             };
             let (mut up, mut down) = (Dir::default(), Dir::default());
             let relay = relay(&client, &server, &splice, &ctx, &mut up, &mut down);
