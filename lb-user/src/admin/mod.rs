@@ -401,6 +401,7 @@ async fn accept_loop(
     limit: Arc<tokio::sync::Semaphore>,
     mut gate: tokio::sync::watch::Receiver<bool>,
 ) {
+    let mut failed_logged: Option<std::time::Instant> = None;
     loop {
         // Closed during a hand-over: connections wait in the backlog for whichever process
         // serves on.
@@ -417,8 +418,11 @@ async fn accept_loop(
             r = listener.accept() => match r {
                 Ok(conn) => conn,
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    warn!(error = %e, "admin accept failed");
+                    // EMFILE and friends: back off instead of spinning; log once a second.
+                    if failed_logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                        failed_logged = Some(std::time::Instant::now());
+                        warn!(error = %e, "admin accept failed (logged at most once a second)");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
