@@ -213,7 +213,7 @@ fn state_file_is_private_and_survives_a_full_and_a_read_only_disk() -> Result<()
 
     // Full: two changes, one warning, the previous file intact, lb serving the new set.
     let filler = fs.fill()?;
-    put_servers(&lb, &[b.clone()])?;
+    put_servers(&lb, std::slice::from_ref(&b))?;
     put_servers(&lb, std::slice::from_ref(&a))?;
     wait_until(Duration::from_secs(10), || Ok(warnings(&lb) >= 1))?;
     ensure!(

@@ -33,8 +33,11 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 #[derive(Debug, Default)]
 pub struct Limits {
     live: Mutex<HashMap<String, Arc<AtomicUsize>>>,
-    logged: Mutex<HashMap<(String, &'static str), (Option<Instant>, u64)>>,
+    logged: Mutex<HashMap<(String, &'static str), Logged>>,
 }
+
+/// When a kind of line was last logged for a balancer, and how many were left out since.
+type Logged = (Option<Instant>, u64);
 
 /// One connection counted against its balancer's `max_connections` until dropped.
 #[derive(Debug)]
