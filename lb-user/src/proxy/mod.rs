@@ -242,39 +242,9 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         balancer: &balancer.name,
         copied: AtomicU64::new(0),
     };
-    let (mut up, mut down) = match resume {
-        Resume::Fresh => {
-            splice
-                .tried
-                .store(ctx.datapath.is_none(), Ordering::Relaxed);
-            (Dir::default(), Dir::default())
-        }
-        Resume::Adopted(adopted) => {
-            let (up, down, spliced) = *adopted;
-            if spliced
-                && let (Some(dp), Some(local)) = (&ctx.datapath, local)
-                && let Some(key) = dp.client_key(peer, local)
-            {
-                let _ = splice.pair.set(dp.adopt_pair(key, &server, up.written));
-                spliced_gauge(&ctx, &balancer.name).inc();
-            } else if !spliced {
-                // Not paired yet when handed over: paired here once it shows it will last.
-                splice
-                    .tried
-                    .store(ctx.datapath.is_none(), Ordering::Relaxed);
-            }
-            (up, down)
-        }
-    };
+    let (mut up, mut down) = splice.resume(resume);
     let freeze = ctx.freezer.token();
-    let idle_timeout = balancer.config().idle_timeout.map(|d| d.0);
-    let idle = async {
-        match idle_timeout {
-            // Boxed: only connections of a balancer with a timeout pay for its timer.
-            Some(t) => Box::pin(limits::idle(&splice, t)).await,
-            None => std::future::pending().await,
-        }
-    };
+    let idle = idle_or_never(&splice, balancer.config().idle_timeout.map(|d| d.0));
     let outcome = tokio::select! {
         // A kill resets the client in the kernel first: the relay may see that error too.
         biased;
@@ -347,16 +317,24 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
             debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
             abort(&server);
         }
-        Outcome::Idle => {
-            debug!(balancer = %balancer.name, server = %spec, client = %peer, "idle connection closed");
-            idle_closed(&ctx, &balancer.name, &spec);
-            abort(&server);
-        }
+        Outcome::Idle => idle_closed(&ctx, &balancer.name, &spec, &server),
     }
 }
 
-/// Count a connection closed by `idle_timeout` (`lb_connections_killed_total{reason="idle"}`).
-fn idle_closed(ctx: &ProxyCtx, balancer: &str, server: &ServerAddr) {
+/// Returns once the connection moved no byte for `timeout`; never without one. Boxed: only
+/// connections of a balancer with a timeout pay for its timer.
+async fn idle_or_never(splice: &Splice<'_>, timeout: Option<Duration>) {
+    match timeout {
+        Some(t) => Box::pin(limits::idle(splice, t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reset the server side of a connection closed by `idle_timeout` and count it
+/// (`lb_connections_killed_total{reason="idle"}`).
+fn idle_closed(ctx: &ProxyCtx, balancer: &str, server: &ServerAddr, socket: &TcpStream) {
+    debug!(balancer, %server, "idle connection closed");
+    abort(socket);
     ctx.metrics
         .connections_killed
         .get_or_create(&crate::metrics::KillLabels {
@@ -404,6 +382,31 @@ impl limits::Activity for Splice<'_> {
 }
 
 impl Splice<'_> {
+    /// Where each direction starts: a new connection from zero (paired once it shows it will
+    /// last); a handed-over one where it stopped, paired again in the kernel if it was.
+    fn resume(&self, resume: Resume) -> (Dir, Dir) {
+        match resume {
+            Resume::Fresh => {
+                self.tried.store(self.dp.is_none(), Ordering::Relaxed);
+                (Dir::default(), Dir::default())
+            }
+            Resume::Adopted(adopted) => {
+                let (up, down, spliced) = *adopted;
+                if spliced
+                    && let (Some(dp), Some(local)) = (self.dp, self.local)
+                    && let Some(key) = dp.client_key(self.peer, local)
+                {
+                    let _ = self.pair.set(dp.adopt_pair(key, self.server, up.written));
+                    spliced_gauge(self.ctx, self.balancer).inc();
+                } else if !spliced {
+                    // Not paired yet when handed over: paired here once it shows it will last.
+                    self.tried.store(self.dp.is_none(), Ordering::Relaxed);
+                }
+                (up, down)
+            }
+        }
+    }
+
     /// Whether pairing is still to be tried.
     fn pending(&self) -> bool {
         self.dp.is_some() && !self.tried.load(Ordering::Relaxed)
