@@ -11,7 +11,9 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Host, Lb, TempDir, free_port, skip_unless_root, wait_until};
+use lb_tests::{
+    Host, Lb, Place, TempDir, TestCgroup, free_port, run_client, skip_unless_root, wait_until,
+};
 
 /// One server host, lb on the copy path with `extra` balancer keys, through `wrapper`.
 struct Setup {
@@ -23,6 +25,11 @@ struct Setup {
 
 impl Setup {
     fn new(extra: &str, wrapper: &[&str]) -> Result<Setup> {
+        Setup::with_datapath("mode = \"userspace\"", extra, wrapper)
+    }
+
+    /// As [`Setup::new`] with `datapath` as the `[datapath]` keys.
+    fn with_datapath(datapath: &str, extra: &str, wrapper: &[&str]) -> Result<Setup> {
         let host = Host::serving(9000, "s0")?;
         let dir = TempDir::new("lb-limits")?;
         let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
@@ -30,7 +37,7 @@ impl Setup {
         std::fs::write(
             &cfg,
             format!(
-                "[datapath]\nmode = \"userspace\"\n[[balancer]]\nname = \"b\"\nlisten = [\"{listen}\"]\nservers = [\"{}\"]\nforwarding = \"splice\"\n{extra}",
+                "[datapath]\n{datapath}\n[[balancer]]\nname = \"b\"\nlisten = [\"{listen}\"]\nservers = [\"{}\"]\nforwarding = \"splice\"\n{extra}",
                 host.addr(9000)
             ),
         )?;
@@ -155,6 +162,47 @@ fn idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one() -> Result<()> {
     let idle =
         s.lb.metric("lb_connections_killed_total", "reason=\"idle\"");
     ensure!(idle == 1.0, "idle closes counted {idle}");
+    Ok(())
+}
+
+/// With the kernel splice, an upload's bytes bypass lb once paired: the kernel's count of them
+/// keeps the connection from looking idle (an upload of 4 GiB takes seconds; the timeout is
+/// 300 ms), while a quiet connection is still closed.
+#[test]
+fn idle_timeout_sees_bytes_the_kernel_splices() -> Result<()> {
+    if skip_unless_root("idle_timeout_sees_bytes_the_kernel_splices") {
+        return Ok(());
+    }
+    let cg = TestCgroup::new()?;
+    let datapath = format!("mode = \"bpf\"\ncgroup = \"{}\"", cg.path.display());
+    let s = Setup::with_datapath(&datapath, "idle_timeout = \"300ms\"\n", &[])?;
+    let n = (4u64 << 30).to_string();
+    let start = Instant::now();
+    let v = run_client(
+        &Place::cgroup(&cg.path),
+        s.listen,
+        &["up", &n, "--pause-ms", "100"],
+        Duration::from_secs(120),
+    )?;
+    let took = start.elapsed();
+    ensure!(v["ok"] == true, "upload failed after {took:?}: {v}");
+    let spliced = s.lb.metric("lb_spliced_bytes_total", "client_to_server");
+    ensure!(
+        spliced > 0.0,
+        "nothing spliced: the test did not test the kernel path"
+    );
+    ensure!(
+        s.lb.metric("lb_connections_killed_total", "reason=\"idle\"") == 0.0,
+        "an active spliced upload was closed as idle"
+    );
+    let mut quiet = echo_client(s.listen)?;
+    ping(&mut quiet)?;
+    let closed = wait_closed(&mut quiet, Duration::from_secs(5))?;
+    ensure!(
+        closed < Duration::from_secs(2),
+        "quiet one closed after {closed:?}"
+    );
+    println!("4 GiB spliced upload in {took:?}, {spliced} bytes through the kernel");
     Ok(())
 }
 
