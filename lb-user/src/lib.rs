@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod datapath;
 pub mod discovery;
 pub mod errors;
+pub mod files;
 pub mod handover;
 pub mod health;
 pub mod kill;

@@ -11,6 +11,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("addr", 0),
     ("singleflight", 0),
     ("errors", 0),
+    ("files", 0),
     ("netns", 0),
     ("sock_diag", 0),
     ("kill", 1),

@@ -296,7 +296,8 @@ impl TokenCache {
 
 /// Read a token file: its content without surrounding white space, which must not be empty.
 fn read_token(path: &Path) -> Result<String, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let text = crate::files::read_limited_string(path, crate::files::INPUT_LIMIT)
+        .map_err(|e| e.to_string())?;
     let token = text.trim();
     if token.is_empty() {
         return Err("the file is empty".into());
@@ -410,6 +411,7 @@ async fn accept_loop(
     limit: Arc<tokio::sync::Semaphore>,
     mut gate: tokio::sync::watch::Receiver<bool>,
 ) {
+    let mut failed_logged: Option<std::time::Instant> = None;
     loop {
         // Closed during a hand-over: connections wait in the backlog for whichever process
         // serves on.
@@ -426,8 +428,11 @@ async fn accept_loop(
             r = listener.accept() => match r {
                 Ok(conn) => conn,
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    warn!(error = %e, "admin accept failed");
+                    // EMFILE and friends: back off instead of spinning; log once a second.
+                    if failed_logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                        failed_logged = Some(std::time::Instant::now());
+                        warn!(error = %e, "admin accept failed (logged at most once a second)");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

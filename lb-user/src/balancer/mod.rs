@@ -27,7 +27,7 @@ use std::{
 use arc_swap::ArcSwap;
 use rand::{SeedableRng as _, rngs::StdRng};
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 pub use self::{
     registry::ConnGuard,
@@ -155,7 +155,8 @@ pub struct Balancer {
     next_conn: AtomicU64,
     observer: Arc<dyn Observer>,
     discovery: Mutex<Option<DiscoveryStatus>>,
-    state_file_turn: Mutex<()>,
+    /// One state file writer at a time; holds whether the last write failed.
+    state_file_turn: Mutex<bool>,
     /// Per server, the connect round trip of its last passing check (see [`Balancer::rtt`]).
     rtts: Mutex<std::collections::HashMap<ServerAddr, std::time::Duration>>,
     /// Bumped on every state change and config replacement; the health scheduler, discovery
@@ -223,7 +224,7 @@ impl Balancer {
             next_conn: AtomicU64::new(1),
             observer: opts.observer,
             discovery: Mutex::new(None),
-            state_file_turn: Mutex::new(()),
+            state_file_turn: Mutex::new(false),
             rtts: Mutex::new(std::collections::HashMap::new()),
             changed: tokio::sync::watch::channel(0).0,
         });
@@ -586,12 +587,25 @@ impl Balancer {
         // One writer at a time, each writing what holds when it gets the turn: two changes at
         // once (a reload and a discovery run) must neither share a temporary file nor let the
         // older set land last.
-        let _turn = self
+        // The turn also holds whether the last write failed: a full or read-only disk is
+        // reported once, not at every change, and its end once too.
+        let mut failing = self
             .state_file_turn
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = state_file::write(&path, &self.state()) {
-            warn!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file");
+        match state_file::write(&path, &self.state()) {
+            Err(e) if !*failing => {
+                *failing = true;
+                warn!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file; the previous one is kept and lb keeps serving (logged once until a write succeeds)");
+            }
+            Err(e) => {
+                debug!(balancer = %self.name, file = %path.display(), error = %e, "cannot write state file");
+            }
+            Ok(()) if *failing => {
+                *failing = false;
+                info!(balancer = %self.name, file = %path.display(), "state file written again");
+            }
+            Ok(()) => {}
         }
     }
 }

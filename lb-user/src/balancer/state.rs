@@ -105,17 +105,20 @@ pub enum KillReason {
     DrainTimeout,
     /// lb is shutting down and the grace period ended.
     Shutdown,
+    /// No byte either way for `idle_timeout`.
+    Idle,
 }
 
 impl KillReason {
     /// Every reason.
-    pub const ALL: [KillReason; 6] = [
+    pub const ALL: [KillReason; 7] = [
         KillReason::Unhealthy,
         KillReason::Failback,
         KillReason::Removed,
         KillReason::Admin,
         KillReason::DrainTimeout,
         KillReason::Shutdown,
+        KillReason::Idle,
     ];
 
     /// Metric label.
@@ -127,6 +130,7 @@ impl KillReason {
             KillReason::Admin => "manual",
             KillReason::DrainTimeout => "drain",
             KillReason::Shutdown => "shutdown",
+            KillReason::Idle => "idle",
         }
     }
 }

@@ -8,10 +8,7 @@
 //! server line changed; and an edit of `servers`/`default_server` always takes effect. To know
 //! whether the config changed, the file records the config's list it was written under.
 
-use std::{
-    io::Write as _,
-    path::{Path, PathBuf},
-};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -89,34 +86,22 @@ pub fn initial_set(cfg: &BalancerConfig) -> ServerSet {
 /// # Errors
 /// I/O or JSON errors, as text (the caller warns and rewrites).
 pub fn read(path: &Path) -> Result<Option<StateFile>, String> {
-    match std::fs::read(path) {
+    match crate::files::read_limited(path, crate::files::INPUT_LIMIT) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| format!("corrupt: {e}")),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(crate::files::ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e.to_string()),
     }
 }
 
-/// Write a state file atomically: temporary file in the same directory, fsync, rename.
+/// Write a state file atomically and privately: temporary file in the same directory (mode
+/// 0600), fsync, rename, fsync of the directory ([`crate::files::write_private`]).
 ///
 /// # Errors
-/// I/O errors; the old file is kept and the temporary file removed.
+/// I/O errors (a full or read-only file system); the old file is kept and the temporary file
+/// removed.
 pub fn write(path: &Path, state: &StateFile) -> std::io::Result<()> {
-    if let Some(dir) = path.parent()
-        && !dir.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp: PathBuf = path.with_extension(format!("tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&serde_json::to_vec_pretty(state).map_err(std::io::Error::other)?)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    let bytes = serde_json::to_vec_pretty(state).map_err(std::io::Error::other)?;
+    crate::files::write_private(path, &bytes)
 }

@@ -15,6 +15,10 @@ use crate::{
 /// start. Started by `lb upgrade` (with `LB_UPGRADE_SOCKET`), it takes over instead.
 pub fn run(args: &RunArgs) -> ExitCode {
     crate::daemon::upgrade::record_command();
+    // Whatever lb creates (state files, the admin unix socket, their directories) is its own
+    // alone, also when started from a root shell with umask 022; each such file also sets its
+    // mode outright.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     if let Some(socket) = std::env::var_os(crate::handover::ENV_SOCKET) {
         let socket = socket.to_string_lossy().into_owned();
         return super::takeover::run(args, &socket);

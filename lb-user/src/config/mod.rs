@@ -25,7 +25,10 @@ use std::{
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::addr::{ProxyUrl, ServerAddr};
+use crate::{
+    addr::{ProxyUrl, ServerAddr},
+    files,
+};
 
 /// Exit code of `lb config check` and `lb run` for an invalid configuration.
 pub const EXIT_INVALID_CONFIG: i32 = 2;
@@ -88,26 +91,33 @@ impl ConfigError {
     }
 }
 
-/// Check that `path` can be read (and, with `non_empty`, holds something).
+/// Check that `path` is a regular file of at most [`files::INPUT_LIMIT`] bytes that can be read
+/// (and, with `non_empty`, holds something).
 fn readable_file(key: &str, path: &Path, non_empty: bool) -> Result<(), ConfigError> {
-    match std::fs::read(path) {
+    match files::read_limited(path, files::INPUT_LIMIT) {
         Ok(bytes) if non_empty && bytes.iter().all(u8::is_ascii_whitespace) => Err(
             ConfigError::invalid(key, path.display(), "the file is empty"),
         ),
         Ok(_) => Ok(()),
-        Err(e) if path.starts_with(CREDENTIALS_DIR) => Err(ConfigError::invalid(
-            key,
-            path.display(),
-            format!(
-                "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
-            ),
-        )),
-        Err(e) => Err(ConfigError::invalid(
-            key,
-            path.display(),
-            format!("cannot read it: {e}"),
-        )),
+        Err(files::ReadError::Io(e)) if path.starts_with(CREDENTIALS_DIR) => {
+            Err(ConfigError::invalid(
+                key,
+                path.display(),
+                format!(
+                    "cannot read it: {e}; a systemd credential exists only while its unit runs: check the config with `lb config check --skip-files`"
+                ),
+            ))
+        }
+        Err(e) => Err(ConfigError::invalid(key, path.display(), e.to_string())),
     }
+}
+
+/// The config file's text, at most [`files::CONFIG_LIMIT`] bytes of a regular file.
+fn read_config_text(path: &Path) -> Result<String, ConfigError> {
+    files::read_limited_string(path, files::CONFIG_LIMIT).map_err(|e| ConfigError::Read {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })
 }
 
 /// Where systemd hands a unit its credentials (`LoadCredential=`), only while the unit runs.
@@ -411,6 +421,14 @@ pub struct BalancerConfig {
     /// of the shipped K3s and RKE2 layouts, the balancer's `name` for others.
     #[serde(default)]
     pub metrics_name: Option<String>,
+    /// Most client connections through lb (splice or copy) at once; beyond it a new client is
+    /// reset at once and counted. None: no limit. Connect-time clients never reach lb.
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+    /// Close a connection through lb that carried no byte either way for this long; none (the
+    /// default): never, as watches are long and quiet.
+    #[serde(default)]
+    pub idle_timeout: Option<Dur>,
     /// Health checking.
     #[serde(default)]
     pub health: HealthConfig,
@@ -555,10 +573,7 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Read`] or as [`Config::from_toml_with`].
     pub fn from_file_with(path: &Path, files: CredentialFiles) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_config_text(path)?;
         Config::from_toml_with(&text, &path.display().to_string(), files)
     }
 
@@ -573,10 +588,7 @@ impl Config {
     pub fn load(file: Option<&Path>, o: &Overrides) -> Result<Config, ConfigError> {
         let mut cfg = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
+                let text = read_config_text(path)?;
                 toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
                     path: path.display().to_string(),
                     message: e.to_string().trim().replace('\n', " "),
@@ -605,6 +617,8 @@ impl Config {
                     namespaces: None,
                     fail_fast: None,
                     metrics_name: None,
+                    max_connections: None,
+                    idle_timeout: None,
                     health: HealthConfig::default(),
                 });
             }

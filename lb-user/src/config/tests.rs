@@ -653,3 +653,35 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
     .to_string();
     assert!(e.contains("datapath.fail_fast.syn_timeout"), "{e}");
 }
+
+#[test]
+fn limits_parse_and_out_of_range_ones_are_named() {
+    let with = |keys: &str| {
+        FULL.replace(
+            "policy = \"failover\"",
+            &format!("policy = \"failover\"\n{keys}"),
+        )
+    };
+    let cfg =
+        Config::from_toml(&with("max_connections = 10\nidle_timeout = \"90s\""), "t").unwrap();
+    assert_eq!(cfg.balancers[0].max_connections, Some(10));
+    assert_eq!(
+        cfg.balancers[0].idle_timeout.map(|d| d.0),
+        Some(std::time::Duration::from_secs(90))
+    );
+    let cfg = Config::from_toml(FULL, "t").unwrap();
+    assert_eq!(
+        (
+            cfg.balancers[0].max_connections,
+            cfg.balancers[0].idle_timeout
+        ),
+        (None, None)
+    );
+    for (keys, named) in [
+        ("max_connections = 0", "balancer[0].max_connections"),
+        ("idle_timeout = \"10ms\"", "balancer[0].idle_timeout"),
+    ] {
+        let e = Config::from_toml(&with(keys), "t").unwrap_err().to_string();
+        assert!(e.contains(named) && e.contains("at least"), "{keys}: {e}");
+    }
+}

@@ -8,6 +8,9 @@ use super::{
 };
 use crate::addr::validate_set;
 
+/// Shortest `idle_timeout`.
+const MIN_IDLE_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// Whether validation reads the credential files a config names (`[admin] token_file`, the
 /// `ca_file`, `cert_file` and `key_file` of health checks and etcd discovery).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -181,6 +184,27 @@ impl Config {
 
 /// One `[[balancer]]`'s own keys; `all_listens` are every balancer's listeners (a server equal
 /// to one would make lb dial itself).
+/// `max_connections` and `idle_timeout` of balancer `i`.
+fn validate_limits(i: usize, b: &BalancerConfig) -> Result<(), ConfigError> {
+    if b.max_connections == Some(0) {
+        return Err(ConfigError::invalid(
+            format!("balancer[{i}].max_connections"),
+            0,
+            "must be at least 1 (leave it out for no limit)",
+        ));
+    }
+    if let Some(idle) = b.idle_timeout
+        && idle.0 < MIN_IDLE_TIMEOUT
+    {
+        return Err(ConfigError::invalid(
+            format!("balancer[{i}].idle_timeout"),
+            idle,
+            "must be at least 100ms (leave it out to never close idle connections)",
+        ));
+    }
+    Ok(())
+}
+
 fn validate_balancer(
     i: usize,
     b: &BalancerConfig,
@@ -235,6 +259,7 @@ fn validate_balancer(
             "must be at least dial_timeout",
         ));
     }
+    validate_limits(i, b)?;
     validate_health(i, &b.health, files)?;
     let h = &b.health;
     // Discovered servers are addresses (IPv4 or IPv6, any port): the template must make a URL

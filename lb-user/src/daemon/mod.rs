@@ -302,6 +302,7 @@ impl Daemon {
             pre_dial: Some(pre_dial),
             tasks: TaskTracker::new(),
             freezer: proxy::Freezer::default(),
+            limits: proxy::Limits::default(),
         });
         // A dial or a check that lands on one of these is a loop.
         crate::net::set_own_listeners(

@@ -63,18 +63,13 @@ pub(super) async fn read(f: &FileDiscovery) -> Result<Found, DiscoveryError> {
         path: f.path.display().to_string(),
         reason,
     };
-    let meta = tokio::fs::metadata(&f.path)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if meta.len() > MAX_FILE {
-        return Err(failed(format!(
-            "{} bytes; at most {MAX_FILE} are read",
-            meta.len()
-        )));
-    }
-    let text = tokio::fs::read_to_string(&f.path)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
+    let path = f.path.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        crate::files::read_limited_string(&path, MAX_FILE).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| failed(e.to_string()))?
+    .map_err(failed)?;
     let (servers, default) = parse(&text).map_err(failed)?;
     Ok(Found {
         servers,

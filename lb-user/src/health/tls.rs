@@ -128,8 +128,12 @@ fn build(key: &Key) -> Result<ClientConfig, CheckError> {
     };
     let mut config = match (&key.cert_file, &key.key_file) {
         (Some((cert, _)), Some((pkey, _))) => {
-            let chain = CertificateDer::pem_file_iter(cert)
-                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            let chain = pem(cert)
+                .and_then(|b| {
+                    CertificateDer::pem_slice_iter(&b)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| e.to_string())
+                })
                 .map_err(|e| config_error("client certificate", cert, e))?;
             if chain.is_empty() {
                 return Err(config_error(
@@ -138,7 +142,8 @@ fn build(key: &Key) -> Result<ClientConfig, CheckError> {
                     "no certificate in file",
                 ));
             }
-            let private = PrivateKeyDer::from_pem_file(pkey)
+            let private = pem(pkey)
+                .and_then(|b| PrivateKeyDer::from_pem_slice(&b).map_err(|e| e.to_string()))
                 .map_err(|e| config_error("client key", pkey, e))?;
             builder
                 .with_client_auth_cert(chain, private)
@@ -157,13 +162,22 @@ fn build(key: &Key) -> Result<ClientConfig, CheckError> {
     Ok(config)
 }
 
+/// A PEM file's bytes: a regular file of at most [`crate::files::INPUT_LIMIT`] bytes.
+fn pem(path: &Path) -> Result<Vec<u8>, String> {
+    crate::files::read_limited(path, crate::files::INPUT_LIMIT).map_err(|e| e.to_string())
+}
+
 /// Trust anchors from `ca_file` (PEM), or the system's store when absent.
 fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, CheckError> {
     let mut roots = RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            let certs = CertificateDer::pem_file_iter(path)
-                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            let certs = pem(path)
+                .and_then(|b| {
+                    CertificateDer::pem_slice_iter(&b)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| e.to_string())
+                })
                 .map_err(|e| config_error("CA file", path, e))?;
             let (added, _) = roots.add_parsable_certificates(certs);
             if added == 0 {

@@ -111,6 +111,24 @@ pub struct PinsLabel {
     pub dir: String,
 }
 
+/// Labels of `lb_connections_rejected_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectedLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `max_connections`.
+    pub reason: String,
+}
+
+/// Labels of `lb_accept_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AcceptErrorLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// The error's name, e.g. `EMFILE`.
+    pub errno: String,
+}
+
 /// `{balancer,kind}` of the discovery gauges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DiscoveryLabels {

@@ -91,6 +91,11 @@ pub struct Metrics {
     /// `lb_clients_refused_total{reason}`: clients reset without a server (`all_failed`: every
     /// server FAILED with `all_failed = "refuse"`; `all_servers_failed`: no dial succeeded).
     pub clients_refused: Family<RefusedLabels, Counter>,
+    /// `lb_connections_rejected_total{balancer,reason}`: clients reset at accept by a limit.
+    pub connections_rejected: Family<RejectedLabels, Counter>,
+    /// `lb_accept_errors_total{balancer,errno}`: failed accepts (out of descriptors: `EMFILE`,
+    /// `ENFILE`).
+    pub accept_errors: Family<AcceptErrorLabels, Counter>,
     /// `lb_discovery_runs_total{balancer,kind,result}`.
     pub discovery_runs: Family<DiscoveryRunLabels, Counter>,
     /// `lb_discovery_last_success_timestamp_seconds{balancer,kind}`: seconds since the Unix
@@ -180,6 +185,8 @@ impl Metrics {
             discovery_last_success: Family::<DiscoveryLabels, Gauge<f64, AtomicU64>>::default(),
             discovery_servers: Family::<DiscoveryLabels, Gauge>::default(),
             clients_refused: Family::<RefusedLabels, Counter>::default(),
+            connections_rejected: Family::<RejectedLabels, Counter>::default(),
+            accept_errors: Family::<AcceptErrorLabels, Counter>::default(),
             compat: None,
             last_kernel: Mutex::new(HashMap::new()),
             rendering: Mutex::new(()),
@@ -352,6 +359,16 @@ impl Metrics {
             "clients_refused",
             "Clients reset without reaching a server",
             self.clients_refused.clone(),
+        );
+        r.register(
+            "connections_rejected",
+            "Clients reset at accept by a limit (max_connections)",
+            self.connections_rejected.clone(),
+        );
+        r.register(
+            "accept_errors",
+            "Failed accepts on a balancer's listeners, by error (EMFILE, ENFILE: out of descriptors)",
+            self.accept_errors.clone(),
         );
     }
 
@@ -550,6 +567,16 @@ impl Metrics {
             let _ = self.clients_refused.get_or_create(&RefusedLabels {
                 balancer: name(),
                 reason: reason.into(),
+            });
+        }
+        let _ = self.connections_rejected.get_or_create(&RejectedLabels {
+            balancer: name(),
+            reason: "max_connections".into(),
+        });
+        for errno in ["EMFILE", "ENFILE"] {
+            let _ = self.accept_errors.get_or_create(&AcceptErrorLabels {
+                balancer: name(),
+                errno: errno.into(),
             });
         }
         if let Some(d) = &b.config().discovery {

@@ -166,7 +166,10 @@ impl Freezer {
 /// the copy loops (and the kernel pair, for a spliced one); an undialed client is dialed.
 pub fn adopt(ctx: &Arc<ProxyCtx>, f: Frozen, go: CancellationToken) {
     let ctx2 = ctx.clone();
+    // Counted toward `max_connections` like the connections accepted here.
+    let admitted = ctx.limits.count(&f.balancer.name);
     ctx.tasks.spawn(async move {
+        let _admitted = admitted;
         go.cancelled().await;
         let Frozen {
             balancer,

@@ -18,7 +18,7 @@ use std::{
     cell::RefCell,
     sync::{
         OnceLock,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -37,9 +37,11 @@ pub type PreDial = Arc<
 
 mod dial;
 mod handover;
+mod limits;
 
 pub use dial::dial;
 pub use handover::{Dir, Freezer, Frozen, adopt};
+pub use limits::{Admitted, Limits};
 
 thread_local! {
     /// One read buffer per runtime thread (`copy_buffer_bytes` long), shared by its connections.
@@ -60,6 +62,8 @@ pub struct ProxyCtx {
     pub tasks: TaskTracker,
     /// Stops every connection at a point where it can be handed over (`lb upgrade`).
     pub freezer: Freezer,
+    /// Connections through lb per balancer (`max_connections`) and rate-limited logs.
+    pub limits: Limits,
 }
 
 impl std::fmt::Debug for ProxyCtx {
@@ -110,16 +114,18 @@ pub async fn serve(
             a = listener.accept() => a,
         };
         match accepted {
-            Ok((client, peer)) => {
-                let balancer = balancer.clone();
-                let ctx2 = ctx.clone();
-                ctx.tasks.spawn(handle(client, peer, bound, balancer, ctx2));
-            }
-            Err(e) => {
-                // EMFILE and friends: back off briefly instead of spinning.
-                warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            Ok((client, peer)) => match ctx.limits.admit(&balancer) {
+                Ok(admitted) => {
+                    let conn = handle(client, peer, bound, balancer.clone(), ctx.clone());
+                    ctx.tasks.spawn(async move {
+                        conn.await;
+                        drop(admitted);
+                    });
+                }
+                Err(limit) => limits::reject(&client, &balancer, &ctx, limit),
+            },
+            // EMFILE and friends: counted, logged once a second, retried after a pause.
+            Err(e) => limits::accept_failed(&e, &balancer, &ctx).await,
         }
     }
 }
@@ -234,37 +240,17 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         dp: ctx.datapath.as_deref(),
         ctx: &ctx,
         balancer: &balancer.name,
+        copied: AtomicU64::new(0),
     };
-    let (mut up, mut down) = match resume {
-        Resume::Fresh => {
-            splice
-                .tried
-                .store(ctx.datapath.is_none(), Ordering::Relaxed);
-            (Dir::default(), Dir::default())
-        }
-        Resume::Adopted(adopted) => {
-            let (up, down, spliced) = *adopted;
-            if spliced
-                && let (Some(dp), Some(local)) = (&ctx.datapath, local)
-                && let Some(key) = dp.client_key(peer, local)
-            {
-                let _ = splice.pair.set(dp.adopt_pair(key, &server, up.written));
-                spliced_gauge(&ctx, &balancer.name).inc();
-            } else if !spliced {
-                // Not paired yet when handed over: paired here once it shows it will last.
-                splice
-                    .tried
-                    .store(ctx.datapath.is_none(), Ordering::Relaxed);
-            }
-            (up, down)
-        }
-    };
+    let (mut up, mut down) = splice.resume(resume);
     let freeze = ctx.freezer.token();
+    let idle = idle_or_never(&splice, balancer.config().idle_timeout.map(|d| d.0));
     let outcome = tokio::select! {
         // A kill resets the client in the kernel first: the relay may see that error too.
         biased;
         () = guard.cancel.cancelled() => Outcome::Killed,
         () = freeze.cancelled() => Outcome::Frozen,
+        () = idle => Outcome::Idle,
         r = relay(&client, &server, &splice, &ctx, &mut up, &mut down) => r,
     };
     let outcome = match outcome {
@@ -295,7 +281,7 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
     // A kill ends thousands of connections at once: reset the client first, then let the other
     // killed connections reset theirs before this one cleans its map entries (the server socket
     // stays open until its pair is out of the maps, as always).
-    let client = if let Outcome::Killed = outcome {
+    let client = if let Outcome::Killed | Outcome::Idle = outcome {
         abort(&client);
         drop(client);
         tokio::task::yield_now().await;
@@ -331,7 +317,32 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
             debug!(balancer = %balancer.name, server = %spec, client = %peer, reason, "connection killed");
             abort(&server);
         }
+        Outcome::Idle => idle_closed(&ctx, &balancer.name, &spec, &server),
     }
+}
+
+/// Returns once the connection moved no byte for `timeout`; never without one. Boxed: only
+/// connections of a balancer with a timeout pay for its timer.
+async fn idle_or_never(splice: &Splice<'_>, timeout: Option<Duration>) {
+    match timeout {
+        Some(t) => Box::pin(limits::idle(splice, t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reset the server side of a connection closed by `idle_timeout` and count it
+/// (`lb_connections_killed_total{reason="idle"}`).
+fn idle_closed(ctx: &ProxyCtx, balancer: &str, server: &ServerAddr, socket: &TcpStream) {
+    debug!(balancer, %server, "idle connection closed");
+    abort(socket);
+    ctx.metrics
+        .connections_killed
+        .get_or_create(&crate::metrics::KillLabels {
+            balancer: balancer.to_string(),
+            server: server.to_string(),
+            reason: crate::balancer::KillReason::Idle.label().into(),
+        })
+        .inc();
 }
 
 /// How long a client may stay silent, with all it sent copied, before lb pairs it.
@@ -356,9 +367,46 @@ struct Splice<'a> {
     dp: Option<&'a Datapath>,
     ctx: &'a ProxyCtx,
     balancer: &'a str,
+    /// Bytes lb copied, both ways (what [`limits::idle`] watches, with the kernel's count).
+    copied: AtomicU64,
+}
+
+impl limits::Activity for Splice<'_> {
+    fn moved(&self) -> u64 {
+        let redirected = match (self.dp, self.pair.get()) {
+            (Some(dp), Some(p)) => dp.flow(&p.key()).map_or(0, |f| f.redirected),
+            _ => 0,
+        };
+        self.copied.load(Ordering::Relaxed) + redirected
+    }
 }
 
 impl Splice<'_> {
+    /// Where each direction starts: a new connection from zero (paired once it shows it will
+    /// last); a handed-over one where it stopped, paired again in the kernel if it was.
+    fn resume(&self, resume: Resume) -> (Dir, Dir) {
+        match resume {
+            Resume::Fresh => {
+                self.tried.store(self.dp.is_none(), Ordering::Relaxed);
+                (Dir::default(), Dir::default())
+            }
+            Resume::Adopted(adopted) => {
+                let (up, down, spliced) = *adopted;
+                if spliced
+                    && let (Some(dp), Some(local)) = (self.dp, self.local)
+                    && let Some(key) = dp.client_key(self.peer, local)
+                {
+                    let _ = self.pair.set(dp.adopt_pair(key, self.server, up.written));
+                    spliced_gauge(self.ctx, self.balancer).inc();
+                } else if !spliced {
+                    // Not paired yet when handed over: paired here once it shows it will last.
+                    self.tried.store(self.dp.is_none(), Ordering::Relaxed);
+                }
+                (up, down)
+            }
+        }
+    }
+
     /// Whether pairing is still to be tried.
     fn pending(&self) -> bool {
         self.dp.is_some() && !self.tried.load(Ordering::Relaxed)
@@ -428,6 +476,8 @@ fn spliced_gauge(ctx: &ProxyCtx, balancer: &str) -> prometheus_client::metrics::
 
 enum Outcome {
     Closed,
+    /// No byte either way for `idle_timeout`.
+    Idle,
     /// Stopped for a hand-over; the sockets go to the next process as they are.
     Frozen,
     Reset(io::Error, Side),
@@ -468,6 +518,7 @@ async fn relay(
         pump(client, server, ctx, up_dir, Some(splice), |copied, full| {
             chunks += 1;
             splice.copied(copied, full, chunks);
+            splice.copied.fetch_add(copied - last, Ordering::Relaxed);
             up_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -481,6 +532,7 @@ async fn relay(
     let down = async {
         let mut last = down_dir.written;
         pump(server, client, ctx, down_dir, None, |copied, _| {
+            splice.copied.fetch_add(copied - last, Ordering::Relaxed);
             down_bytes.inc_by(copied - last);
             last = copied;
         })
@@ -622,6 +674,7 @@ mod tests {
                 pre_dial: None,
                 tasks: TaskTracker::new(),
                 freezer: Freezer::default(),
+                limits: Limits::default(),
             };
             let splice = Splice {
                 peer: addr,
@@ -633,6 +686,7 @@ mod tests {
                 dp: None,
                 ctx: &ctx,
                 balancer: "b",
+                copied: AtomicU64::new(0),
             };
             let (mut up, mut down) = (Dir::default(), Dir::default());
             let relay = relay(&client, &server, &splice, &ctx, &mut up, &mut down);
