@@ -8,6 +8,7 @@
 mod dns;
 mod etcd;
 mod file;
+pub mod names;
 
 use std::{
     sync::Arc,
@@ -112,6 +113,12 @@ pub fn merge(current: &[ServerAddr], found: &[ServerAddr]) -> Vec<ServerAddr> {
     out
 }
 
+/// When the next run is due after a good answer: `interval`, or the answer's TTL when that is
+/// shorter (never below [`MIN_REFRESH`]).
+pub fn next_run(interval: Duration, ttl: Option<Duration>) -> Duration {
+    ttl.map_or(interval, |t| interval.min(t.max(MIN_REFRESH)))
+}
+
 /// Apply `found` to `balancer`; returns whether the set changed. Runs the set change on the
 /// blocking pool (a file may list host names, which the system resolver expands).
 async fn apply(
@@ -207,8 +214,7 @@ async fn run_once(balancer: &Arc<Balancer>, cfg: &DiscoveryConfig, metrics: &Met
             } else if had_error {
                 info!(balancer = %balancer.name, kind = cfg.kind(), "discovery works again");
             }
-            // A TTL shorter than the interval brings the next run forward (never below 1 s).
-            ttl.map_or(interval, |t| interval.min(t.max(MIN_REFRESH)))
+            next_run(interval, ttl)
         }
         Err(e) => {
             let text = e.to_string();
