@@ -324,7 +324,10 @@ dial_timeout = "1s"
     );
     let cfg_path = dir.join("lb.toml");
     std::fs::write(&cfg_path, config)?;
-    let (cfgp, cgp) = (cfg_path.display().to_string(), cg.path.display().to_string());
+    let (cfgp, cgp) = (
+        cfg_path.display().to_string(),
+        cg.path.display().to_string(),
+    );
     let lb = Lb::start(&[
         "--config",
         &cfgp,
@@ -357,7 +360,10 @@ dial_timeout = "1s"
     let place = Place::cgroup(&cg.path);
     let holder = Holder::start(&place, follow.parse()?, 3, 60_000)?;
     let ev = holder.wait_for("connected", Duration::from_secs(5))?;
-    ensure!(ev["server"] == "s1", "client of the follow balancer on {ev}");
+    ensure!(
+        ev["server"] == "s1",
+        "client of the follow balancer on {ev}"
+    );
 
     // The name moves to s2 and s1 goes dark.
     let changed = std::time::Instant::now();

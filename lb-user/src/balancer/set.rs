@@ -238,7 +238,7 @@ impl Balancer {
             .map(|(_, a)| a.clone())
             .collect();
         // A rotated answer must not reshuffle the preference order.
-        let pinned = crate::discovery::merge(&had, &pinned);
+        let pinned = crate::addr::merge(&had, &pinned);
         if pinned.is_empty() || had.is_empty() || had == pinned {
             return false;
         }

@@ -67,7 +67,10 @@ pub fn render(s: &StatusBody) -> String {
             let addrs: Vec<String> = n
                 .addresses
                 .iter()
-                .map(|a| a.pin().map_or_else(|| "unresolved".into(), |ip| ip.to_string()))
+                .map(|a| {
+                    a.pin()
+                        .map_or_else(|| "unresolved".into(), |ip| ip.to_string())
+                })
                 .collect();
             out.push_str(&format!(
                 "  name {} ({})  addresses {}  resolved {}",

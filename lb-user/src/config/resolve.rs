@@ -89,3 +89,56 @@ impl DnsConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    const TWO: &str = r#"
+[[balancer]]
+name = "api"
+listen = ["127.0.0.1:6443"]
+servers = ["api.example:6443"]
+
+[[balancer]]
+name = "etcd"
+listen = ["127.0.0.1:2379"]
+servers = ["etcd.example:2379"]
+resolve = "once"
+"#;
+
+    #[test]
+    fn resolve_key_and_its_default() {
+        let cfg = Config::from_toml(TWO, "test").unwrap();
+        assert_eq!(cfg.dns, DnsConfig::default());
+        assert_eq!(cfg.resolve_of(&cfg.balancers[0]), Resolve::Follow);
+        assert_eq!(cfg.resolve_of(&cfg.balancers[1]), Resolve::Once);
+        let text =
+            format!("[dns]\nresolve = \"once\"\nnameservers = [\"198.18.0.53:5353\"]\n{TWO}");
+        let cfg = Config::from_toml(&text, "test").unwrap();
+        assert_eq!(cfg.resolve_of(&cfg.balancers[0]), Resolve::Once);
+        assert_eq!(cfg.dns.interval, Dur(DEFAULT_RESOLVE_INTERVAL));
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let bad = TWO.replace("resolve = \"once\"", "resolve = \"strict_dns\"");
+        let e = Config::from_toml(&bad, "test").unwrap_err().to_string();
+        assert!(e.contains("resolve") && e.contains("strict_dns"), "{e}");
+        for (table, key) in [
+            ("interval = \"500ms\"", "dns.interval"),
+            ("timeout = \"1ms\"", "dns.timeout"),
+            ("nameservers = [\"dns.example\"]", "dns.nameservers"),
+        ] {
+            let e = Config::from_toml(&format!("[dns]\n{table}\n{TWO}"), "test")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{key}`")), "{table}: {e}");
+        }
+        let e = Config::from_toml(&format!("[dns]\nttl = \"1s\"\n{TWO}"), "test")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ttl"), "{e}");
+    }
+}

@@ -19,6 +19,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
+pub use crate::addr::merge;
 use crate::{
     addr::{ServerAddr, SetError},
     balancer::{Balancer, DiscoveryStatus},
@@ -93,24 +94,6 @@ pub async fn fetch(cfg: &DiscoveryConfig, route: &Route) -> Result<Found, Discov
         return Err(DiscoveryError::Empty);
     }
     Ok(found)
-}
-
-/// The list to apply: `current` servers still `found` keep their places, new ones follow in
-/// the source's order. DNS rotates its answers and a member list has no meaning in its order,
-/// so taking either as given would reshuffle the preference order (and with it which server
-/// `failover` keeps ACTIVE) at every run.
-pub fn merge(current: &[ServerAddr], found: &[ServerAddr]) -> Vec<ServerAddr> {
-    let mut out: Vec<ServerAddr> = current
-        .iter()
-        .filter(|s| found.contains(s))
-        .cloned()
-        .collect();
-    for s in found {
-        if !out.contains(s) {
-            out.push(s.clone());
-        }
-    }
-    out
 }
 
 /// When the next run is due after a good answer: `interval`, or the answer's TTL when that is
