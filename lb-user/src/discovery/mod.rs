@@ -248,6 +248,35 @@ fn status_of(cfg: &DiscoveryConfig) -> DiscoveryStatus {
     }
 }
 
+/// Why [`wait`] returned.
+enum Wake {
+    /// The time came.
+    Due,
+    /// The balancer changed (its set, a state, its config).
+    Changed,
+    /// Cancelled, or the balancer is gone.
+    Stop,
+}
+
+/// Wait until `next` (for ever when `None`), a change of the balancer, or `cancel`.
+async fn wait(
+    next: Option<Instant>,
+    cancel: &CancellationToken,
+    changed: &mut tokio::sync::watch::Receiver<u64>,
+) -> Wake {
+    let due = async {
+        match next {
+            Some(t) => sleep_until(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = cancel.cancelled() => Wake::Stop,
+        () = due => Wake::Due,
+        r = changed.changed() => if r.is_ok() { Wake::Changed } else { Wake::Stop },
+    }
+}
+
 /// Run `balancer`'s discovery until `cancel`: a run at once, then every interval (sooner when
 /// a DNS TTL says so), and at once again when a reload changes the `discovery` keys. A
 /// balancer without discovery waits for a reload that gives it one.
@@ -286,23 +315,11 @@ pub fn spawn(
                 // Sleep until the next run, waking on config changes: the set's own changes
                 // bump the same channel, so only a different `discovery` ends the wait early.
                 loop {
-                    let wait = async {
-                        match next {
-                            Some(t) => sleep_until(t).await,
-                            None => std::future::pending().await,
-                        }
-                    };
-                    tokio::select! {
-                        () = cancel.cancelled() => return,
-                        () = wait => break,
-                        r = changed.changed() => {
-                            if r.is_err() {
-                                return;
-                            }
-                            if balancer.config().discovery != cfg {
-                                break;
-                            }
-                        }
+                    match wait(next, &cancel, &mut changed).await {
+                        Wake::Stop => return,
+                        Wake::Due => break,
+                        Wake::Changed if balancer.config().discovery != cfg => break,
+                        Wake::Changed => {}
                     }
                 }
             }

@@ -9,11 +9,11 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
-use tokio::time::{Instant, sleep_until};
+use tokio::time::Instant;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
-use super::{DiscoveryError, MIN_REFRESH, dns, next_run, now_secs};
+use super::{DiscoveryError, MIN_REFRESH, Wake, dns, next_run, now_secs, wait};
 use crate::{
     addr::ServerAddr,
     balancer::Balancer,
@@ -138,22 +138,10 @@ pub fn spawn(
                     };
                     due.insert(name.clone(), Instant::now() + next);
                 }
-                let next = due.values().min().copied();
-                let wait = async {
-                    match next {
-                        Some(t) => sleep_until(t).await,
-                        None => std::future::pending().await,
-                    }
-                };
                 // Set changes and reloads bump `changed`: new names are asked at once.
-                tokio::select! {
-                    () = cancel.cancelled() => return,
-                    () = wait => {}
-                    r = changed.changed() => {
-                        if r.is_err() {
-                            return;
-                        }
-                    }
+                let next = due.values().min().copied();
+                if matches!(wait(next, &cancel, &mut changed).await, Wake::Stop) {
+                    return;
                 }
             }
         }
