@@ -29,6 +29,21 @@ fn sorted(mut v: Vec<String>) -> Vec<String> {
     v
 }
 
+/// lb on `config` (written into `dir`), attached to `cg`, forwarding through lb (splice).
+fn start_lb(dir: &TempDir, cg: &TestCgroup, config: &str) -> Result<Lb> {
+    let path = dir.join("lb.toml");
+    std::fs::write(&path, config)?;
+    let (cfgp, cgp) = (path.display().to_string(), cg.path.display().to_string());
+    Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])
+}
+
 fn discovery(lb: &Lb) -> Result<serde_json::Value> {
     Ok(lb.status()?["balancers"][0]["discovery"].clone())
 }
@@ -66,18 +81,7 @@ fall = 1
         dir.join("state.json").display(),
         dns.addr()
     );
-    let cfg_path = dir.join("lb.toml");
-    std::fs::write(&cfg_path, config)?;
-    let cfgp = cfg_path.display().to_string();
-    let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&[
-        "--config",
-        &cfgp,
-        "--cgroup",
-        &cgp,
-        "--forwarding",
-        "splice",
-    ])?;
+    let lb = start_lb(&dir, &cg, &config)?;
     let took = wait_until(Duration::from_secs(10), || {
         Ok(addresses(&lb)? == sorted(addr[..2].to_vec()))
     })
@@ -195,18 +199,7 @@ fall = 1
 "#,
         members[0]
     );
-    let cfg_path = dir.join("lb.toml");
-    std::fs::write(&cfg_path, config)?;
-    let cfgp = cfg_path.display().to_string();
-    let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&[
-        "--config",
-        &cfgp,
-        "--cgroup",
-        &cgp,
-        "--forwarding",
-        "splice",
-    ])?;
+    let lb = start_lb(&dir, &cg, &config)?;
     let took = wait_until(Duration::from_secs(15), || {
         Ok(addresses(&lb)? == sorted(members.clone()))
     })
@@ -322,20 +315,7 @@ dial_timeout = "1s"
 {health}"#,
         dns = dns.addr()
     );
-    let cfg_path = dir.join("lb.toml");
-    std::fs::write(&cfg_path, config)?;
-    let (cfgp, cgp) = (
-        cfg_path.display().to_string(),
-        cg.path.display().to_string(),
-    );
-    let lb = Lb::start(&[
-        "--config",
-        &cfgp,
-        "--cgroup",
-        &cgp,
-        "--forwarding",
-        "splice",
-    ])?;
+    let lb = start_lb(&dir, &cg, &config)?;
     // The system resolver does not know the name: both balancers get s1 from the [dns] one.
     let took = wait_until(Duration::from_secs(10), || {
         Ok(addresses_of(&lb, 0)? == [pinned_to(0)] && addresses_of(&lb, 1)? == [pinned_to(0)])
