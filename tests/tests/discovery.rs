@@ -338,7 +338,7 @@ dial_timeout = "1s"
     );
 
     let place = Place::cgroup(&cg.path);
-    let holder = Holder::start(&place, follow.parse()?, 3, 60_000)?;
+    let holder = Holder::start(&place, follow.parse()?, 20, 60_000)?;
     let ev = holder.wait_for("connected", Duration::from_secs(5))?;
     ensure!(
         ev["server"] == "s1",
@@ -387,6 +387,27 @@ dial_timeout = "1s"
     })
     .with_context(|| format!("pinned s1 not FAILED: {}", lb.status().unwrap_or_default()))?;
     println!("resolve = once: still on s1 (FAILED) after two more answers naming s2");
+
+    // Back to s1 while s2 stays healthy: no check fails, so the reset of s2's client is the
+    // removal of an address that left the answer.
     hosts[0].blackhole(false)?;
+    let removed_before = lb.metric("lb_connections_killed_total", "reason=\"removed\"");
+    let changed = std::time::Instant::now();
+    dns.set_records("api.lb.test", &ip[..1])?;
+    let ev = holder.wait_for("closed", Duration::from_secs(8))?;
+    ensure!(ev["how"] == "connection reset", "s2's client: {ev}");
+    let closed_ms = changed.elapsed().as_millis();
+    let ev = holder.wait_for("connected", Duration::from_secs(8))?;
+    ensure!(ev["server"] == "s1", "reconnected to {ev}");
+    ensure!(
+        lb.metric("lb_connections_killed_total", "reason=\"removed\"") > removed_before,
+        "the reset was not the removal: {}",
+        lb.log_text()
+    );
+    ensure!(
+        closed_ms < 2000 + 4000,
+        "s2 left the answer {closed_ms} ms before its client was reset"
+    );
+    println!("name moved back to s1: s2's client reset as removed after {closed_ms} ms");
     Ok(())
 }
