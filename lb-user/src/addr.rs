@@ -363,6 +363,24 @@ pub enum SetError {
     Pinned(ServerAddr),
 }
 
+/// The list to apply: `current` servers still `found` keep their places, new ones follow in
+/// the source's order. DNS rotates its answers and a member list has no meaning in its order,
+/// so taking either as given would reshuffle the preference order (and with it which server
+/// `failover` keeps ACTIVE) at every run.
+pub fn merge(current: &[ServerAddr], found: &[ServerAddr]) -> Vec<ServerAddr> {
+    let mut out: Vec<ServerAddr> = current
+        .iter()
+        .filter(|s| found.contains(s))
+        .cloned()
+        .collect();
+    for s in found {
+        if !out.contains(s) {
+            out.push(s.clone());
+        }
+    }
+    out
+}
+
 /// Parse every text of a list (as the admin API receives them).
 ///
 /// # Errors

@@ -29,6 +29,21 @@ fn sorted(mut v: Vec<String>) -> Vec<String> {
     v
 }
 
+/// lb on `config` (written into `dir`), attached to `cg`, forwarding through lb (splice).
+fn start_lb(dir: &TempDir, cg: &TestCgroup, config: &str) -> Result<Lb> {
+    let path = dir.join("lb.toml");
+    std::fs::write(&path, config)?;
+    let (cfgp, cgp) = (path.display().to_string(), cg.path.display().to_string());
+    Lb::start(&[
+        "--config",
+        &cfgp,
+        "--cgroup",
+        &cgp,
+        "--forwarding",
+        "splice",
+    ])
+}
+
 fn discovery(lb: &Lb) -> Result<serde_json::Value> {
     Ok(lb.status()?["balancers"][0]["discovery"].clone())
 }
@@ -66,18 +81,7 @@ fall = 1
         dir.join("state.json").display(),
         dns.addr()
     );
-    let cfg_path = dir.join("lb.toml");
-    std::fs::write(&cfg_path, config)?;
-    let cfgp = cfg_path.display().to_string();
-    let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&[
-        "--config",
-        &cfgp,
-        "--cgroup",
-        &cgp,
-        "--forwarding",
-        "splice",
-    ])?;
+    let lb = start_lb(&dir, &cg, &config)?;
     let took = wait_until(Duration::from_secs(10), || {
         Ok(addresses(&lb)? == sorted(addr[..2].to_vec()))
     })
@@ -195,18 +199,7 @@ fall = 1
 "#,
         members[0]
     );
-    let cfg_path = dir.join("lb.toml");
-    std::fs::write(&cfg_path, config)?;
-    let cfgp = cfg_path.display().to_string();
-    let cgp = cg.path.display().to_string();
-    let lb = Lb::start(&[
-        "--config",
-        &cfgp,
-        "--cgroup",
-        &cgp,
-        "--forwarding",
-        "splice",
-    ])?;
+    let lb = start_lb(&dir, &cg, &config)?;
     let took = wait_until(Duration::from_secs(15), || {
         Ok(addresses(&lb)? == sorted(members.clone()))
     })
@@ -258,5 +251,163 @@ fall = 1
         code == 409 && body.contains("etcd discovery"),
         "PUT: {code} {body}"
     );
+    Ok(())
+}
+
+/// The servers of balancer `i`, by address, in order.
+fn addresses_of(lb: &Lb, i: usize) -> Result<Vec<String>> {
+    let st = lb.status()?;
+    Ok(st["balancers"][i]["servers"]
+        .as_array()
+        .with_context(|| format!("no servers in {st}"))?
+        .iter()
+        .map(|s| s["address"].as_str().unwrap_or("").to_string())
+        .collect())
+}
+
+/// Issue 28 item 7: a host name in `servers` follows DNS (`resolve = "follow"`, the default)
+/// the way Envoy's STRICT_DNS clusters do, and `resolve = "once"` keeps the address it had.
+/// One lb, two balancers on the same name; the name moves from s1 to s2 and s1 goes dark: the
+/// following balancer moves its clients to s2 within the TTL, the pinned one stays on s1.
+#[test]
+fn server_names_follow_dns_unless_pinned() -> Result<()> {
+    if skip_unless_root("server_names_follow_dns_unless_pinned") {
+        return Ok(());
+    }
+    let hosts = serving_hosts(2, 6443, |i| format!("s{}", i + 1))?;
+    let ip: Vec<IpAddr> = hosts.iter().map(|h| IpAddr::V4(h.ip)).collect();
+    let pinned_to = |i: usize| format!("api.lb.test:6443 ({})", ip[i]);
+    let mut dns = DnsServer::start(2)?;
+    dns.set_records("api.lb.test", &ip[..1])?;
+    let cg = TestCgroup::new()?;
+    let dir = TempDir::new("lb-names-follow")?;
+    let (follow, pinned) = (
+        format!("127.0.0.1:{}", free_port()?),
+        format!("127.0.0.1:{}", free_port()?),
+    );
+    let health = r#"
+[balancer.health]
+kind = "tcp"
+interval = "300ms"
+timeout = "300ms"
+rise = 1
+fall = 1
+"#;
+    // TTL 2 s against the default interval of 30 s: the name must be asked again at its TTL.
+    let config = format!(
+        r#"
+[dns]
+nameservers = ["{dns}"]
+timeout = "2s"
+
+[[balancer]]
+name = "follow"
+listen = ["{follow}"]
+servers = ["api.lb.test:6443"]
+dial_timeout = "1s"
+{health}
+[[balancer]]
+name = "pinned"
+listen = ["{pinned}"]
+servers = ["api.lb.test:6443"]
+resolve = "once"
+dial_timeout = "1s"
+{health}"#,
+        dns = dns.addr()
+    );
+    let lb = start_lb(&dir, &cg, &config)?;
+    // The system resolver does not know the name: both balancers get s1 from the [dns] one.
+    let took = wait_until(Duration::from_secs(10), || {
+        Ok(addresses_of(&lb, 0)? == [pinned_to(0)] && addresses_of(&lb, 1)? == [pinned_to(0)])
+    })
+    .with_context(|| format!("the name was not resolved: {}", lb.log_text()))?;
+    println!("api.lb.test resolved {} ms after start", took.as_millis());
+    lb.wait_ready(Duration::from_secs(10))?;
+    let st = lb.status()?;
+    let b = &st["balancers"];
+    ensure!(
+        b[0]["resolve"] == "follow" && b[1]["resolve"] == "once",
+        "resolve in /status: {st}"
+    );
+    ensure!(
+        b[0]["names"][0]["name"] == "api.lb.test:6443"
+            && b[0]["names"][0]["addresses"] == serde_json::json!([pinned_to(0)])
+            && b[0]["names"][0]["last_error"].is_null(),
+        "names in /status: {}",
+        b[0]["names"]
+    );
+
+    let place = Place::cgroup(&cg.path);
+    let holder = Holder::start(&place, follow.parse()?, 20, 60_000)?;
+    let ev = holder.wait_for("connected", Duration::from_secs(5))?;
+    ensure!(
+        ev["server"] == "s1",
+        "client of the follow balancer on {ev}"
+    );
+
+    // The name moves to s2 and s1 goes dark.
+    let changed = std::time::Instant::now();
+    dns.set_records("api.lb.test", &ip[1..])?;
+    hosts[0].blackhole(true)?;
+    let ev = holder.wait_for("closed", Duration::from_secs(8))?;
+    ensure!(ev["how"] == "connection reset", "s1's client: {ev}");
+    let ev = holder.wait_for("connected", Duration::from_secs(8))?;
+    let moved_ms = changed.elapsed().as_millis();
+    ensure!(ev["server"] == "s2", "reconnected to {ev}");
+    ensure!(
+        moved_ms < 2000 + 4000,
+        "the client reached s2 after {moved_ms} ms: more than the TTL (2 s) and a margin"
+    );
+    ensure!(
+        addresses_of(&lb, 0)? == [pinned_to(1)],
+        "follow: {:?}",
+        addresses_of(&lb, 0)?
+    );
+    println!("name moved (TTL 2 s): s1's client reset and on s2 {moved_ms} ms after the change");
+
+    // The pinned balancer keeps s1 however often the following one asks again: wait for two
+    // more resolutions (two TTLs), then s1 is still its only server, FAILED behind the
+    // blackhole.
+    let resolved = |lb: &Lb| -> Result<f64> {
+        Ok(lb.status()?["balancers"][0]["names"][0]["last_resolved"]
+            .as_f64()
+            .unwrap_or(0.0))
+    };
+    let r0 = resolved(&lb)?;
+    wait_until(Duration::from_secs(8), || Ok(resolved(&lb)? > r0))?;
+    let r1 = resolved(&lb)?;
+    wait_until(Duration::from_secs(8), || Ok(resolved(&lb)? > r1))?;
+    ensure!(
+        addresses_of(&lb, 1)? == [pinned_to(0)],
+        "resolve = once must keep s1: {:?}",
+        addresses_of(&lb, 1)?
+    );
+    wait_until(Duration::from_secs(5), || {
+        Ok(lb.status()?["balancers"][1]["servers"][0]["state"] == "FAILED")
+    })
+    .with_context(|| format!("pinned s1 not FAILED: {}", lb.status().unwrap_or_default()))?;
+    println!("resolve = once: still on s1 (FAILED) after two more answers naming s2");
+
+    // Back to s1 while s2 stays healthy: no check fails, so the reset of s2's client is the
+    // removal of an address that left the answer.
+    hosts[0].blackhole(false)?;
+    let removed_before = lb.metric("lb_connections_killed_total", "reason=\"removed\"");
+    let changed = std::time::Instant::now();
+    dns.set_records("api.lb.test", &ip[..1])?;
+    let ev = holder.wait_for("closed", Duration::from_secs(8))?;
+    ensure!(ev["how"] == "connection reset", "s2's client: {ev}");
+    let closed_ms = changed.elapsed().as_millis();
+    let ev = holder.wait_for("connected", Duration::from_secs(8))?;
+    ensure!(ev["server"] == "s1", "reconnected to {ev}");
+    ensure!(
+        lb.metric("lb_connections_killed_total", "reason=\"removed\"") > removed_before,
+        "the reset was not the removal: {}",
+        lb.log_text()
+    );
+    ensure!(
+        closed_ms < 2000 + 4000,
+        "s2 left the answer {closed_ms} ms before its client was reset"
+    );
+    println!("name moved back to s1: s2's client reset as removed after {closed_ms} ms");
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::balancer::{DiscoveryStatus, ServerState, ServerStatus};
+use crate::balancer::{DiscoveryStatus, NameStatus, ServerState, ServerStatus};
 
 /// `/status` body.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -57,6 +57,14 @@ pub struct BalancerStatus {
     pub namespaces: String,
     /// Servers, in preference order; the default last when it is only STANDBY.
     pub servers: Vec<ServerStatus>,
+    /// How host names in the server list resolve: `follow` (re-resolved at their TTL) or
+    /// `once` (pinned when they enter the set).
+    #[serde(default)]
+    pub resolve: String,
+    /// Each host name of the server list, the servers it stands for now and its last
+    /// resolution; absent when the list names no host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<NameStatus>,
     /// The discovery source and what it last did; absent without discovery.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery: Option<DiscoveryStatus>,

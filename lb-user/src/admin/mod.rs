@@ -130,6 +130,8 @@ pub fn status(daemon: &Handle) -> StatusBody {
                     forwarding_fallback,
                     namespaces: daemon.namespaces(&cfg).to_string(),
                     servers,
+                    resolve: daemon.resolve(&cfg).to_string(),
+                    names: b.names_status(),
                     discovery: b.discovery_status(),
                     connect_table: (forwarding == crate::config::Forwarding::Connect)
                         .then(|| daemon.connect_table(b.id))

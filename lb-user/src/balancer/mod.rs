@@ -8,6 +8,7 @@
 
 mod handover;
 mod kills;
+mod names;
 mod passive;
 mod registry;
 mod select;
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
 pub use self::{
+    names::NameStatus,
     registry::ConnGuard,
     state::{Failure, Hold, KillReason, PREFERRED_DURATION, ServerState},
 };
@@ -155,6 +157,8 @@ pub struct Balancer {
     next_conn: AtomicU64,
     observer: Arc<dyn Observer>,
     discovery: Mutex<Option<DiscoveryStatus>>,
+    /// What the resolution of each host name of the set last did (see [`names`]).
+    names: Mutex<Vec<NameStatus>>,
     /// One state file writer at a time; holds whether the last write failed.
     state_file_turn: Mutex<bool>,
     /// Per server, the connect round trip of its last passing check (see [`Balancer::rtt`]).
@@ -224,6 +228,7 @@ impl Balancer {
             next_conn: AtomicU64::new(1),
             observer: opts.observer,
             discovery: Mutex::new(None),
+            names: Mutex::new(Vec::new()),
             state_file_turn: Mutex::new(false),
             rtts: Mutex::new(std::collections::HashMap::new()),
             changed: tokio::sync::watch::channel(0).0,

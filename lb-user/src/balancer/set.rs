@@ -100,16 +100,33 @@ impl Balancer {
                 seen.push((origin, addr));
             }
         }
-        let servers = &want.servers;
-        let default = want.default.as_ref();
+        self.install(want, expanded, None);
+        self.write_state_file();
+        Ok(true)
+    }
+
+    /// Make the servers those of `expanded` (each entry of `want` with its addresses): servers
+    /// that stay keep their states, new ones start UNCHECKED, the others go INVALID and their
+    /// connections are closed (reason `removed`). With `only_if`, nothing happens unless the
+    /// set is still that one (a name's new addresses must not undo a set change made since
+    /// they were asked for). Returns whether it applied.
+    fn install(
+        self: &Arc<Self>,
+        want: ServerSet,
+        expanded: Vec<(ServerAddr, Vec<ServerAddr>)>,
+        only_if: Option<&ServerSet>,
+    ) -> bool {
         let mut removed = Vec::new();
         {
             let mut inner = self.lock();
+            if only_if.is_some_and(|s| *s != inner.set) {
+                return false;
+            }
             let mut old: Vec<Server> = std::mem::take(&mut inner.servers);
             let mut next = Vec::new();
             for (origin, addrs) in expanded {
-                let in_set = servers.contains(&origin);
-                let is_default = default == Some(&origin);
+                let in_set = want.servers.contains(&origin);
+                let is_default = want.default.as_ref() == Some(&origin);
                 for addr in addrs {
                     if let Some(s) = next.iter_mut().find(|s: &&mut Server| s.addr == addr) {
                         s.is_default |= is_default;
@@ -165,8 +182,73 @@ impl Balancer {
             self.kill_entries(&server, c, KillReason::Removed);
         }
         self.bump();
-        self.write_state_file();
-        Ok(true)
+        true
+    }
+
+    /// The servers the set's entry `origin` stands for now, in order (a name's pinned
+    /// addresses, or the name itself while it resolved to nothing); `None` when `origin` is
+    /// no longer an entry of the set.
+    pub fn addresses_of(&self, origin: &ServerAddr) -> Option<Vec<ServerAddr>> {
+        let inner = self.lock();
+        let set = &inner.set;
+        if !set.servers.contains(origin) && set.default.as_ref() != Some(origin) {
+            return None;
+        }
+        Some(
+            inner
+                .servers
+                .iter()
+                .filter(|s| s.origin == *origin)
+                .map(|s| s.addr.clone())
+                .collect(),
+        )
+    }
+
+    /// Give the host name `origin`, an entry of the set, the addresses `found` (`address:port`
+    /// servers; each is pinned to the name): addresses that stay keep their places, servers
+    /// and states, new ones follow them and start UNCHECKED, those that left are removed and
+    /// their connections closed (reason `removed`). The set itself (names, what the state file
+    /// and `PUT` hold) does not change. An address another entry stands for is left to that
+    /// entry. Returns whether the servers changed; nothing changes when `found` leaves no
+    /// address, when `origin` left the set, or when the set changed meanwhile.
+    pub fn set_addresses(self: &Arc<Self>, origin: &ServerAddr, found: &[ServerAddr]) -> bool {
+        let (want, known) = {
+            let inner = self.lock();
+            let known: Vec<(ServerAddr, ServerAddr)> = inner
+                .servers
+                .iter()
+                .map(|s| (s.origin.clone(), s.addr.clone()))
+                .collect();
+            (inner.set.clone(), known)
+        };
+        let taken: Vec<std::net::SocketAddr> = known
+            .iter()
+            .filter(|(o, _)| o != origin)
+            .filter_map(|(_, a)| a.socket_addr())
+            .collect();
+        let pinned: Vec<ServerAddr> = found
+            .iter()
+            .filter_map(ServerAddr::socket_addr)
+            .filter(|sa| !taken.contains(sa))
+            .map(|sa| origin.pinned_to(sa.ip()))
+            .collect();
+        let had: Vec<ServerAddr> = known
+            .iter()
+            .filter(|(o, _)| o == origin)
+            .map(|(_, a)| a.clone())
+            .collect();
+        // A rotated answer must not reshuffle the preference order.
+        let pinned = crate::addr::merge(&had, &pinned);
+        if pinned.is_empty() || had.is_empty() || had == pinned {
+            return false;
+        }
+        let mut expanded = expand(&want, &known);
+        for (o, addrs) in &mut expanded {
+            if o == origin {
+                addrs.clone_from(&pinned);
+            }
+        }
+        self.install(want.clone(), expanded, Some(&want))
     }
 
     /// Add one server at the end of the set.

@@ -465,3 +465,60 @@ fn connect_table_follows_the_states() {
     b.record_check(&a(s1), Err("refused".into()));
     assert_eq!(b.connect_table()[0], a(s0), "one usable: failover order");
 }
+
+/// A followed name's new answer: addresses that stay keep their places and states, new ones
+/// join UNCHECKED after them, those that left are removed with their connections; the set
+/// (names, what the state file holds) does not move, and an address another entry stands for
+/// stays that entry's.
+#[test]
+fn a_names_new_addresses_replace_its_servers_alone() {
+    use ServerState::*;
+    let name = a("localhost:7");
+    let first = name.expand();
+    assert!(first[0].pin().is_some(), "{first:?}");
+    let b = balancer(&["localhost:7", "198.18.0.2:7"], None, Policy::Failover);
+    let set_before = b.server_set();
+    b.record_check(&first[0], Ok(()));
+    b.record_check(&first[0], Ok(()));
+    let kept = b.register(&first[0], None);
+    let pin = |ip: &str| name.pinned_to(ip.parse().unwrap());
+    let found = [
+        a("127.0.0.9:7"),
+        first[0].socket_addr().map(|s| a(&s.to_string())).unwrap(),
+    ];
+    assert!(b.set_addresses(&name, &found));
+    let st = b.status();
+    assert_eq!(st[0].address, first[0], "stays first: {st:?}");
+    assert_eq!(st[0].state, Preferred, "kept its state");
+    assert!(!kept.cancel.is_cancelled());
+    assert!(
+        st.iter()
+            .any(|s| s.address == pin("127.0.0.9") && s.state == Unchecked),
+        "{st:?}"
+    );
+    assert!(
+        !b.set_addresses(&name, &found),
+        "the same answer changes nothing"
+    );
+    // The name moves away: its old address is removed and its connection closed.
+    assert!(b.set_addresses(&name, &[a("127.0.0.9:7"), a("198.18.0.2:7")]));
+    assert!(kept.cancel.is_cancelled());
+    assert_eq!(kept.reason(), Some(KillReason::Removed));
+    assert_eq!(
+        b.server_specs(),
+        [pin("127.0.0.9"), a("198.18.0.2:7")],
+        "198.18.0.2 stays the literal's"
+    );
+    assert_eq!(
+        b.server_set(),
+        set_before,
+        "the set is names, not addresses"
+    );
+    let names = b.names_status();
+    assert_eq!(names.len(), 1);
+    assert_eq!(names[0].name, "localhost:7");
+    assert_eq!(names[0].addresses, [pin("127.0.0.9")]);
+    // An empty answer and a name that left the set change nothing.
+    assert!(!b.set_addresses(&name, &[]));
+    assert!(!b.set_addresses(&a("other:7"), &[a("127.0.0.3:7")]));
+}

@@ -4,13 +4,14 @@ use std::{path::Path, process::ExitCode};
 
 use crate::config::{
     BalancerConfig, Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG, Forwarding,
-    Namespaces,
+    Namespaces, Resolve,
 };
 
 /// Validate `file`, reading the credential files it names or not as `files` says: print a
 /// summary (one line, then one per balancer saying how it forwards and which network
 /// namespaces its kernel programs act in) and exit 0, or print the error (naming the key, the
-/// value and the reason) and exit 2.
+/// value and the reason) and exit 2. Each balancer line also says whether its host names
+/// follow DNS (`resolve`).
 pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
     match Config::from_file_with(file, files) {
         Ok(cfg) => {
@@ -53,8 +54,12 @@ fn describe(cfg: &Config, b: &BalancerConfig) -> String {
         Namespaces::Own => "the kernel acts on clients in lb's network namespace only",
         Namespaces::All => "the kernel acts on clients in every network namespace under the cgroup",
     };
+    let resolve = match cfg.resolve_of(b) {
+        Resolve::Follow => "follow (host names are re-resolved at their DNS TTL)",
+        Resolve::Once => "once (host names keep the addresses they had when they entered the set)",
+    };
     format!(
-        "balancer {}: forwarding {forwarding}, namespaces {namespaces} ({scope})",
+        "balancer {}: forwarding {forwarding}, namespaces {namespaces} ({scope}), resolve {resolve}",
         b.name
     )
 }
@@ -81,6 +86,7 @@ name = "etcd"
 listen = ["127.0.0.1:2379"]
 servers = ["198.18.0.2:2379"]
 forwarding = "splice"
+resolve = "once"
 
 [[balancer]]
 name = "supervisor"
@@ -90,15 +96,15 @@ servers = ["198.18.0.2:9345"]
         let cfg = Config::from_toml(text, "test").unwrap();
         assert_eq!(
             describe(&cfg, &cfg.balancers[0]),
-            "balancer api: forwarding connect, namespaces own (the kernel acts on clients in lb's network namespace only)"
+            "balancer api: forwarding connect, namespaces own (the kernel acts on clients in lb's network namespace only), resolve follow (host names are re-resolved at their DNS TTL)"
         );
         assert_eq!(
             describe(&cfg, &cfg.balancers[1]),
-            "balancer etcd: forwarding splice, namespaces all (the kernel acts on clients in every network namespace under the cgroup)"
+            "balancer etcd: forwarding splice, namespaces all (the kernel acts on clients in every network namespace under the cgroup), resolve once (host names keep the addresses they had when they entered the set)"
         );
         assert_eq!(
             describe(&cfg, &cfg.balancers[2]),
-            "balancer supervisor: forwarding auto (connect-time where the kernel has the hooks, else splice), namespaces all (the kernel acts on clients in every network namespace under the cgroup)"
+            "balancer supervisor: forwarding auto (connect-time where the kernel has the hooks, else splice), namespaces all (the kernel acts on clients in every network namespace under the cgroup), resolve follow (host names are re-resolved at their DNS TTL)"
         );
     }
 }

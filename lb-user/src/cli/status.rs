@@ -76,6 +76,30 @@ pub fn render(s: &StatusBody) -> String {
             }
             out.push('\n');
         }
+        for n in &b.names {
+            let addrs: Vec<String> = n
+                .addresses
+                .iter()
+                .map(|a| {
+                    a.pin()
+                        .map_or_else(|| "unresolved".into(), |ip| ip.to_string())
+                })
+                .collect();
+            out.push_str(&format!(
+                "  name {} ({})  addresses {}  resolved {}",
+                n.name,
+                b.resolve,
+                addrs.join(","),
+                table::age(n.last_resolved),
+            ));
+            if let Some(e) = &n.last_error {
+                out.push_str(&format!(
+                    "  last error ({}): {e}",
+                    table::age(n.last_error_at)
+                ));
+            }
+            out.push('\n');
+        }
         out.push_str(&table::servers("  ", &b.servers));
     }
     out

@@ -5,6 +5,7 @@ mod discovery;
 mod failfast;
 mod health;
 mod metrics;
+mod resolve;
 mod validate;
 
 pub use discovery::{
@@ -14,6 +15,7 @@ pub use discovery::{
 pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
 pub use metrics::{Compat, MetricsConfig, compat_name};
+pub use resolve::{DEFAULT_RESOLVE_INTERVAL, DnsConfig, Resolve};
 pub use validate::CredentialFiles;
 
 use std::{
@@ -385,6 +387,10 @@ pub struct BalancerConfig {
     /// Server of last resort; kept as STANDBY when not in `servers`.
     #[serde(default)]
     pub default_server: Option<ServerAddr>,
+    /// follow | once: whether host names in `servers` and `default_server` are re-resolved
+    /// at their TTL or pinned when they enter the set; `[dns] resolve` when absent.
+    #[serde(default)]
+    pub resolve: Option<Resolve>,
     /// failover | round-robin | least-connections | random.
     #[serde(default)]
     pub policy: Policy,
@@ -457,6 +463,9 @@ pub struct Config {
     /// `[metrics]`.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// `[dns]`: how host names of server lists are resolved.
+    #[serde(default)]
+    pub dns: DnsConfig,
     /// Grace period for draining on SIGTERM; default 30 s.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: Dur,
@@ -471,6 +480,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             datapath: DatapathConfig::default(),
             metrics: MetricsConfig::default(),
+            dns: DnsConfig::default(),
             shutdown_grace: default_shutdown_grace(),
             balancers: Vec::new(),
         }
@@ -531,6 +541,11 @@ impl Config {
     /// `[datapath] namespaces`.
     pub fn namespaces_of(&self, b: &BalancerConfig) -> Namespaces {
         b.namespaces.unwrap_or(self.datapath.namespaces)
+    }
+
+    /// Whether `b`'s host names follow DNS: its own `resolve`, else `[dns] resolve`.
+    pub fn resolve_of(&self, b: &BalancerConfig) -> Resolve {
+        b.resolve.unwrap_or(self.dns.resolve)
     }
 
     /// Parse TOML text.
@@ -606,6 +621,7 @@ impl Config {
                     servers: Vec::new(),
                     discovery: None,
                     default_server: None,
+                    resolve: None,
                     policy: Policy::Failover,
                     failback: true,
                     dial_timeout: default_dial_timeout(),

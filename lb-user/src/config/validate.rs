@@ -56,6 +56,7 @@ impl Config {
             ));
         }
         self.datapath.fail_fast.validate("datapath.fail_fast")?;
+        self.dns.validate()?;
         if self.datapath.max_buffered_bytes < 64 * 1024 {
             return Err(ConfigError::invalid(
                 "datapath.max_buffered_bytes",

@@ -67,6 +67,11 @@ impl Handle {
         self.0.config.load().namespaces_of(b)
     }
 
+    /// Whether balancer config `b`'s host names follow DNS (`resolve`, else `[dns] resolve`).
+    pub fn resolve(&self, b: &crate::config::BalancerConfig) -> crate::config::Resolve {
+        self.0.config.load().resolve_of(b)
+    }
+
     /// Established connect-time connections of balancer `id` per server address (empty
     /// without the kernel data path).
     pub fn connect_counts(&self, id: u32) -> std::collections::HashMap<SocketAddr, u64> {

@@ -467,10 +467,25 @@ impl Daemon {
                 }
             });
         }
+        let weak = Arc::downgrade(&daemon);
+        let resolving: crate::discovery::names::Settings = Arc::new(move |b| {
+            weak.upgrade()
+                .map(|d| {
+                    let cfg = d.config.load();
+                    (cfg.resolve_of(b), cfg.dns.clone())
+                })
+                .unwrap_or_default()
+        });
         for b in &balancers {
             crate::discovery::spawn(
                 b.clone(),
                 daemon.metrics.clone(),
+                &tasks,
+                daemon.background.clone(),
+            );
+            crate::discovery::names::spawn(
+                b.clone(),
+                resolving.clone(),
                 &tasks,
                 daemon.background.clone(),
             );

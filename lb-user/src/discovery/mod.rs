@@ -8,6 +8,7 @@
 mod dns;
 mod etcd;
 mod file;
+pub mod names;
 
 use std::{
     sync::Arc,
@@ -18,6 +19,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
+pub use crate::addr::merge;
 use crate::{
     addr::{ServerAddr, SetError},
     balancer::{Balancer, DiscoveryStatus},
@@ -94,22 +96,10 @@ pub async fn fetch(cfg: &DiscoveryConfig, route: &Route) -> Result<Found, Discov
     Ok(found)
 }
 
-/// The list to apply: `current` servers still `found` keep their places, new ones follow in
-/// the source's order. DNS rotates its answers and a member list has no meaning in its order,
-/// so taking either as given would reshuffle the preference order (and with it which server
-/// `failover` keeps ACTIVE) at every run.
-pub fn merge(current: &[ServerAddr], found: &[ServerAddr]) -> Vec<ServerAddr> {
-    let mut out: Vec<ServerAddr> = current
-        .iter()
-        .filter(|s| found.contains(s))
-        .cloned()
-        .collect();
-    for s in found {
-        if !out.contains(s) {
-            out.push(s.clone());
-        }
-    }
-    out
+/// When the next run is due after a good answer: `interval`, or the answer's TTL when that is
+/// shorter (never below [`MIN_REFRESH`]).
+pub fn next_run(interval: Duration, ttl: Option<Duration>) -> Duration {
+    ttl.map_or(interval, |t| interval.min(t.max(MIN_REFRESH)))
 }
 
 /// Apply `found` to `balancer`; returns whether the set changed. Runs the set change on the
@@ -207,8 +197,7 @@ async fn run_once(balancer: &Arc<Balancer>, cfg: &DiscoveryConfig, metrics: &Met
             } else if had_error {
                 info!(balancer = %balancer.name, kind = cfg.kind(), "discovery works again");
             }
-            // A TTL shorter than the interval brings the next run forward (never below 1 s).
-            ttl.map_or(interval, |t| interval.min(t.max(MIN_REFRESH)))
+            next_run(interval, ttl)
         }
         Err(e) => {
             let text = e.to_string();
@@ -259,6 +248,35 @@ fn status_of(cfg: &DiscoveryConfig) -> DiscoveryStatus {
     }
 }
 
+/// Why [`wait`] returned.
+enum Wake {
+    /// The time came.
+    Due,
+    /// The balancer changed (its set, a state, its config).
+    Changed,
+    /// Cancelled, or the balancer is gone.
+    Stop,
+}
+
+/// Wait until `next` (for ever when `None`), a change of the balancer, or `cancel`.
+async fn wait(
+    next: Option<Instant>,
+    cancel: &CancellationToken,
+    changed: &mut tokio::sync::watch::Receiver<u64>,
+) -> Wake {
+    let due = async {
+        match next {
+            Some(t) => sleep_until(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = cancel.cancelled() => Wake::Stop,
+        () = due => Wake::Due,
+        r = changed.changed() => if r.is_ok() { Wake::Changed } else { Wake::Stop },
+    }
+}
+
 /// Run `balancer`'s discovery until `cancel`: a run at once, then every interval (sooner when
 /// a DNS TTL says so), and at once again when a reload changes the `discovery` keys. A
 /// balancer without discovery waits for a reload that gives it one.
@@ -297,23 +315,11 @@ pub fn spawn(
                 // Sleep until the next run, waking on config changes: the set's own changes
                 // bump the same channel, so only a different `discovery` ends the wait early.
                 loop {
-                    let wait = async {
-                        match next {
-                            Some(t) => sleep_until(t).await,
-                            None => std::future::pending().await,
-                        }
-                    };
-                    tokio::select! {
-                        () = cancel.cancelled() => return,
-                        () = wait => break,
-                        r = changed.changed() => {
-                            if r.is_err() {
-                                return;
-                            }
-                            if balancer.config().discovery != cfg {
-                                break;
-                            }
-                        }
+                    match wait(next, &cancel, &mut changed).await {
+                        Wake::Stop => return,
+                        Wake::Due => break,
+                        Wake::Changed if balancer.config().discovery != cfg => break,
+                        Wake::Changed => {}
                     }
                 }
             }
