@@ -8,7 +8,9 @@
 use core::mem::size_of;
 
 mod failfast;
+mod pins;
 pub use failfast::*;
+pub use pins::*;
 
 /// Name of the sockops program (ELF section `sockops`).
 pub const PROG_SOCKOPS: &str = "lb_sockops";
@@ -139,52 +141,6 @@ pub const PROG_CONNECT_RELEASE: &str = "lb_connect_release";
 /// Connect-time's own sockops program (beside [`PROG_SOCKOPS`], with its own link): counts,
 /// uncounts and reports rewritten sockets.
 pub const PROG_CONNECT_SOCKOPS: &str = "lb_connect_sockops";
-/// The connect-time programs, each with a link of its own, pinned under these names.
-pub const CONNECT_PROGS: [&str; 6] = [
-    PROG_GETPEERNAME4,
-    PROG_GETPEERNAME6,
-    PROG_CONNECT_SOCKOPS,
-    PROG_CONNECT_RELEASE,
-    PROG_CONNECT4,
-    PROG_CONNECT6,
-];
-/// Array of `MAX_BALANCERS` `u64`s: the connect programs' [`MAP_NETNS_SCOPE`] (lb writes both).
-pub const MAP_CONNECT_SCOPE: &str = "LB_CONNECT_SCOPE";
-/// Per-CPU array of the connect programs' [`BalancerStats`] by balancer; lb adds [`MAP_STATS`].
-pub const MAP_CONNECT_STATS: &str = "LB_CONNECT_STATS";
-/// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs (`CTL_*` slots). Its
-/// shape never changes, so any lb can read the layout of pins another build left.
-pub const MAP_CONNECT_CTL: &str = "LB_CONNECT_CTL";
-/// [`MAP_CONNECT_CTL`] slot: lb's tgid, whose sockets are never rewritten (each lb writes its own).
-pub const CTL_OWN_TGID: u32 = 0;
-/// [`MAP_CONNECT_CTL`] slot: lb's heartbeat, `CLOCK_BOOTTIME` ns (`bpf_ktime_get_boot_ns`).
-pub const CTL_HEARTBEAT_NS: u32 = 1;
-/// [`MAP_CONNECT_CTL`] slot: how old (ns) the heartbeat may be before the connect programs stop
-/// rewriting (`datapath.orphan_timeout`); 0: no bound.
-pub const CTL_ORPHAN_NS: u32 = 2;
-/// [`MAP_CONNECT_CTL`] slot: the [`CONNECT_PIN_LAYOUT`] of the programs and maps in use.
-pub const CTL_LAYOUT: u32 = 3;
-/// Entries of [`MAP_CONNECT_CTL`].
-pub const CTL_SLOTS: u32 = 4;
-/// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
-/// adopts pins only of its own. Bump it with any change to them.
-pub const CONNECT_PIN_LAYOUT: u64 = 1;
-/// The connect-time maps, pinned with their programs' links (the splice's maps are not).
-pub const CONNECT_MAPS: [&str; 12] = [
-    MAP_CONNECT_CTL,
-    MAP_CONNECT_SYN,
-    MAP_CONNECT_SUSPECT,
-    MAP_CONNECT_LISTENERS,
-    MAP_CONNECT_TABLES,
-    MAP_CONNECT_CURRENT,
-    MAP_CONNECT_RR,
-    MAP_CONNECT_SOCKS,
-    MAP_CONNECT_COUNTS,
-    MAP_CONNECT_EVENTS,
-    MAP_CONNECT_SCOPE,
-    MAP_CONNECT_STATS,
-];
-
 /// Hash: [`ListenerKey`] → balancer id (`u32`) of the listeners whose balancer uses connect-time
 /// forwarding. A wildcard (`0.0.0.0`/`[::]`) entry matches loopback destinations only.
 pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";

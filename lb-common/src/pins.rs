@@ -1,0 +1,56 @@
+//! The connect-time objects that outlive lb: which programs and maps are pinned, the control
+//! map lb writes for them (its tgid, a heartbeat, the orphan bound) and the layout version a new
+//! lb checks before it adopts them.
+
+use crate::{
+    MAP_CONNECT_COUNTS, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_RR, MAP_CONNECT_SOCKS, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES,
+    PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
+};
+
+/// The connect-time programs, each with a link of its own, pinned under these names.
+pub const CONNECT_PROGS: [&str; 6] = [
+    PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
+    PROG_CONNECT_SOCKOPS,
+    PROG_CONNECT_RELEASE,
+    PROG_CONNECT4,
+    PROG_CONNECT6,
+];
+/// Array of `MAX_BALANCERS` `u64`s: the connect programs' [`MAP_NETNS_SCOPE`](crate::MAP_NETNS_SCOPE) (lb writes both).
+pub const MAP_CONNECT_SCOPE: &str = "LB_CONNECT_SCOPE";
+/// Per-CPU array of the connect programs' [`BalancerStats`](crate::BalancerStats) by balancer; lb adds [`MAP_STATS`](crate::MAP_STATS).
+pub const MAP_CONNECT_STATS: &str = "LB_CONNECT_STATS";
+/// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs (`CTL_*` slots). Its
+/// shape never changes, so any lb can read the layout of pins another build left.
+pub const MAP_CONNECT_CTL: &str = "LB_CONNECT_CTL";
+/// [`MAP_CONNECT_CTL`] slot: lb's tgid, whose sockets are never rewritten (each lb writes its own).
+pub const CTL_OWN_TGID: u32 = 0;
+/// [`MAP_CONNECT_CTL`] slot: lb's heartbeat, `CLOCK_BOOTTIME` ns (`bpf_ktime_get_boot_ns`).
+pub const CTL_HEARTBEAT_NS: u32 = 1;
+/// [`MAP_CONNECT_CTL`] slot: how old (ns) the heartbeat may be before the connect programs stop
+/// rewriting (`datapath.orphan_timeout`); 0: no bound.
+pub const CTL_ORPHAN_NS: u32 = 2;
+/// [`MAP_CONNECT_CTL`] slot: the [`CONNECT_PIN_LAYOUT`] of the programs and maps in use.
+pub const CTL_LAYOUT: u32 = 3;
+/// Entries of [`MAP_CONNECT_CTL`].
+pub const CTL_SLOTS: u32 = 4;
+/// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
+/// adopts pins only of its own. Bump it with any change to them.
+pub const CONNECT_PIN_LAYOUT: u64 = 1;
+/// The connect-time maps, pinned with their programs' links (the splice's maps are not).
+pub const CONNECT_MAPS: [&str; 12] = [
+    MAP_CONNECT_CTL,
+    MAP_CONNECT_SYN,
+    MAP_CONNECT_SUSPECT,
+    MAP_CONNECT_LISTENERS,
+    MAP_CONNECT_TABLES,
+    MAP_CONNECT_CURRENT,
+    MAP_CONNECT_RR,
+    MAP_CONNECT_SOCKS,
+    MAP_CONNECT_COUNTS,
+    MAP_CONNECT_EVENTS,
+    MAP_CONNECT_SCOPE,
+    MAP_CONNECT_STATS,
+];
