@@ -329,6 +329,16 @@ pub fn run() -> Result<()> {
 
     step("SIGTERM: lb drains, detaches its programs and exits");
     let code = lb.terminate(Duration::from_secs(40))?;
+    if let Some(dir) = lb.pin_dir.clone() {
+        // Pinned connect-time programs outlive lb on purpose (they serve on while it is
+        // down); the demo removes them as an operator removing lb would.
+        println!(
+            "   connect-time programs stay pinned in {} and serve on while lb is down; `lb cleanup --pin-dir {}` removes them",
+            dir.display(),
+            dir.display()
+        );
+        lb_tests::remove_pins(&dir);
+    }
     let left = sh(
         "bpftool",
         &["cgroup", "show", &cg.path.display().to_string()],
