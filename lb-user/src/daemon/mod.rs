@@ -595,6 +595,13 @@ impl Daemon {
         self.shutdown.cancel();
         self.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.tasks.wait()).await;
-        info!(elapsed = ?start.elapsed(), "stopped; kernel programs detach as lb exits");
+        match self.datapath.as_ref().and_then(|d| d.pins_status()) {
+            Some(p) => {
+                info!(elapsed = ?start.elapsed(), pin_dir = %p.dir.display(), "stopped; the splice's programs detach as lb exits, the pinned connect-time programs serve on (lb cleanup removes them)")
+            }
+            None => {
+                info!(elapsed = ?start.elapsed(), "stopped; kernel programs detach as lb exits")
+            }
+        }
     }
 }
