@@ -121,3 +121,20 @@ pub fn output_within(mut cmd: Command, timeout: Duration) -> Result<Output> {
         ),
     }
 }
+
+/// The first line `child` writes to its (piped) stdout within `timeout`, with its newline;
+/// empty when none came in time or stdout was not piped. The line is read on a thread of its
+/// own, which ends with the child's stdout.
+pub fn first_stdout_line(child: &mut std::process::Child, timeout: Duration) -> String {
+    use std::io::BufRead as _;
+    let Some(out) = child.stdout.take() else {
+        return String::new();
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    rx.recv_timeout(timeout).unwrap_or_default()
+}

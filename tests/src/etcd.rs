@@ -589,14 +589,7 @@ fn spawn_ready(cmd: &mut Command, what: &str) -> Result<Child> {
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("spawning {what}"))?;
-    let out = child.stdout.take().context("stdout")?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let ready = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+    let ready = crate::first_stdout_line(&mut child, Duration::from_secs(10));
     if ready.trim() != "ready" {
         let _ = child.kill();
         let _ = child.wait();

@@ -4,7 +4,6 @@
 //! the repository with the node's addresses, ports and paths replaced by the test's.
 
 use std::{
-    io::{BufRead as _, BufReader},
     net::Ipv4Addr,
     path::PathBuf,
     process::{Child, Stdio},
@@ -103,18 +102,11 @@ impl Supervisor {
             .stderr(Stdio::inherit())
             .spawn()
             .context("spawning lbt supervisor")?;
-        let out = child.stdout.take().context("stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
+        let ready = crate::first_stdout_line(&mut child, Duration::from_secs(10));
         let mut sup = Supervisor {
             child: Some(child),
             addr,
         };
-        let ready = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
         if ready.trim() != "ready" {
             sup.stop();
             bail!("lbt supervisor on {addr} did not start");

@@ -2,7 +2,6 @@
 //! 198.18.0.0/15, serving `lbt`; blackholing one.
 
 use std::{
-    io::{BufRead, BufReader},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -181,14 +180,7 @@ impl Host {
             .stderr(Stdio::inherit())
             .spawn()
             .context("spawning lbt serve")?;
-        let out = child.stdout.take().context("stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let ready = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+        let ready = crate::first_stdout_line(&mut child, Duration::from_secs(10));
         self.servers.push(child);
         if ready.trim() != "ready" {
             bail!("lbt serve on {addr} did not start");

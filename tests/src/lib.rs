@@ -26,7 +26,7 @@ mod upgrading;
 
 pub use cgroup::{RttCallbacks, TestCgroup, cgroup2_root};
 pub use client::{Holder, Place, client_command, placed_command, run_client};
-pub use cmd::{lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
+pub use cmd::{first_stdout_line, lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
 pub use connect::ConnectLb;
 pub use deploy::{
     configmap_entry, container_args, repo_file, setpriv_as, unit_values, yaml_scalar,
