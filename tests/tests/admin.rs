@@ -18,10 +18,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     Holder, Host, Lb, Place, TestCgroup, client_command, free_port, http_get, http_request,
-    http_request_with, lb_bin, run_client, sh, skip_unless_root, unix_request, wait_until,
+    http_request_with, lb_bin, output_within, run_client, sh, skip_unless_root, unix_request,
+    wait_until,
 };
 use serde_json::Value;
 
@@ -88,16 +89,7 @@ fn lb_cli(args: &[&str], env: &[(&str, &str)]) -> Result<Output> {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            bail!("lb {args:?} did not finish within 90 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Ok(child.wait_with_output()?)
+    output_within(cmd, Duration::from_secs(90))
 }
 
 fn code(o: &Output) -> i32 {
@@ -1047,28 +1039,18 @@ fn cli_against_a_live_daemon() -> Result<()> {
 /// run the binary (it lives under a directory closed to others).
 fn lb_cli_as_nobody(args: &[&str]) -> Result<Option<Output>> {
     use std::os::unix::process::CommandExt as _;
-    let child = Command::new(lb_bin())
-        .args(args)
-        .uid(65534)
-        .gid(65534)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            bail!("lb {args:?} as nobody did not finish within 30 s");
+    let mut cmd = Command::new(lb_bin());
+    cmd.args(args).uid(65534).gid(65534).stdin(Stdio::null());
+    match output_within(cmd, Duration::from_secs(30)) {
+        Ok(o) => Ok(Some(o)),
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied) =>
+        {
+            Ok(None)
         }
-        std::thread::sleep(Duration::from_millis(20));
+        Err(e) => Err(e),
     }
-    Ok(Some(child.wait_with_output()?))
 }
 
 #[test]
