@@ -66,6 +66,8 @@ pub fn run() -> Result<()> {
     // here, plus the musl build), and the connect-time tests on 6.12 as well (about 3 min).
     // `LB_VM_TEST=0` leaves them out, saying so.
     let mut vm_result = Ok(());
+    // Every VM failure again at the end, where a log cut to its tail still shows it.
+    let mut vm_notes: Vec<String> = Vec::new();
     if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
         eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 and 6.12 VM runs are left out");
     } else {
@@ -75,6 +77,12 @@ pub fn run() -> Result<()> {
             let failed_before = counts.failed;
             let r = vm::run(&[kernel], vm::DEFAULT_TIMEOUT, &args).and_then(|outcomes| {
                 for o in &outcomes {
+                    vm_notes.extend(
+                        o.failures
+                            .iter()
+                            .map(|f| format!("{}: failed {f}", o.label)),
+                    );
+                    vm_notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
                     counts.add(&o.counts);
                     // A guest that never reported still counts as a failure in the closing line.
                     if !o.ok() && o.counts.failed == 0 {
@@ -94,6 +102,9 @@ pub fn run() -> Result<()> {
             }
             vm_result = vm_result.and(r);
         }
+    }
+    for n in &vm_notes {
+        eprintln!("xtask: kernel {n}");
     }
     eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
     let privilege = close(&counts);

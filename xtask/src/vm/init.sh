@@ -41,7 +41,8 @@ skipped=0
 cd /tmp
 while read -r t; do
     [ -n "$t" ] || continue
-    echo "LB_VM: running $t"
+    # The guest's uptime tells which binary took the time when a run is cut by the timeout.
+    echo "LB_VM: running $t at $(cut -d' ' -f1 /proc/uptime) s"
     # The exit status survives the pipe through a file; busybox sh has no pipefail here.
     # Extra arguments (a test name filter) from `cargo xtask vm-test -- ARGS`, split on spaces.
     # shellcheck disable=SC2046
@@ -76,6 +77,7 @@ while read -r t; do
     fi
 done </etc/lb-vm/tests
 
+echo "LB_VM: every binary ran at $(cut -d' ' -f1 /proc/uptime) s"
 sync
 echo "LB_VM_RESULT status=$status passed=$passed failed=$failed skipped=$skipped"
 sync
