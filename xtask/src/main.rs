@@ -40,9 +40,9 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
         /// Run one scenario only (its table goes to bench/results/raw/<name>/, never latest):
-        /// `upgrade` (8), `kill` (5 and 7, idle connections and their kill) or `bulk` (1 and
-        /// 4, with 15 runs per contender instead of 5).
-        #[arg(long, value_parser = ["upgrade", "kill", "bulk"])]
+        /// `upgrade` (8), `crash` (9, kill -9 and restart), `kill` (5 and 7, idle connections
+        /// and their kill) or `bulk` (1 and 4, with 15 runs per contender instead of 5).
+        #[arg(long, value_parser = ["upgrade", "crash", "kill", "bulk"])]
         only: Option<String>,
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.

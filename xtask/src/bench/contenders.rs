@@ -117,6 +117,8 @@ pub struct Running {
     upgraded_lb: Option<u32>,
     /// HAProxy processes a reload replaced (they serve their connections until these end).
     replaced: Vec<Child>,
+    /// The arguments lb was started with (after `run`), for a restart.
+    lb_args: Vec<String>,
 }
 
 impl std::fmt::Debug for Running {
@@ -331,6 +333,21 @@ fn start_lb(args: &[&str], kind: Kind, primary: SocketAddr) -> Result<Lb> {
     bail!("lb connect: the preferred server was not ACTIVE after {CONNECT_START_TRIES} starts")
 }
 
+/// Start HAProxy on `dir/haproxy.cfg` (log and errors beside it) and wait until it listens on
+/// `addr`.
+fn spawn_haproxy(dir: &Path, addr: SocketAddr) -> Result<Child> {
+    let mut child = Command::new("haproxy")
+        .args(["-db", "-f"])
+        .arg(dir.join("haproxy.cfg"))
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(dir.join("haproxy.log"))?)
+        .stderr(std::fs::File::create(dir.join("haproxy.err"))?)
+        .spawn()
+        .context("spawning haproxy")?;
+    wait_listening(addr, &mut child, "haproxy", &dir.join("haproxy.err"))?;
+    Ok(child)
+}
+
 impl Running {
     /// Start `kind` in front of `servers` (the first preferred, the rest backups).
     ///
@@ -347,9 +364,11 @@ impl Running {
                 primary,
                 upgraded_lb: None,
                 replaced: Vec::new(),
+                lb_args: Vec::new(),
             });
         }
         let dir = temp_dir(kind)?;
+        let mut lb_args = Vec::new();
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let proc_ = match kind {
             Kind::Direct => Proc::None,
@@ -363,28 +382,22 @@ impl Running {
                 std::fs::write(&cfg, lb_config(mode, addr, servers))?;
                 let cg = cgroups.for_kind(kind).display().to_string();
                 let cfg = cfg.display().to_string();
-                let mut args = vec!["--config", &cfg, "--cgroup", &cg];
+                lb_args = vec!["--config", &cfg, "--cgroup", &cg]
+                    .into_iter()
+                    .map(str::to_string)
+                    .collect();
                 if kind == Kind::LbConnect {
-                    args.extend(["--forwarding", "connect", "--datapath", "bpf"]);
+                    lb_args
+                        .extend(["--forwarding", "connect", "--datapath", "bpf"].map(String::from));
                 } else if kind == Kind::LbBpf {
-                    args.extend(["--forwarding", "splice"]);
+                    lb_args.extend(["--forwarding", "splice"].map(String::from));
                 }
+                let args: Vec<&str> = lb_args.iter().map(String::as_str).collect();
                 Proc::Lb(start_lb(&args, kind, primary)?)
             }
             Kind::Haproxy => {
-                let cfg = dir.join("haproxy.cfg");
-                std::fs::write(&cfg, haproxy_config(&dir, addr, servers))?;
-                let log = dir.join("haproxy.log");
-                let mut child = Command::new("haproxy")
-                    .args(["-db", "-f"])
-                    .arg(&cfg)
-                    .stdin(Stdio::null())
-                    .stdout(std::fs::File::create(&log)?)
-                    .stderr(std::fs::File::create(dir.join("haproxy.err"))?)
-                    .spawn()
-                    .context("spawning haproxy")?;
-                wait_listening(addr, &mut child, "haproxy", &dir.join("haproxy.err"))?;
-                Proc::Child(child)
+                std::fs::write(dir.join("haproxy.cfg"), haproxy_config(&dir, addr, servers))?;
+                Proc::Child(spawn_haproxy(&dir, addr)?)
             }
             Kind::Nginx => {
                 let cfg = dir.join("nginx.conf");
@@ -413,6 +426,7 @@ impl Running {
             primary,
             upgraded_lb: None,
             replaced: Vec::new(),
+            lb_args,
         })
     }
 
@@ -477,6 +491,44 @@ impl Running {
             _ => bail!("{} has no upgrade", self.kind.name()),
         }
         Ok(t.elapsed())
+    }
+
+    /// Kill the proxy with SIGKILL, leave it dead for `down`, then start it again as it was
+    /// started (lb on the same pin directory, so a connect-time lb adopts its pins). Returns when
+    /// the new process is ready: lb's `/readyz`, HAProxy's listener.
+    ///
+    /// # Errors
+    /// Not an lb or HAProxy contender, or the new process does not start.
+    pub fn crash_and_restart(&mut self, down: Duration) -> Result<()> {
+        match std::mem::replace(&mut self.proc_, Proc::None) {
+            Proc::Lb(mut lb) => {
+                // The pins stay for the next lb: the old one's drop must not remove them.
+                let pins = lb.pin_dir.take();
+                lb.signal(nix::sys::signal::Signal::SIGKILL)?;
+                let _ = lb.terminate(Duration::from_secs(5));
+                drop(lb);
+                std::thread::sleep(down);
+                let args: Vec<&str> = self.lb_args.iter().map(String::as_str).collect();
+                let lb = match &pins {
+                    Some(dir) => Lb::start_pinned(dir, &args)?,
+                    None => Lb::start(&args)?,
+                };
+                lb.wait_ready(Duration::from_secs(15))?;
+                self.proc_ = Proc::Lb(lb);
+            }
+            Proc::Child(mut old) if self.kind == Kind::Haproxy => {
+                let _ = old.kill();
+                let _ = old.wait();
+                std::thread::sleep(down);
+                let dir = self.dir.clone().context("no dir")?;
+                self.proc_ = Proc::Child(spawn_haproxy(&dir, self.addr)?);
+            }
+            other => {
+                self.proc_ = other;
+                bail!("{} has no process to crash", self.kind.name());
+            }
+        }
+        Ok(())
     }
 
     /// Every process of the proxy: the main one and its children (nginx workers).

@@ -28,7 +28,7 @@ pub struct Options {
     pub quick: bool,
     /// Measured runs per contender of scenarios 1-4 (plus one warm-up run).
     pub runs: usize,
-    /// Runs per contender of the 10,000-connection and failover scenarios (5-7).
+    /// Runs per contender of the 10,000-connection, failover, upgrade and crash scenarios (5-9).
     pub heavy_runs: usize,
     /// Bytes per 1-connection bulk run (8-connection runs carry the same total).
     pub bulk_bytes: u64,
@@ -211,6 +211,15 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
         raw_path.display()
     );
 
+    // lb connect keeps serving through a crash only with its programs pinned: without a bpffs
+    // on this machine, the bench mounts one of its own (private to it and its children).
+    if lb_tests::bpffs_mount().is_none() {
+        let at = lb_tests::private_bpffs()?;
+        eprintln!(
+            "bench: no bpffs mounted; using one of the bench's own at {}",
+            at.display()
+        );
+    }
     let mut hosts = scenarios::Hosts::new()?;
     let cgroups = Cgroups {
         bpf: lb_tests::TestCgroup::new()?,
@@ -247,6 +256,11 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
             scenarios::upgrade(&opts, &hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
+    if all || only == Some("crash") {
+        timed("scenario 9", || {
+            scenarios::crash(&opts, &hosts, &cgroups, &mut res, &mut raw)
+        })?;
+    }
     drop(hosts);
     machine["load_end"] = json!(loadavg());
     machine["duration_s"] = json!(started.elapsed().as_secs());
@@ -255,7 +269,7 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
     let header = format!(
         "## Benchmark: lb (splice, copy, connect-time) next to a direct connection, HAProxy and nginx\n\n\
          `cargo xtask bench{}{}`: {} measured runs per contender of scenarios 1-4 after a warm-up, \
-         {} of scenarios 5-7, contenders alternating run by run; took {} s.",
+         {} of scenarios 5-9, contenders alternating run by run; took {} s.",
         if quick { " --quick" } else { "" },
         only.map(|o| format!(" --only {o}")).unwrap_or_default(),
         opts.runs,

@@ -216,6 +216,20 @@ pub const METRICS: &[MetricDef] = &[
         "ms",
         false,
     ),
+    m(
+        "crash_lost",
+        "crash",
+        "9 kill -9, restarted 2 s later: held connections lost (of 1,000)",
+        "conns",
+        false,
+    ),
+    m(
+        "crash_unserved",
+        "crash",
+        "9 kill -9: dials of the loop not served (of 140, one every 50 ms)",
+        "dials",
+        false,
+    ),
 ];
 
 /// Median and range of a metric's samples.
@@ -292,8 +306,8 @@ impl Results {
                     "failover_ms" | "newcomer_wait_ms" | "newcomers_unserved" | "kill_total_ms"
                     | "kill_after_down_ms" => kind.kills_sessions(),
                     "splice_share_up" => kind == Kind::LbBpf,
-                    id if id.starts_with("upgrade_") => {
-                        matches!(kind, Kind::LbBpf | Kind::Haproxy)
+                    id if id.starts_with("upgrade_") || id.starts_with("crash_") => {
+                        matches!(kind, Kind::LbBpf | Kind::LbConnect | Kind::Haproxy)
                     }
                     _ => true,
                 };
@@ -581,6 +595,8 @@ mod tests {
         assert!(!missing.contains(&"splice_share_up / lb connect".to_string()));
         assert!(missing.contains(&"cpu_proxy_up / lb connect".to_string()));
         assert!(missing.contains(&"kill_after_down_ms / lb connect".to_string()));
+        assert!(missing.contains(&"crash_lost / lb connect".to_string()));
+        assert!(!missing.contains(&"crash_lost / nginx".to_string()));
     }
 
     #[test]

@@ -481,7 +481,7 @@ const UPGRADE_IDLE: u32 = 1_000;
 
 /// Scenario 8: [`UPGRADE_IDLE`] idle connections and a connect loop (two workers, one round trip
 /// per connection, 3 s) through the proxy while it is replaced 1 s into the loop: `lb upgrade`
-/// for lb (bpf data path), the seamless reload for HAProxy (`-x` takes the listeners from the
+/// for lb (both kernel data paths: splice and connect-time), the seamless reload for HAProxy (`-x` takes the listeners from the
 /// old process's stats socket, `-sf` lets it finish). Reports the idle connections that ended,
 /// the loop's connects that failed (refused or reset), and its longest connection.
 ///
@@ -494,7 +494,7 @@ pub fn upgrade(
     res: &mut Results,
     raw: &mut Raw,
 ) -> Result<()> {
-    let kinds = [Kind::LbBpf, Kind::Haproxy];
+    let kinds = [Kind::LbBpf, Kind::LbConnect, Kind::Haproxy];
     let n = UPGRADE_IDLE.min(opts.idle_conns);
     eprintln!("bench: scenario 8 upgrade with {n} idle connections and a connect loop");
     for run in 0..opts.heavy_runs {
@@ -521,15 +521,7 @@ pub fn upgrade(
                 .map_err(|_| anyhow::anyhow!("connect loop panicked"))??;
             // Give ended connections time to show.
             std::thread::sleep(Duration::from_millis(500));
-            let mut open = u64::from(n);
-            while let Ok((_, e)) = ev.rx.try_recv() {
-                match e["event"].as_str() {
-                    Some("closed") => open = open.min(e["open"].as_u64().unwrap_or(0)),
-                    Some("all_closed" | "timeout") => open = 0,
-                    _ => {}
-                }
-            }
-            let lost = u64::from(n) - open;
+            let lost = u64::from(n) - still_open(&ev, u64::from(n));
             raw.log(
                 kind,
                 &["upgrade"],
@@ -551,4 +543,100 @@ pub fn upgrade(
         }
     }
     Ok(())
+}
+
+/// Connections held through scenario 9.
+const CRASH_HELD: u32 = 1_000;
+/// Dials of scenario 9's connect loop, one every [`CRASH_DIAL_EVERY_MS`].
+const CRASH_DIALS: u32 = 140;
+/// Milliseconds between two dials of scenario 9's loop.
+const CRASH_DIAL_EVERY_MS: u64 = 50;
+/// How long the proxy stays dead in scenario 9 before it is started again.
+const CRASH_DOWN: Duration = Duration::from_secs(2);
+
+/// Scenario 9: [`CRASH_HELD`] held connections and a connect loop (a dial every 50 ms for 7 s,
+/// each asking the server its name) while the proxy is killed with SIGKILL 1 s into the loop and
+/// started again [`CRASH_DOWN`] later: lb on the same configuration and pin directory (a
+/// connect-time lb adopts the pinned programs), HAProxy on the same configuration. Reports the
+/// held connections that ended and the dials that were not served (refused, reset, or connected
+/// without an answer).
+///
+/// # Errors
+/// A contender fails to start or restart, or a client fails to run.
+pub fn crash(
+    opts: &Options,
+    hosts: &Hosts,
+    cgroups: &Cgroups,
+    res: &mut Results,
+    raw: &mut Raw,
+) -> Result<()> {
+    let kinds = [Kind::LbBpf, Kind::LbConnect, Kind::Haproxy];
+    let n = CRASH_HELD.min(opts.idle_conns);
+    eprintln!(
+        "bench: scenario 9 kill -9 with {n} held connections and a connect loop, restarted {} s later",
+        CRASH_DOWN.as_secs()
+    );
+    for run in 0..opts.heavy_runs {
+        for kind in order(&kinds, run) {
+            let mut r = Running::start(kind, &hosts.servers(), cgroups)?;
+            let cg = cgroups.for_kind(kind);
+            let ev = Events::start(cg, r.addr, &["idle", &n.to_string(), "--max-ms", "120000"])?;
+            ev.wait_for("ready", Duration::from_secs(90))?;
+            let looping = {
+                let (cg, addr) = (cg.to_path_buf(), r.addr);
+                std::thread::spawn(move || {
+                    run_client(
+                        &place(&cg),
+                        addr,
+                        &[
+                            "dial",
+                            "--timeout-ms",
+                            "3000",
+                            "--times",
+                            &CRASH_DIALS.to_string(),
+                            "--every-ms",
+                            &CRASH_DIAL_EVERY_MS.to_string(),
+                        ],
+                        Duration::from_secs(60),
+                    )
+                })
+            };
+            std::thread::sleep(Duration::from_millis(1000));
+            r.crash_and_restart(CRASH_DOWN)?;
+            let v = looping
+                .join()
+                .map_err(|_| anyhow::anyhow!("connect loop panicked"))??;
+            // Give ended connections time to show.
+            std::thread::sleep(Duration::from_millis(500));
+            let lost = u64::from(n) - still_open(&ev, u64::from(n));
+            let served: u64 = v["servers"]
+                .as_object()
+                .map(|m| m.values().filter_map(Value::as_u64).sum())
+                .unwrap_or(0);
+            let unserved = u64::from(CRASH_DIALS).saturating_sub(served);
+            raw.log(
+                kind,
+                &["crash"],
+                &serde_json::json!({"loop": v, "lost": lost, "unserved": unserved}),
+            );
+            res.add("crash_lost", kind, lost as f64);
+            res.add("crash_unserved", kind, unserved as f64);
+            drop(ev);
+            drop(r);
+        }
+    }
+    Ok(())
+}
+
+/// How many of `n` idle connections `ev` still reports open, from the events it printed so far.
+fn still_open(ev: &Events, n: u64) -> u64 {
+    let mut open = n;
+    while let Ok((_, e)) = ev.rx.try_recv() {
+        match e["event"].as_str() {
+            Some("closed") => open = open.min(e["open"].as_u64().unwrap_or(0)),
+            Some("all_closed" | "timeout") => open = 0,
+            _ => {}
+        }
+    }
+    open
 }
