@@ -97,6 +97,16 @@ impl Lb {
         Lb::start_full(&[], args, Some(pin_dir.to_path_buf()))
     }
 
+    /// [`Lb::start_via`] with the pin directory `pin_dir` passed as `LB_PIN_DIR`, or (`None`)
+    /// none passed: lb then pins where its configuration or its default (`<bpffs>/lb/default`)
+    /// says, and nothing is removed on drop unless [`Lb::pin_dir`] is set afterwards.
+    ///
+    /// # Errors
+    /// As [`Lb::start`].
+    pub fn start_with(wrapper: &[&str], args: &[&str], pin_dir: Option<PathBuf>) -> Result<Lb> {
+        Lb::start_full(wrapper, args, pin_dir)
+    }
+
     fn start_full(wrapper: &[&str], args: &[&str], pin_dir: Option<PathBuf>) -> Result<Lb> {
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let log = std::env::temp_dir().join(format!(

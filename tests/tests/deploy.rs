@@ -1,13 +1,14 @@
 //! The shipped deployments run the kernel path and kill pod clients. lb runs as the systemd unit
-//! (`deploy/systemd/lb.service`) makes it run: an unprivileged uid holding exactly the unit's
-//! capabilities, read from the unit file; and with a DaemonSet's container arguments and
+//! (`deploy/systemd/lb.service`) makes it run: uid 0 holding exactly the unit's capabilities,
+//! read from the unit file; and with a DaemonSet's container arguments and
 //! ConfigMap (`deploy/kubernetes/daemonset.yaml`), whose pod shares the host's network and PID
 //! namespaces. A pod-like client (in another network namespace, in the test's cgroup) is
 //! rewritten at `connect()` (`namespaces = "all"`) and killed when its server is. Without the host's PID namespace
 //! (lb in `unshare --pid`), connect-time forwarding is refused with the fix named, and a
 //! client process whose network namespace lb cannot open is logged with its pid and counted.
 //! Under a container's small locked-memory limit lb lifts it before loading (kernels before
-//! 5.11 charge BPF maps to it).
+//! 5.11 charge BPF maps to it). As the unit runs it, lb pins connect-time in the bpffs and the
+//! lb of the next start adopts the pins.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -19,9 +20,10 @@ use lb_tests::{
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
-/// The uid and gid systemd's `DynamicUser=` picks from (61184-65519) are as unprivileged as
-/// `nobody`'s; the test uses `nobody`.
+/// An unprivileged uid and gid: lb as a user that cannot open a root client's network namespace.
 const NOBODY: u32 = 65534;
+/// The unit's identity: root (no `User=`), holding only the unit's capabilities.
+const UNIT_UID: u32 = 0;
 const UNIT: &str = "deploy/systemd/lb.service";
 const DAEMONSETS: [&str; 2] = [
     "deploy/kubernetes/daemonset.yaml",
@@ -153,14 +155,14 @@ fn kill_server(lb: &Lb, server: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// lb as `nobody` holding exactly `caps` (ambient), in front of two hosts; returns once the
-/// connect-time table is written.
-fn start_as_nobody(caps: &[String]) -> Result<(Vec<Host>, TestCgroup, Lb, u16, u16, TempFile)> {
+/// lb as `uid` (and that gid) holding exactly `caps` (ambient and bounding), in front of two
+/// hosts; returns once the connect-time table is written.
+fn start_as(uid: u32, caps: &[String]) -> Result<(Vec<Host>, TestCgroup, Lb, u16, u16, TempFile)> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let cg = TestCgroup::new()?;
     let (direct, spliced) = (free_port()?, free_port()?);
     let file = TempFile::new("unit", &config(&hosts, direct, spliced))?;
-    let wrapper = lb_tests::setpriv_as(NOBODY, NOBODY, caps)?;
+    let wrapper = lb_tests::setpriv_as(uid, uid, caps)?;
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     let lb = Lb::start_via(
         &wrapper,
@@ -171,13 +173,13 @@ fn start_as_nobody(caps: &[String]) -> Result<(Vec<Host>, TestCgroup, Lb, u16, u
             &cg.path.display().to_string(),
         ],
     )?;
-    let uid = std::fs::read_to_string(format!("/proc/{}/status", lb.pid()))?
+    let uid_line = std::fs::read_to_string(format!("/proc/{}/status", lb.pid()))?
         .lines()
         .find_map(|l| l.strip_prefix("Uid:").map(str::to_string))
         .unwrap_or_default();
     ensure!(
-        uid.split_whitespace().all(|u| u == NOBODY.to_string()),
-        "lb should run as {NOBODY}: Uid:{uid}"
+        uid_line.split_whitespace().all(|u| u == uid.to_string()),
+        "lb should run as {uid}: Uid:{uid_line}"
     );
     lb.wait_settled(Duration::from_secs(10))?;
     Ok((hosts, cg, lb, direct, spliced, file))
@@ -193,8 +195,9 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
     }
     let unit = lb_tests::repo_file(UNIT)?;
     ensure!(
-        lb_tests::unit_values(&unit, "DynamicUser") == ["yes"],
-        "the unit should run lb as a dynamic user"
+        lb_tests::unit_values(&unit, "User").is_empty()
+            && lb_tests::unit_values(&unit, "DynamicUser").is_empty(),
+        "the unit should run lb as root with bounded capabilities (its pins need the bpffs root)"
     );
     let mut caps = lb_tests::unit_values(&unit, "AmbientCapabilities");
     let mut bounding = lb_tests::unit_values(&unit, "CapabilityBoundingSet");
@@ -214,7 +217,7 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
         "RestrictNamespaces={restrict:?} forbids setns into a client's network namespace"
     );
     eprintln!("the unit's capabilities: {caps:?}");
-    let (hosts, cg, lb, direct, spliced, _file) = start_as_nobody(&caps)?;
+    let (hosts, cg, lb, direct, spliced, _file) = start_as(UNIT_UID, &caps)?;
     let st = lb.status()?;
     ensure!(
         st["datapath"] == "bpf",
@@ -278,7 +281,7 @@ fn connect_time_kill_logs_and_counts_an_unreachable_client_namespace() -> Result
     let caps: Vec<String> = ["CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"]
         .map(String::from)
         .to_vec();
-    let (hosts, cg, lb, direct, _, _file) = start_as_nobody(&caps)?;
+    let (hosts, cg, lb, direct, _, _file) = start_as(NOBODY, &caps)?;
     ensure!(lb.status()?["datapath"] == "bpf", "{}", lb.log_text());
     let place = pod(&hosts[0], &cg);
     let dialed = SocketAddr::new(hosts[0].gateway.into(), direct);
@@ -495,5 +498,93 @@ fn the_kernel_path_lifts_a_container_memlock_limit() -> Result<()> {
         "lb should lift RLIMIT_MEMLOCK: {line}"
     );
     eprintln!("{line}");
+    Ok(())
+}
+
+/// lb as the unit runs it (root, the unit's capabilities only) pins connect-time in its default
+/// directory `<bpffs>/lb/default` (0700, every pin 0600, root's), the pins serve while lb is
+/// dead, and the lb of the next start adopts them.
+#[test]
+fn systemd_unit_pins_connect_time_for_the_next_start() -> Result<()> {
+    let name = "systemd_unit_pins_connect_time_for_the_next_start";
+    if skip(name, Some("setpriv")) {
+        return Ok(());
+    }
+    let bpffs = match lb_tests::private_bpffs() {
+        Ok(at) => at,
+        Err(e) => {
+            lb_tests::skip(name, &format!("cannot mount a bpffs: {e:#}"));
+            return Ok(());
+        }
+    };
+    let unit = lb_tests::repo_file(UNIT)?;
+    let caps = lb_tests::unit_values(&unit, "AmbientCapabilities");
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let cg = TestCgroup::new()?;
+    let (direct, spliced) = (free_port()?, free_port()?);
+    let file = TempFile::new("pins", &config(&hosts, direct, spliced))?;
+    let wrapper = lb_tests::setpriv_as(UNIT_UID, UNIT_UID, &caps)?;
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let cgp = cg.path.display().to_string();
+    let args = ["--config", &file.arg(), "--cgroup", &cgp];
+    let dir = bpffs.join("lb/default");
+
+    // No LB_PIN_DIR: lb takes its default, as under the unit.
+    let mut first = Lb::start_with(&wrapper, &args, None)?;
+    first.wait_settled(Duration::from_secs(10))?;
+    let st = first.status()?;
+    ensure!(
+        st["pins"]["dir"] == dir.display().to_string().as_str() && st["pins"]["adopted"] == false,
+        "lb as the unit runs it should pin in {}: {st}\n{}",
+        dir.display(),
+        first.log_text()
+    );
+    let owned = |path: &std::path::Path, mode: u32| -> Result<()> {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let meta = std::fs::metadata(path)?;
+        ensure!(
+            meta.uid() == UNIT_UID && meta.permissions().mode() & 0o777 == mode,
+            "{}: uid {} mode {:o}, want uid {UNIT_UID} mode {mode:o}",
+            path.display(),
+            meta.uid(),
+            meta.permissions().mode() & 0o777
+        );
+        Ok(())
+    };
+    owned(&dir, 0o700)?;
+    let mut pins = 0;
+    for entry in std::fs::read_dir(&dir)? {
+        owned(&entry?.path(), 0o600)?;
+        pins += 1;
+    }
+    ensure!(pins > 0, "nothing pinned in {}", dir.display());
+
+    first.signal(nix::sys::signal::Signal::SIGKILL)?;
+    let _ = first.terminate(Duration::from_secs(5));
+    drop(first);
+    let place = Place::cgroup(&cg.path);
+    let listen: SocketAddr = format!("127.0.0.1:{direct}").parse()?;
+    let v = run_client(&place, listen, &["peer"], T)?;
+    ensure!(
+        v["ok"] == true && v["server"] == "s0",
+        "the pins should serve while lb is dead: {v}"
+    );
+
+    let mut second = Lb::start_with(&wrapper, &args, None)?;
+    // The second lb's drop removes the pins (`lb cleanup`).
+    second.pin_dir = Some(dir.clone());
+    second.wait_settled(Duration::from_secs(10))?;
+    let st = second.status()?;
+    ensure!(
+        st["pins"]["adopted"] == true,
+        "the lb of the next start should adopt the pins: {st}\n{}",
+        second.log_text()
+    );
+    let v = run_client(&place, listen, &["peer"], T)?;
+    ensure!(v["ok"] == true && v["server"] == "s0", "{v}");
+    eprintln!(
+        "unit: {pins} pins in {}, adopted by the next lb",
+        dir.display()
+    );
     Ok(())
 }

@@ -63,7 +63,9 @@ pub struct FailFastConfig {
     pub syn_timeout: SynTimeout,
     /// Floor of `auto` (50ms..=1s); default 200 ms (the kernel's `TCP_RTO_MIN`).
     pub syn_timeout_min: Dur,
-    /// SYN timeouts of one connect after which its server is suspect; 0 never; default 2.
+    /// SYN timeouts of one connect after which its server is suspect; 0 never; default 1 (K3s's
+    /// balancer, too, tries the next server after one failed dial; with the 200 ms floor, a SYN
+    /// unanswered that long is a strong sign on a LAN, and the next passing check clears it).
     pub suspect_after: u32,
     /// `TCP_SYNCNT` of rewritten sockets (1..=127); 0 keeps `net.ipv4.tcp_syn_retries`;
     /// default 3.
@@ -75,7 +77,7 @@ impl Default for FailFastConfig {
         FailFastConfig {
             syn_timeout: SynTimeout::Auto,
             syn_timeout_min: Dur(Duration::from_millis(200)),
-            suspect_after: 2,
+            suspect_after: 1,
             syn_retries: 3,
         }
     }

@@ -582,7 +582,7 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
     let cfg = Config::from_toml(FULL, "test").unwrap();
     let ff = cfg.fail_fast_of(&cfg.balancers[0]);
     assert_eq!(ff, FailFastConfig::default());
-    assert_eq!(ff.suspect_after, 2);
+    assert_eq!(ff.suspect_after, 1);
     assert_eq!(ff.syn_retries, 3);
     // auto: 3 × the round trip, at least the floor, at most 1 s, 1 s before a measurement.
     assert_eq!(ff.timeout_for(None), Duration::from_secs(1));
@@ -601,7 +601,7 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
 
     let global = FULL.replace(
         "mode = \"auto\"",
-        "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"300ms\"\nsuspect_after = 1",
+        "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"300ms\"\nsuspect_after = 3",
     );
     let cfg = Config::from_toml(&global, "test").unwrap();
     let ff = cfg.fail_fast_of(&cfg.balancers[0]);
@@ -609,7 +609,7 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
         ff.syn_timeout,
         SynTimeout::Fixed(Dur(Duration::from_millis(300)))
     );
-    assert_eq!(ff.suspect_after, 1);
+    assert_eq!(ff.suspect_after, 3);
     assert_eq!(
         ff.timeout_for(Some(Duration::from_millis(1))),
         Duration::from_millis(300)
@@ -621,7 +621,7 @@ fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
     let ff = cfg.fail_fast_of(&cfg.balancers[0]);
     assert_eq!(
         (ff.syn_timeout, ff.suspect_after, ff.syn_retries),
-        (SynTimeout::Auto, 2, 5)
+        (SynTimeout::Auto, 1, 5)
     );
 
     for (bad, key) in [
