@@ -10,6 +10,7 @@ pub mod cleanup;
 pub mod config;
 pub mod docs;
 mod owner;
+mod process;
 pub mod run;
 pub mod servers;
 pub mod status;

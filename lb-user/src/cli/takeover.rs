@@ -133,7 +133,7 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
             Some(dp)
         }
     };
-    super::run::raise_nofile_limit();
+    super::process::raise_nofile_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -211,8 +211,8 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
         }
     }
     info!(connections = adopted, "took over: serving");
-    super::run::sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
-    Ok(super::run::serve(&rt, &daemon))
+    super::process::sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
+    Ok(super::process::serve(&rt, &daemon))
 }
 
 /// Wait (at most [`STOP_TIMEOUT`] and a second) for the old process to say it stopped its
