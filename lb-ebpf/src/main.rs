@@ -49,6 +49,13 @@
 // The atomic add of the connect-time counts (see connect::count_add).
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
+// aya-ebpf's map lookups take `impl Borrow<K>`: a key passed by reference stays in its one stack
+// slot, where a key passed by value may be copied into another (the BPF stack is 512 bytes, and
+// the verifier of older kernels is sensitive to how the programs use it).
+#![allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "map keys by reference: no second stack slot per key"
+)]
 
 use aya_ebpf::{
     bindings::{

@@ -363,12 +363,12 @@ fn eof_closed(e: io::Error) -> HandoverError {
 
 /// Take ownership of a descriptor the kernel just installed in this process (`SCM_RIGHTS`).
 fn owned(fd: RawFd) -> OwnedFd {
-    // SAFETY: `fd` was installed in this process's table by the kernel for this `recvmsg`
-    // (SCM_RIGHTS); nothing else knows of it, so this is its only owner.
     #[expect(
         unsafe_code,
         reason = "descriptors received with SCM_RIGHTS arrive as raw numbers"
     )]
+    // SAFETY: `fd` was installed in this process's table by the kernel for this `recvmsg`
+    // (SCM_RIGHTS); nothing else knows of it, so this is its only owner.
     unsafe {
         OwnedFd::from_raw_fd(fd)
     }

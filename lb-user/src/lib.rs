@@ -3,6 +3,11 @@
 //!
 //! Minimum kernel for the `bpf` data path: 5.15; the userspace path runs anywhere Linux runs.
 
+// Every `unsafe` block carries an `#[expect(unsafe_code, reason = ...)]` and a `// SAFETY:`
+// comment; a new one without them does not compile (clippy).
+#![deny(unsafe_code)]
+#![warn(clippy::too_many_lines, clippy::undocumented_unsafe_blocks)]
+
 pub mod addr;
 pub mod admin;
 pub mod balancer;

@@ -1,5 +1,8 @@
 //! `lb` binary: parse the command line, set up logging, call the library.
 
+#![deny(unsafe_code)]
+#![warn(clippy::too_many_lines, clippy::undocumented_unsafe_blocks)]
+
 use std::process::ExitCode;
 
 use clap::Parser as _;

@@ -320,10 +320,28 @@ pub fn run() -> Result<()> {
                 "minimal",
                 "--component",
                 "rust-src",
+                "--component",
+                "clippy",
             ]),
             &format!(
-                "rustup: {toolchain} with rust-src (the BPF target is built with -Z build-std=core)"
+                "rustup: {toolchain} with rust-src (the BPF target is built with -Z build-std=core) and clippy"
             ),
+        )?;
+    }
+    let clippy_ok = Command::new("rustup")
+        .args([
+            "component",
+            "list",
+            "--toolchain",
+            &toolchain,
+            "--installed",
+        ])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("clippy"));
+    if !clippy_ok {
+        exec(
+            Command::new("rustup").args(["component", "add", "clippy", "--toolchain", &toolchain]),
+            &format!("rustup: clippy for {toolchain} (`cargo xtask test` lints lb-ebpf with it)"),
         )?;
     }
     let musl_ok = Command::new("rustup")

@@ -1,4 +1,5 @@
-//! `cargo xtask test`: everything CI runs, in order: fmt, clippy, the unit and integration tests
+//! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
+//! too), the unit and integration tests
 //! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest and the
 //! connect-time tests in the 6.12 guest; it closes with one line of counts.
 
@@ -27,6 +28,7 @@ pub fn run() -> Result<()> {
         "-D",
         "warnings",
     ])?;
+    clippy_ebpf()?;
     let mut counts = Counts::default();
     // `cargo test` also builds the `lb` and `lbt` binaries the integration tests run.
     let mut result = cargo_test(
@@ -117,6 +119,43 @@ pub fn run() -> Result<()> {
 ///
 /// # Errors
 /// Names the tests that skipped for lack of privilege, when running as root.
+/// clippy on lb-ebpf, for the BPF target with the pinned nightly (`-Z build-std=core`), warnings
+/// denied and every `unsafe` block's `// SAFETY:` comment required. Its own target directory, so
+/// the build of the embedded programs (`lb-user/build.rs`) is not disturbed.
+///
+/// # Errors
+/// A lint, or the toolchain missing (`cargo xtask setup` installs it).
+fn clippy_ebpf() -> Result<()> {
+    let toolchain = crate::setup::bpf_toolchain()?;
+    let args = [
+        "run",
+        toolchain.as_str(),
+        "cargo",
+        "clippy",
+        "--release",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--",
+        "-D",
+        "warnings",
+        "-D",
+        "clippy::undocumented_unsafe_blocks",
+    ];
+    eprintln!("xtask: (lb-ebpf) rustup {}", args.join(" "));
+    let status = std::process::Command::new("rustup")
+        .args(args)
+        .current_dir(crate::util::root().join("lb-ebpf"))
+        .env(
+            "CARGO_TARGET_DIR",
+            crate::util::root().join("target/ebpf-clippy"),
+        )
+        .status()?;
+    anyhow::ensure!(status.success(), "clippy on lb-ebpf failed ({status})");
+    Ok(())
+}
+
 fn close(counts: &Counts) -> Result<()> {
     for s in &counts.skips {
         eprintln!("xtask: skipped {s}");

@@ -6,7 +6,7 @@ use clap::Args;
 use hyper::Method;
 
 use super::{AdminArgs, Output, report_error, table};
-use crate::admin::api::StatusBody;
+use crate::admin::api::{BalancerStatus, StatusBody};
 
 /// `lb status`.
 #[derive(Debug, Args)]
@@ -40,69 +40,74 @@ pub fn render(s: &StatusBody) -> String {
     }
     out.push('\n');
     for b in &s.balancers {
-        let listen: Vec<String> = b.listen.iter().map(ToString::to_string).collect();
-        out.push_str(&format!(
-            "\nbalancer {}  listen {}  policy {}  forwarding {}",
-            b.name,
-            listen.join(","),
-            b.policy,
-            if b.forwarding.is_empty() {
-                "splice"
-            } else {
-                &b.forwarding
-            },
-        ));
-        if let Some(why) = &b.forwarding_fallback {
-            out.push_str(&format!(" (connect unavailable: {why})"));
-        }
-        if !b.namespaces.is_empty() {
-            out.push_str(&format!("  namespaces {}", b.namespaces));
-        }
-        out.push('\n');
-        if let Some(d) = &b.discovery {
-            out.push_str(&format!(
-                "  discovery {} {}  every {}s  last success {}  servers {}",
-                d.kind,
-                d.source,
-                d.interval_seconds,
-                table::age(d.last_success),
-                d.servers,
-            ));
-            if let Some(e) = &d.last_error {
-                out.push_str(&format!(
-                    "  last error ({}): {e}",
-                    table::age(d.last_error_at)
-                ));
-            }
-            out.push('\n');
-        }
-        for n in &b.names {
-            let addrs: Vec<String> = n
-                .addresses
-                .iter()
-                .map(|a| {
-                    a.pin()
-                        .map_or_else(|| "unresolved".into(), |ip| ip.to_string())
-                })
-                .collect();
-            out.push_str(&format!(
-                "  name {} ({})  addresses {}  resolved {}",
-                n.name,
-                b.resolve,
-                addrs.join(","),
-                table::age(n.last_resolved),
-            ));
-            if let Some(e) = &n.last_error {
-                out.push_str(&format!(
-                    "  last error ({}): {e}",
-                    table::age(n.last_error_at)
-                ));
-            }
-            out.push('\n');
-        }
-        out.push_str(&table::servers("  ", &b.servers));
+        render_balancer(&mut out, b);
     }
     out
+}
+
+/// One balancer's block of [`render`]: its header line, discovery, names and server table.
+fn render_balancer(out: &mut String, b: &BalancerStatus) {
+    let listen: Vec<String> = b.listen.iter().map(ToString::to_string).collect();
+    out.push_str(&format!(
+        "\nbalancer {}  listen {}  policy {}  forwarding {}",
+        b.name,
+        listen.join(","),
+        b.policy,
+        if b.forwarding.is_empty() {
+            "splice"
+        } else {
+            &b.forwarding
+        },
+    ));
+    if let Some(why) = &b.forwarding_fallback {
+        out.push_str(&format!(" (connect unavailable: {why})"));
+    }
+    if !b.namespaces.is_empty() {
+        out.push_str(&format!("  namespaces {}", b.namespaces));
+    }
+    out.push('\n');
+    if let Some(d) = &b.discovery {
+        out.push_str(&format!(
+            "  discovery {} {}  every {}s  last success {}  servers {}",
+            d.kind,
+            d.source,
+            d.interval_seconds,
+            table::age(d.last_success),
+            d.servers,
+        ));
+        if let Some(e) = &d.last_error {
+            out.push_str(&format!(
+                "  last error ({}): {e}",
+                table::age(d.last_error_at)
+            ));
+        }
+        out.push('\n');
+    }
+    for n in &b.names {
+        let addrs: Vec<String> = n
+            .addresses
+            .iter()
+            .map(|a| {
+                a.pin()
+                    .map_or_else(|| "unresolved".into(), |ip| ip.to_string())
+            })
+            .collect();
+        out.push_str(&format!(
+            "  name {} ({})  addresses {}  resolved {}",
+            n.name,
+            b.resolve,
+            addrs.join(","),
+            table::age(n.last_resolved),
+        ));
+        if let Some(e) = &n.last_error {
+            out.push_str(&format!(
+                "  last error ({}): {e}",
+                table::age(n.last_error_at)
+            ));
+        }
+        out.push('\n');
+    }
+    out.push_str(&table::servers("  ", &b.servers));
 }
 
 /// Run `lb status`: exit 0, or 1 when the daemon cannot be reached.

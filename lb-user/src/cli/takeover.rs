@@ -66,6 +66,10 @@ pub fn run(args: &RunArgs, socket: &str) -> ExitCode {
     }
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "the new process's side of the hand-over, its steps in protocol order"
+)]
 fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
     let Frame { message, fds, .. } = handover::recv(sock).map_err(|e| refuse(e.to_string()))?;
     let hello = match message {

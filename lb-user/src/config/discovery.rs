@@ -130,6 +130,10 @@ impl DiscoveryConfig {
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming the key, the value and the reason.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one check per key of each source kind, in the order the keys are documented"
+    )]
     pub fn validate(&self, key: &str, files: CredentialFiles) -> Result<(), ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         if self.interval() < MIN_DISCOVERY_INTERVAL {

@@ -600,6 +600,10 @@ impl Config {
     ///
     /// # Errors
     /// As [`Config::from_file`], or [`ConfigError::Invalid`] for overrides that do not fit.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "the file, the environment and the flags applied in precedence order, each override a line"
+    )]
     pub fn load(file: Option<&Path>, o: &Overrides) -> Result<Config, ConfigError> {
         let mut cfg = match file {
             Some(path) => {

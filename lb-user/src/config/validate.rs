@@ -47,6 +47,10 @@ impl Config {
     ///
     /// # Errors
     /// The first [`ConfigError::Invalid`] found, naming its key.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one check per top-level key, in the order the keys are documented"
+    )]
     pub fn validate_with(&self, files: CredentialFiles) -> Result<(), ConfigError> {
         if self.balancers.is_empty() {
             return Err(ConfigError::invalid(
@@ -206,6 +210,10 @@ fn validate_limits(i: usize, b: &BalancerConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "one check per balancer key, in the order the keys are documented"
+)]
 fn validate_balancer(
     i: usize,
     b: &BalancerConfig,
@@ -326,6 +334,10 @@ fn check_url(key: &str, url: &str, server: &crate::addr::ServerAddr) -> Result<(
 }
 
 /// One `[balancer.health]`.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one check per health key and check kind, in the order the keys are documented"
+)]
 fn validate_health(i: usize, h: &HealthConfig, files: CredentialFiles) -> Result<(), ConfigError> {
     let hkey = |k: &str| format!("balancer[{i}].health.{k}");
     if h.rise == 0 {

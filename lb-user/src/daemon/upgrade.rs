@@ -193,6 +193,10 @@ impl Drop for NewProcess {
     }
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "the old process's side of the hand-over, its steps in protocol order"
+)]
 fn run(d: &Arc<Daemon>, rt: &tokio::runtime::Handle) -> Result<Upgraded, String> {
     let start = Instant::now();
     let (exe, args) = COMMAND

@@ -254,6 +254,10 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
     /// load/attach step that failed.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "the load and attach steps in kernel order, each undone by the drop of what came before"
+    )]
     pub fn load(
         cfg: &crate::config::DatapathConfig,
         want_connect: bool,

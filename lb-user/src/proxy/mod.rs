@@ -213,6 +213,10 @@ enum Resume {
 
 /// Serve a connected pair until it ends, is killed, or is frozen for a hand-over. `conn` is
 /// boxed so that the task does not keep a moved-from copy of it for the connection's life.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one connection's life after the dial, in the order its phases happen"
+)]
 async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
     let Conn {
         client,
