@@ -35,10 +35,10 @@ pub enum RecordType {
 }
 
 impl RecordType {
-    fn code(self) -> u16 {
+    fn wire(self) -> hickory_proto::rr::RecordType {
         match self {
-            RecordType::A => 1,
-            RecordType::Aaaa => 28,
+            RecordType::A => hickory_proto::rr::RecordType::A,
+            RecordType::Aaaa => hickory_proto::rr::RecordType::AAAA,
         }
     }
 }
@@ -278,76 +278,40 @@ pub fn dns_query(
     bail!("no DNS answer from {server} for {name} within {timeout:?}")
 }
 
+/// The query message: one question, recursion desired (as a stub resolver sends it).
 fn encode_query(id: u16, name: &str, qtype: RecordType) -> Result<Vec<u8>> {
-    let mut q = Vec::with_capacity(512);
-    q.extend_from_slice(&id.to_be_bytes());
-    q.extend_from_slice(&0x0100u16.to_be_bytes()); // RD
-    q.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0]); // one question
-    for label in name.trim_end_matches('.').split('.') {
-        ensure!(
-            !label.is_empty() && label.len() < 64,
-            "bad DNS name {name:?}"
-        );
-        #[allow(clippy::cast_possible_truncation)]
-        q.push(label.len() as u8);
-        q.extend_from_slice(label.as_bytes());
-    }
-    q.push(0);
-    q.extend_from_slice(&qtype.code().to_be_bytes());
-    q.extend_from_slice(&1u16.to_be_bytes()); // IN
-    Ok(q)
-}
-
-/// Past a (possibly compressed) name starting at `pos`.
-fn skip_name(msg: &[u8], mut pos: usize) -> Result<usize> {
-    for _ in 0..128 {
-        let len = *msg.get(pos).context("truncated name")?;
-        match len {
-            0 => return Ok(pos + 1),
-            l if l & 0xC0 == 0xC0 => return Ok(pos + 2),
-            l => pos += 1 + usize::from(l),
-        }
-    }
-    bail!("name too long")
-}
-
-fn decode_answer(msg: &[u8], qtype: RecordType) -> Result<DnsAnswer> {
-    ensure!(msg.len() >= 12, "short DNS answer");
-    let u16_at = |p: usize| -> Result<u16> {
-        Ok(u16::from_be_bytes([
-            *msg.get(p).context("truncated")?,
-            *msg.get(p + 1).context("truncated")?,
-        ]))
+    use hickory_proto::{
+        op::{Message, MessageType, OpCode, Query},
+        rr::Name,
     };
-    let flags = u16_at(2)?;
-    ensure!(flags & 0x8000 != 0, "not a response");
-    ensure!(flags & 0x0200 == 0, "truncated response");
-    #[allow(clippy::cast_possible_truncation)]
-    let rcode = (flags & 0x000F) as u8;
-    let questions = u16_at(4)?;
-    let answers = u16_at(6)?;
-    let mut pos = 12;
-    for _ in 0..questions {
-        pos = skip_name(msg, pos)? + 4;
-    }
+    let name = Name::from_ascii(name).with_context(|| format!("bad DNS name {name:?}"))?;
+    let mut m = Message::new();
+    m.set_id(id)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true)
+        .add_query(Query::query(name, qtype.wire()));
+    Ok(m.to_vec()?)
+}
+
+/// The records of type `qtype` in the answer `msg`, with its response code.
+fn decode_answer(msg: &[u8], qtype: RecordType) -> Result<DnsAnswer> {
+    use hickory_proto::{op::Message, rr::RData};
+    let m = Message::from_vec(msg).context("malformed DNS answer")?;
+    ensure!(
+        m.message_type() == hickory_proto::op::MessageType::Response,
+        "not a response"
+    );
+    ensure!(!m.truncated(), "truncated response");
+    let rcode = u8::try_from(u16::from(m.response_code())).context("extended response code")?;
     let mut records = Vec::new();
-    for _ in 0..answers {
-        pos = skip_name(msg, pos)?;
-        let rtype = u16_at(pos)?;
-        let ttl = (u32::from(u16_at(pos + 4)?) << 16) | u32::from(u16_at(pos + 6)?);
-        let len = usize::from(u16_at(pos + 8)?);
-        pos += 10;
-        let data = msg.get(pos..pos + len).context("truncated record")?;
-        pos += len;
-        if rtype != qtype.code() {
-            continue;
-        }
-        let addr = match (qtype, data.len()) {
-            (RecordType::A, 4) => IpAddr::from(<[u8; 4]>::try_from(data)?),
-            (RecordType::Aaaa, 16) => IpAddr::from(<[u8; 16]>::try_from(data)?),
-            _ => bail!("malformed {qtype:?} record of {} bytes", data.len()),
+    for r in m.answers() {
+        let addr = match (qtype, r.data()) {
+            (RecordType::A, RData::A(a)) => IpAddr::from(a.0),
+            (RecordType::Aaaa, RData::AAAA(a)) => IpAddr::from(a.0),
+            _ => continue,
         };
-        records.push((addr, ttl));
+        records.push((addr, r.ttl()));
     }
     Ok(DnsAnswer { rcode, records })
 }
