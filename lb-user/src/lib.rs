@@ -20,6 +20,7 @@ pub mod errors;
 pub mod files;
 pub mod handover;
 pub mod health;
+pub mod http1;
 pub mod kill;
 pub mod metrics;
 pub mod net;

@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("files", 0),
     ("netns", 0),
     ("sock_diag", 0),
+    ("http1", 0),
     ("kill", 1),
     ("config", 1),
     ("handover", 1),

@@ -3,13 +3,12 @@
 
 use std::{fmt, path::PathBuf, str::FromStr, time::Duration};
 
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::Full;
 use hyper::{
     Method, Request, StatusCode,
     body::Bytes,
     header::{AUTHORIZATION, CONTENT_TYPE, HOST},
 };
-use hyper_util::rt::TokioIo;
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::api::ErrorBody;
@@ -184,25 +183,9 @@ impl AdminClient {
             endpoint: self.endpoint.clone(),
             source,
         };
-        let (mut sender, host) = match &self.endpoint {
-            Endpoint::Tcp(addr) => {
-                let s = tokio::net::TcpStream::connect(addr.as_str())
-                    .await
-                    .map_err(connect)?;
-                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-                    .await
-                    .map_err(http)?;
-                tokio::spawn(conn);
-                (sender, addr.clone())
-            }
-            Endpoint::Unix(p) => {
-                let s = tokio::net::UnixStream::connect(p).await.map_err(connect)?;
-                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-                    .await
-                    .map_err(http)?;
-                tokio::spawn(conn);
-                (sender, "localhost".to_string())
-            }
+        let host = match &self.endpoint {
+            Endpoint::Tcp(addr) => addr.clone(),
+            Endpoint::Unix(_) => "localhost".to_string(),
         };
         let mut req = Request::builder()
             .method(method)
@@ -217,9 +200,24 @@ impl AdminClient {
         let req = req
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| ClientError::Decode(e.to_string()))?;
-        let resp = sender.send_request(req).await.map_err(http)?;
+        let resp = match &self.endpoint {
+            Endpoint::Tcp(addr) => {
+                let s = tokio::net::TcpStream::connect(addr.as_str())
+                    .await
+                    .map_err(connect)?;
+                crate::http1::exchange(s, req, None).await
+            }
+            Endpoint::Unix(p) => {
+                let s = tokio::net::UnixStream::connect(p).await.map_err(connect)?;
+                crate::http1::exchange(s, req, None).await
+            }
+        }
+        .map_err(http)?;
         let status = resp.status();
-        let bytes = resp.into_body().collect().await.map_err(http)?.to_bytes();
+        let bytes = resp.body(None).await.map_err(|e| match e {
+            crate::http1::BodyError::Http(h) => http(h),
+            e @ crate::http1::BodyError::TooLarge(_) => ClientError::Decode(e.to_string()),
+        })?;
         Ok((status, bytes))
     }
 

@@ -4,17 +4,15 @@
 //! member list`), over http or https with the configured CA and client certificate, trying the
 //! endpoints in order until one answers.
 
-use http_body_util::{BodyExt as _, Full, Limited};
+use http_body_util::Full;
 use hyper::{
     Request, Uri,
     body::Bytes,
     header::{CONNECTION, CONTENT_TYPE, HOST},
 };
-use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::TlsConnector;
-use tokio_util::task::AbortOnDropHandle;
 
 use super::{DiscoveryError, Found};
 use crate::{addr::ServerAddr, config::EtcdDiscovery, net::Route};
@@ -147,24 +145,20 @@ async fn post<S>(io: S, authority: &str) -> Result<Vec<u8>, String>
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(|e| e.to_string())?;
-    let _conn = AbortOnDropHandle::new(tokio::spawn(conn));
     let req = Request::post(MEMBER_LIST_PATH)
         .header(HOST, authority)
         .header(CONTENT_TYPE, "application/json")
         .header(CONNECTION, "close")
         .body(Full::new(Bytes::from_static(b"{}")))
         .map_err(|e| e.to_string())?;
-    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
-    let status = resp.status();
-    let body = Limited::new(resp.into_body(), MAX_BODY)
-        .collect()
+    let resp = crate::http1::exchange(io, req, None)
         .await
-        .map_err(|e| format!("reading the answer: {e}"))?
-        .to_bytes();
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp
+        .body(Some(MAX_BODY))
+        .await
+        .map_err(|e| format!("reading the answer: {e}"))?;
     if !status.is_success() {
         let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
         return Err(format!("HTTP {status}: {text}"));

@@ -2,15 +2,13 @@
 //! Host header; the status must match `expect_status`, the body must contain `expect_body`, and
 //! the response may not exceed `max_response_bytes`.
 
-use http_body_util::{BodyExt as _, Empty, Limited};
+use http_body_util::Empty;
 use hyper::{
     Request, Uri,
     body::Bytes,
-    header::{CONNECTION, CONTENT_LENGTH, HOST, USER_AGENT},
+    header::{CONNECTION, HOST, USER_AGENT},
 };
-use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio_util::task::AbortOnDropHandle;
 
 use super::{CheckError, connect_tcp, tls};
 use crate::config::{HealthConfig, StatusMatch};
@@ -135,13 +133,6 @@ where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
     let limit = cfg.max_response_bytes;
-    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-        // Bounds the head as well; hyper refuses less than 8 KiB.
-        .max_buf_size(limit.max(8192))
-        .handshake(TokioIo::new(io))
-        .await?;
-    // The connection task dies with the check (timeout or done).
-    let _conn = AbortOnDropHandle::new(tokio::spawn(conn));
     let host = cfg.host.clone().unwrap_or_else(|| t.authority.clone());
     let req = Request::get(t.path.as_str())
         .header(HOST, host)
@@ -152,27 +143,19 @@ where
             url: t.path.clone(),
             reason: e.to_string(),
         })?;
-    let resp = sender.send_request(req).await?;
+    // The limit bounds the head as well. The connection ends with the check (timeout or done).
+    let resp = crate::http1::exchange(io, req, Some(limit)).await?;
     let code = resp.status().as_u16();
     if !status_ok(&cfg.expect_status, code) {
         return Err(CheckError::Status(code));
     }
-    let declared = resp
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
         return Err(CheckError::TooLarge(limit));
     }
-    let body = Limited::new(resp.into_body(), limit)
-        .collect()
-        .await
-        .map_err(|e| match e.downcast::<hyper::Error>() {
-            Ok(h) => CheckError::Http(*h),
-            Err(_) => CheckError::TooLarge(limit),
-        })?
-        .to_bytes();
+    let body = resp.body(Some(limit)).await.map_err(|e| match e {
+        crate::http1::BodyError::Http(h) => CheckError::Http(h),
+        crate::http1::BodyError::TooLarge(n) => CheckError::TooLarge(n),
+    })?;
     if let Some(want) = &cfg.expect_body
         && !String::from_utf8_lossy(&body).contains(want.as_str())
     {
