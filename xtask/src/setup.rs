@@ -46,6 +46,18 @@ const POLICY_RC_D: &str = "/usr/sbin/policy-rc.d";
 /// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The components rustup lists as installed for `toolchain`, one per line; empty when the
+/// toolchain is not installed.
+fn installed_components(toolchain: &str) -> String {
+    Command::new("rustup")
+        .args(["component", "list", "--toolchain", toolchain, "--installed"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 /// The dated nightly that builds the kernel programs, read from `lb-ebpf/rust-toolchain.toml`
 /// (the one place it is pinned; `lb-user/build.rs` reads the same file).
 ///
@@ -298,18 +310,7 @@ pub fn run() -> Result<()> {
     }
     keep_services_off()?;
     let toolchain = bpf_toolchain()?;
-    let nightly_ok = Command::new("rustup")
-        .args([
-            "component",
-            "list",
-            "--toolchain",
-            &toolchain,
-            "--installed",
-        ])
-        .output()
-        .is_ok_and(|o| {
-            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("rust-src")
-        });
+    let nightly_ok = installed_components(&toolchain).contains("rust-src");
     if !nightly_ok {
         exec(
             Command::new("rustup").args([
@@ -328,17 +329,7 @@ pub fn run() -> Result<()> {
             ),
         )?;
     }
-    let clippy_ok = Command::new("rustup")
-        .args([
-            "component",
-            "list",
-            "--toolchain",
-            &toolchain,
-            "--installed",
-        ])
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("clippy"));
-    if !clippy_ok {
+    if !installed_components(&toolchain).contains("clippy") {
         exec(
             Command::new("rustup").args(["component", "add", "clippy", "--toolchain", &toolchain]),
             &format!("rustup: clippy for {toolchain} (`cargo xtask test` lints lb-ebpf with it)"),

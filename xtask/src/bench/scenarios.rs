@@ -499,29 +499,9 @@ pub fn upgrade(
     eprintln!("bench: scenario 8 upgrade with {n} idle connections and a connect loop");
     for run in 0..opts.heavy_runs {
         for kind in order(&kinds, run) {
-            let mut r = Running::start(kind, &hosts.servers(), cgroups)?;
-            let cg = cgroups.for_kind(kind);
-            let ev = Events::start(cg, r.addr, &["idle", &n.to_string(), "--max-ms", "120000"])?;
-            ev.wait_for("ready", Duration::from_secs(90))?;
-            let looping = {
-                let (cg, addr) = (cg.to_path_buf(), r.addr);
-                std::thread::spawn(move || {
-                    run_client(
-                        &place(&cg),
-                        addr,
-                        &["cps", "3000", "--workers", "2"],
-                        Duration::from_secs(60),
-                    )
-                })
-            };
-            std::thread::sleep(Duration::from_millis(1000));
-            let took = r.upgrade()?;
-            let v = looping
-                .join()
-                .map_err(|_| anyhow::anyhow!("connect loop panicked"))??;
-            // Give ended connections time to show.
-            std::thread::sleep(Duration::from_millis(500));
-            let lost = u64::from(n) - still_open(&ev, u64::from(n));
+            let mut l = Loaded::start(kind, hosts, cgroups, n, &["cps", "3000", "--workers", "2"])?;
+            let took = l.r.upgrade()?;
+            let (v, lost) = l.finish()?;
             raw.log(
                 kind,
                 &["upgrade"],
@@ -538,8 +518,6 @@ pub fn upgrade(
                 kind,
                 v["longest_ms"].as_f64().unwrap_or(f64::NAN),
             );
-            drop(ev);
-            drop(r);
         }
     }
     Ok(())
@@ -578,37 +556,20 @@ pub fn crash(
     );
     for run in 0..opts.heavy_runs {
         for kind in order(&kinds, run) {
-            let mut r = Running::start(kind, &hosts.servers(), cgroups)?;
-            let cg = cgroups.for_kind(kind);
-            let ev = Events::start(cg, r.addr, &["idle", &n.to_string(), "--max-ms", "120000"])?;
-            ev.wait_for("ready", Duration::from_secs(90))?;
-            let looping = {
-                let (cg, addr) = (cg.to_path_buf(), r.addr);
-                std::thread::spawn(move || {
-                    run_client(
-                        &place(&cg),
-                        addr,
-                        &[
-                            "dial",
-                            "--timeout-ms",
-                            "3000",
-                            "--times",
-                            &CRASH_DIALS.to_string(),
-                            "--every-ms",
-                            &CRASH_DIAL_EVERY_MS.to_string(),
-                        ],
-                        Duration::from_secs(60),
-                    )
-                })
-            };
-            std::thread::sleep(Duration::from_millis(1000));
-            r.crash_and_restart(CRASH_DOWN)?;
-            let v = looping
-                .join()
-                .map_err(|_| anyhow::anyhow!("connect loop panicked"))??;
-            // Give ended connections time to show.
-            std::thread::sleep(Duration::from_millis(500));
-            let lost = u64::from(n) - still_open(&ev, u64::from(n));
+            let dials = CRASH_DIALS.to_string();
+            let every = CRASH_DIAL_EVERY_MS.to_string();
+            let action = [
+                "dial",
+                "--timeout-ms",
+                "3000",
+                "--times",
+                &dials,
+                "--every-ms",
+                &every,
+            ];
+            let mut l = Loaded::start(kind, hosts, cgroups, n, &action)?;
+            l.r.crash_and_restart(CRASH_DOWN)?;
+            let (v, lost) = l.finish()?;
             let served: u64 = v["servers"]
                 .as_object()
                 .map(|m| m.values().filter_map(Value::as_u64).sum())
@@ -621,11 +582,57 @@ pub fn crash(
             );
             res.add("crash_lost", kind, lost as f64);
             res.add("crash_unserved", kind, unserved as f64);
-            drop(ev);
-            drop(r);
         }
     }
     Ok(())
+}
+
+/// Scenarios 8 and 9 under way: a contender with `n` idle connections through it and a client
+/// running an action in a thread of its own, started 1 s before the contender is replaced or
+/// killed.
+struct Loaded {
+    // Dropped in this order: the clients' connections end before the contender stops.
+    ev: Events,
+    r: Running,
+    n: u32,
+    looping: std::thread::JoinHandle<Result<Value>>,
+}
+
+impl Loaded {
+    fn start(
+        kind: Kind,
+        hosts: &Hosts,
+        cgroups: &Cgroups,
+        n: u32,
+        action: &[&str],
+    ) -> Result<Loaded> {
+        let r = Running::start(kind, &hosts.servers(), cgroups)?;
+        let cg = cgroups.for_kind(kind);
+        let ev = Events::start(cg, r.addr, &["idle", &n.to_string(), "--max-ms", "120000"])?;
+        ev.wait_for("ready", Duration::from_secs(90))?;
+        let looping = {
+            let (cg, addr) = (cg.to_path_buf(), r.addr);
+            let action: Vec<String> = action.iter().map(|a| a.to_string()).collect();
+            std::thread::spawn(move || {
+                let action: Vec<&str> = action.iter().map(String::as_str).collect();
+                run_client(&place(&cg), addr, &action, Duration::from_secs(60))
+            })
+        };
+        std::thread::sleep(Duration::from_millis(1000));
+        Ok(Loaded { r, ev, n, looping })
+    }
+
+    /// The client's result and how many idle connections ended.
+    fn finish(self) -> Result<(Value, u64)> {
+        let v = self
+            .looping
+            .join()
+            .map_err(|_| anyhow::anyhow!("the client thread panicked"))??;
+        // Give ended connections time to show.
+        std::thread::sleep(Duration::from_millis(500));
+        let n = u64::from(self.n);
+        Ok((v, n - still_open(&self.ev, n)))
+    }
 }
 
 /// How many of `n` idle connections `ev` still reports open, from the events it printed so far.
