@@ -27,10 +27,13 @@ pub fn run(args: &RunArgs) -> ExitCode {
     let cfg = match Config::load(args.config.as_deref(), &overrides) {
         Ok(cfg) => cfg,
         Err(e) => {
-            eprintln!("lb: invalid configuration: {e}");
+            eprintln!("{}", super::config::invalid(args.config.as_deref(), &e));
             return ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2));
         }
     };
+    for w in cfg.warnings() {
+        tracing::warn!("{w}");
+    }
     if let Err(e) = preflight(&cfg) {
         eprintln!("lb: {e}");
         return ExitCode::from(super::EXIT_USAGE);

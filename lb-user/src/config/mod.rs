@@ -569,7 +569,7 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: origin.to_string(),
-            message: e.to_string().trim().replace('\n', " "),
+            message: e.to_string().trim_end().to_string(),
         })?;
         cfg.validate_with(files)?;
         Ok(cfg)
@@ -606,7 +606,7 @@ impl Config {
                 let text = read_config_text(path)?;
                 toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
                     path: path.display().to_string(),
-                    message: e.to_string().trim().replace('\n', " "),
+                    message: e.to_string().trim_end().to_string(),
                 })?
             }
             None => Config::default(),
