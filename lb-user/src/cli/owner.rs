@@ -29,6 +29,27 @@ pub fn listening_process(addr: SocketAddr) -> Option<(u32, String)> {
     None
 }
 
+/// Why `lb run` cannot start: `addr` (`what` it is in the configuration) is in use by `owner`
+/// (pid and command name, when `/proc` tells). Another lb gets the advice to upgrade it instead;
+/// another program is named; an unknown holder may be either.
+pub fn in_use_message(addr: SocketAddr, what: &str, owner: Option<(u32, &str)>) -> String {
+    let upgrade = "`lb upgrade` replaces a running lb without dropping connections";
+    match owner {
+        Some((pid, "lb")) => format!(
+            "cannot start: {addr} (this configuration's {what}) is already served by another lb \
+             (pid {pid}); {upgrade}"
+        ),
+        Some((pid, comm)) => format!(
+            "cannot start: {addr} (this configuration's {what}) is in use by pid {pid} ({comm}): \
+             stop it or choose another address"
+        ),
+        None => format!(
+            "cannot start: {addr} (this configuration's {what}) is in use by a process /proc does \
+             not show (another network namespace or user); if it is another lb, {upgrade}"
+        ),
+    }
+}
+
 /// The inode of the socket in state LISTEN bound to `addr`.
 fn listening_inode(addr: SocketAddr) -> Option<u64> {
     let file = if addr.is_ipv6() {
@@ -76,5 +97,31 @@ mod tests {
         let (pid, _) = listening_process(l.local_addr().unwrap()).unwrap();
         assert_eq!(pid, std::process::id());
         assert_eq!(hex_addr("127.0.0.1:80".parse().unwrap()), "0100007F:0050");
+    }
+
+    #[test]
+    fn names_who_holds_an_address() {
+        let a: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        let what = "listener of balancer api";
+        assert_eq!(
+            in_use_message(a, what, Some((42, "lb"))),
+            "cannot start: 127.0.0.1:6443 (this configuration's listener of balancer api) is \
+             already served by another lb (pid 42); `lb upgrade` replaces a running lb without \
+             dropping connections"
+        );
+        assert_eq!(
+            in_use_message(a, what, Some((7, "nginx"))),
+            "cannot start: 127.0.0.1:6443 (this configuration's listener of balancer api) is in \
+             use by pid 7 (nginx): stop it or choose another address"
+        );
+        let unknown = in_use_message(a, what, None);
+        assert!(
+            unknown.contains("is in use by a process /proc does not show"),
+            "{unknown}"
+        );
+        assert!(
+            unknown.contains("if it is another lb, `lb upgrade`"),
+            "{unknown}"
+        );
     }
 }

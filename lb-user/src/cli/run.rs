@@ -122,12 +122,9 @@ fn preflight(cfg: &Config) -> Result<(), String> {
         if let Err(e) = try_bind(addr)
             && e.kind() == std::io::ErrorKind::AddrInUse
         {
-            let owner = super::owner::listening_process(addr)
-                .map(|(pid, comm)| format!(" by pid {pid} ({comm})"))
-                .unwrap_or_default();
-            return Err(format!(
-                "cannot start: {addr} (this configuration's {what}) is already served{owner}: is another lb running? `lb upgrade` replaces a running lb without dropping connections"
-            ));
+            let owner = super::owner::listening_process(addr);
+            let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
+            return Err(super::owner::in_use_message(addr, &what, owner));
         }
     }
     if let Some(path) = &cfg.admin.unix_socket
