@@ -130,9 +130,13 @@ fn preflight(cfg: &Config) -> Result<(), String> {
     if let Some(path) = &cfg.admin.unix_socket
         && std::os::unix::net::UnixStream::connect(path).is_ok()
     {
-        return Err(format!(
-            "the admin unix socket {} is already served: is another lb running?",
-            path.display()
+        let owner = super::owner::unix_listening_process(path);
+        let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
+        let path = path.display();
+        return Err(super::owner::in_use_message(
+            path,
+            "admin unix socket",
+            owner,
         ));
     }
     Ok(())
