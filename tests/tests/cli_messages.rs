@@ -115,7 +115,7 @@ fn lb_config_check_shows_where_and_warns() -> Result<()> {
     let err = stderr(&o);
     ensure!(o.status.code() == Some(2), "{o:?}");
     ensure!(
-        err.contains("TOML parse error at line 6, column 12\n")
+        err.contains("TOML parse error at line 6, column 12 (key `balancer[0].health.interval`)\n")
             && err.contains("6 | interval = \"soon\"\n")
             && err.contains("^^^^^^"),
         "{err}"

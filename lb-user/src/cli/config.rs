@@ -140,7 +140,7 @@ servers = ["198.18.0.2:9345"]
         let msg = refusal(&one("[balancer.health]\ninterval = \"bogus\"\n"));
         assert!(
             msg.starts_with(
-                "lb: invalid configuration: lb.toml: TOML parse error at line 6, column 12\n"
+                "lb: invalid configuration: lb.toml: TOML parse error at line 6, column 12 (key `balancer[0].health.interval`)\n"
             ),
             "{msg}"
         );
