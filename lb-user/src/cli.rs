@@ -9,6 +9,7 @@ pub mod check;
 pub mod cleanup;
 pub mod config;
 pub mod docs;
+mod man;
 mod owner;
 mod process;
 pub mod run;
@@ -35,7 +36,7 @@ pub const EXIT_FAILURE: u8 = 1;
 /// Exit code for invalid usage or configuration.
 pub const EXIT_USAGE: u8 = 2;
 
-/// lb: a client-side TCP load balancer with an eBPF splice data path.
+/// A client-side TCP load balancer with an eBPF splice data path.
 #[derive(Debug, Parser)]
 #[command(name = "lb", version, about, propagate_version = true)]
 pub struct Cli {
@@ -151,7 +152,8 @@ pub struct RunArgs {
     /// TOML config file.
     #[arg(long, env = "LB_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Listen address (repeat for several; IPv4 and IPv6).
+    /// Listen address (repeat for several; IPv4 and IPv6). Without --config, --listen and
+    /// --server make one balancer named `default` (`lb servers ... -b default`).
     #[arg(long, env = "LB_LISTEN", value_delimiter = ',')]
     pub listen: Vec<SocketAddr>,
     /// Server `host:port` (repeat for several), in order of preference.

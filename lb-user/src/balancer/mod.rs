@@ -510,7 +510,7 @@ impl Balancer {
                     continue;
                 };
                 let s = &mut inner.servers[idx];
-                info!(balancer = %self.name, %server, from = ?s.hold, to = ?hold, "server hold changed");
+                info!(balancer = %self.name, %server, from = %s.hold, to = %hold, "server hold changed");
                 s.hold = hold;
                 if hold == Hold::Disabled {
                     inner.conns.take(&server)

@@ -90,6 +90,17 @@ pub enum Hold {
     Disabled,
 }
 
+/// As `/status` writes it: `none`, `drain` or `disabled`.
+impl fmt::Display for Hold {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Hold::None => "none",
+            Hold::Drain => "drain",
+            Hold::Disabled => "disabled",
+        })
+    }
+}
+
 /// Why a connection was killed; the `reason` label of `lb_connections_killed_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KillReason {
@@ -419,4 +430,18 @@ fn fail_back(balancer: &str, servers: &mut [Server], idx: usize) -> Vec<(ServerA
         kill.push((other.addr.clone(), KillReason::Failback));
     }
     kill
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Hold;
+
+    /// Log lines (`server hold changed from=none to=drain`) show a hold as `/status` does.
+    #[test]
+    fn holds_print_as_status_writes_them() {
+        for hold in [Hold::None, Hold::Drain, Hold::Disabled] {
+            let json = serde_json::to_string(&hold).unwrap();
+            assert_eq!(format!("\"{hold}\""), json);
+        }
+    }
 }

@@ -29,7 +29,7 @@ pub fn cleanup(args: &CleanupArgs) -> ExitCode {
         (None, Some(file)) => match Config::from_file(file) {
             Ok(cfg) => cfg.datapath.pin_dir,
             Err(e) => {
-                eprintln!("lb: {}: invalid: {e}", file.display());
+                eprintln!("{}", super::config::invalid(Some(file), &e));
                 return ExitCode::from(EXIT_USAGE);
             }
         },

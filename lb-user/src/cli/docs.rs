@@ -1,5 +1,5 @@
 //! `lb completions SHELL` and `lb man [--dir DIR]`, generated from the clap definitions so they
-//! never drift from the real command line.
+//! never drift from the real command line (the man pages' extra sections: `man`).
 
 use std::{io::Write as _, path::PathBuf, process::ExitCode};
 
@@ -36,13 +36,11 @@ pub fn man(args: &ManArgs) -> ExitCode {
     let cmd = Cli::command();
     let result = match &args.dir {
         Some(dir) => std::fs::create_dir_all(dir)
-            .and_then(|()| clap_mangen::generate_to(cmd, dir))
+            .and_then(|()| super::man::generate_to(cmd, dir))
             .map(|()| eprintln!("man pages written to {}", dir.display())),
         None => {
             let mut out = Vec::new();
-            clap_mangen::Man::new(cmd)
-                .render(&mut out)
-                .and_then(|()| std::io::stdout().write_all(&out))
+            super::man::render(cmd, &mut out).and_then(|()| std::io::stdout().write_all(&out))
         }
     };
     match result {

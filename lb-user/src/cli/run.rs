@@ -27,10 +27,13 @@ pub fn run(args: &RunArgs) -> ExitCode {
     let cfg = match Config::load(args.config.as_deref(), &overrides) {
         Ok(cfg) => cfg,
         Err(e) => {
-            eprintln!("lb: invalid configuration: {e}");
+            eprintln!("{}", super::config::invalid(args.config.as_deref(), &e));
             return ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2));
         }
     };
+    for w in cfg.warnings() {
+        tracing::warn!("{w}");
+    }
     if let Err(e) = preflight(&cfg) {
         eprintln!("lb: {e}");
         return ExitCode::from(super::EXIT_USAGE);
@@ -85,20 +88,21 @@ fn preflight(cfg: &Config) -> Result<(), String> {
         if let Err(e) = try_bind(addr)
             && e.kind() == std::io::ErrorKind::AddrInUse
         {
-            let owner = super::owner::listening_process(addr)
-                .map(|(pid, comm)| format!(" by pid {pid} ({comm})"))
-                .unwrap_or_default();
-            return Err(format!(
-                "cannot start: {addr} (this configuration's {what}) is already served{owner}: is another lb running? `lb upgrade` replaces a running lb without dropping connections"
-            ));
+            let owner = super::owner::listening_process(addr);
+            let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
+            return Err(super::owner::in_use_message(addr, &what, owner));
         }
     }
     if let Some(path) = &cfg.admin.unix_socket
         && std::os::unix::net::UnixStream::connect(path).is_ok()
     {
-        return Err(format!(
-            "the admin unix socket {} is already served: is another lb running?",
-            path.display()
+        let owner = super::owner::unix_listening_process(path);
+        let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
+        let path = path.display();
+        return Err(super::owner::in_use_message(
+            path,
+            "admin unix socket",
+            owner,
         ));
     }
     Ok(())

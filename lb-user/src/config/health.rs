@@ -1,7 +1,7 @@
 //! `[balancer.health]`: the health check's keys and defaults (kind, target, timing, `rise` and
 //! `fall`, passive signals, what a failure does to connections, TLS) and the accepted statuses.
 
-use std::{path::PathBuf, time::Duration};
+use std::{fmt, path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -164,6 +164,16 @@ impl StatusMatch {
         match self {
             StatusMatch::Code(c) => c == code,
             StatusMatch::Range(lo, hi) => (lo..=hi).contains(&code),
+        }
+    }
+}
+
+/// As written in `expect_status`: `200` or `200-299`.
+impl fmt::Display for StatusMatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StatusMatch::Code(c) => write!(f, "{c}"),
+            StatusMatch::Range(lo, hi) => write!(f, "{lo}-{hi}"),
         }
     }
 }

@@ -5,6 +5,7 @@ mod discovery;
 mod failfast;
 mod health;
 mod metrics;
+mod parse_error;
 mod resolve;
 mod validate;
 
@@ -63,7 +64,8 @@ pub enum ConfigError {
     Parse {
         /// The file, or `<flags>`.
         path: String,
-        /// toml's message, which names the key and line.
+        /// toml's message (line, column, the line with a caret, the reason) with the full
+        /// dotted key.
         message: String,
     },
     /// A value parsed but is not acceptable.
@@ -569,7 +571,7 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: origin.to_string(),
-            message: e.to_string().trim().replace('\n', " "),
+            message: parse_error::message(&e, text),
         })?;
         cfg.validate_with(files)?;
         Ok(cfg)
@@ -610,7 +612,7 @@ impl Config {
                 let text = read_config_text(path)?;
                 toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
                     path: path.display().to_string(),
-                    message: e.to_string().trim().replace('\n', " "),
+                    message: parse_error::message(&e, &text),
                 })?
             }
             None => Config::default(),

@@ -6,7 +6,7 @@ use std::{collections::HashSet, net::SocketAddr, path::Path, time::Duration};
 use super::{
     BalancerConfig, CheckKind, Config, ConfigError, HealthConfig, StatusMatch, readable_file,
 };
-use crate::addr::validate_set;
+use crate::addr::{SetError, validate_set};
 
 /// Shortest `idle_timeout`.
 const MIN_IDLE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -132,6 +132,7 @@ impl Config {
                 }
             }
         }
+        self.validate_admin_listen()?;
         self.metrics.validate(self, &all_listens)?;
         let mut names = HashSet::new();
         let mut listens = HashSet::new();
@@ -168,7 +169,8 @@ impl Config {
                     return Err(ConfigError::invalid(key("listen"), l, "address used twice"));
                 }
             }
-            validate_balancer(i, b, &all_listens, files)?;
+            validate_balancer(i, b, files)?;
+            validate_not_other_listener(i, b, &self.balancers)?;
             if let Some(f) = &b.fail_fast {
                 f.validate(&key("fail_fast"))?;
             }
@@ -185,10 +187,80 @@ impl Config {
         }
         Ok(())
     }
+
+    /// `[admin] listen` (or `--admin-listen`) on a balancer's listener: both could never bind.
+    fn validate_admin_listen(&self) -> Result<(), ConfigError> {
+        let admin = self.admin.listen;
+        for b in &self.balancers {
+            if let Some(l) = b.listen.iter().find(|l| same_port(**l, admin)) {
+                return Err(ConfigError::invalid(
+                    "admin.listen",
+                    admin,
+                    format!(
+                        "is also balancer {}'s listener {l}: the admin API and a balancer cannot \
+                         share an address (set [admin] listen or --admin-listen to another port)",
+                        b.name
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Advice about settings that work but likely not as meant: `lb config check` prints each
+    /// line, `lb run` logs it as a warning.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, b) in self.balancers.iter().enumerate() {
+            let h = &b.health;
+            if h.timeout.0 > h.interval.0 {
+                out.push(format!(
+                    "balancer[{i}].health.timeout = \"{}\" is longer than its interval = \"{}\": \
+                     one check runs at a time per server, so a server that stops answering is \
+                     checked every {} and found FAILED after fall × timeout",
+                    h.timeout, h.interval, h.timeout
+                ));
+            }
+        }
+        out
+    }
 }
 
-/// One `[[balancer]]`'s own keys; `all_listens` are every balancer's listeners (a server equal
-/// to one would make lb dial itself).
+/// Whether two listen addresses take the same port: equal, or one a wildcard of the same family.
+fn same_port(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.is_ipv4() == b.is_ipv4()
+        && (a == b || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// A server of balancer `i` equal to another balancer's listener would make lb dial itself;
+/// the refusal names that balancer.
+fn validate_not_other_listener(
+    i: usize,
+    b: &BalancerConfig,
+    all: &[BalancerConfig],
+) -> Result<(), ConfigError> {
+    for (j, other) in all.iter().enumerate() {
+        if j == i || b.servers.is_empty() && b.default_server.is_none() {
+            continue;
+        }
+        if let Err(SetError::OwnListener(s)) =
+            validate_set(&b.servers, b.default_server.as_ref(), &other.listen)
+        {
+            return Err(ConfigError::invalid(
+                format!("balancer[{i}].servers"),
+                &s,
+                format!(
+                    "server {s} is balancer {}'s listener, one of lb's own listen addresses: lb \
+                     would dial itself",
+                    other.name
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `max_connections` and `idle_timeout` of balancer `i`.
 fn validate_limits(i: usize, b: &BalancerConfig) -> Result<(), ConfigError> {
     if b.max_connections == Some(0) {
@@ -210,6 +282,7 @@ fn validate_limits(i: usize, b: &BalancerConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// One `[[balancer]]`'s own keys.
 #[expect(
     clippy::too_many_lines,
     reason = "one check per balancer key, in the order the keys are documented"
@@ -217,7 +290,6 @@ fn validate_limits(i: usize, b: &BalancerConfig) -> Result<(), ConfigError> {
 fn validate_balancer(
     i: usize,
     b: &BalancerConfig,
-    all_listens: &[SocketAddr],
     files: CredentialFiles,
 ) -> Result<(), ConfigError> {
     let key = |k: &str| format!("balancer[{i}].{k}");
@@ -246,10 +318,20 @@ fn validate_balancer(
             "at least one server is required (or a discovery source)",
         ));
     }
-    // A server equal to any balancer's listener would make lb dial itself.
+    // A server equal to its own listener would make lb dial itself (another balancer's
+    // listener: `validate_not_other_listener`).
     if !b.servers.is_empty() || b.default_server.is_some() {
-        validate_set(&b.servers, b.default_server.as_ref(), all_listens).map_err(|e| {
-            ConfigError::invalid(key("servers"), format!("{:?}", b.servers), e.to_string())
+        validate_set(&b.servers, b.default_server.as_ref(), &b.listen).map_err(|e| {
+            let value = match &e {
+                SetError::Duplicate(s) | SetError::OwnListener(s) => s.to_string(),
+                _ => b
+                    .servers
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
+            ConfigError::invalid(key("servers"), value, e.to_string())
         })?;
     }
     // With discovery the number of servers is not known here: count it as several.
@@ -422,7 +504,7 @@ fn validate_health(i: usize, h: &HealthConfig, files: CredentialFiles) -> Result
         if lo < 100 || hi > 599 {
             return Err(ConfigError::invalid(
                 hkey("expect_status"),
-                format!("{m:?}"),
+                m,
                 "HTTP status codes are 100-599",
             ));
         }

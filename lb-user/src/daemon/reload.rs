@@ -31,6 +31,9 @@ pub fn reload_config(
     overrides: &Overrides,
 ) -> Result<ReloadSummary, ConfigError> {
     let mut new = Config::load(path, overrides)?;
+    for w in new.warnings() {
+        warn!("{w}");
+    }
     let old = daemon.config.load_full();
     let mut summary = ReloadSummary::default();
     if new.admin.listen != old.admin.listen || new.admin.unix_socket != old.admin.unix_socket {
