@@ -44,7 +44,7 @@ pub use maps::lb_map_entries;
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
-    skip_unless_root,
+    skip_unless_root, test_name,
 };
 pub use stream::{Digest, PatternStream};
 pub use tmp::TempDir;

@@ -194,13 +194,13 @@ fn expect_reset(h: &Holder, what: &str, t: Instant) -> Result<()> {
 }
 
 /// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
 }
 
 #[test]
 fn connect_time_goes_straight_to_the_server() -> Result<()> {
-    if skip("connect_time_goes_straight_to_the_server") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -263,7 +263,7 @@ fn connect_time_goes_straight_to_the_server() -> Result<()> {
 
 #[test]
 fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
-    if skip("connect_time_failover_resets_clients_of_a_failed_server") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -327,7 +327,7 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
 
 #[test]
 fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
-    if skip("connect_time_round_robin_spreads_new_connects") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("round-robin")?;
@@ -348,7 +348,7 @@ fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
 
 #[test]
 fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
-    if skip("connect_time_servers_kill_resets_direct_clients") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -367,7 +367,7 @@ fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
 
 #[test]
 fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
-    if skip("connect_time_ipv4_mapped_from_an_ipv6_socket") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -406,7 +406,7 @@ fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
 
 #[test]
 fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<()> {
-    if skip_unless_root("connect_time_with_the_userspace_datapath_falls_back_to_the_proxy") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -446,7 +446,7 @@ fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<
 /// the listener, and proxied by lb (a client outside the cgroup, kernel splice upstream).
 #[test]
 fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
-    if skip("connect_time_round_trip_and_new_connection_figures") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -480,7 +480,7 @@ fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
 
 #[test]
 fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> Result<()> {
-    if skip("connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down") {
+    if skip() {
         return Ok(());
     }
     let mut s = Setup::new("failover")?;
@@ -534,7 +534,7 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
 
 #[test]
 fn connect_time_least_connections_balances_held_connections() -> Result<()> {
-    if skip("connect_time_least_connections_balances_held_connections") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("least-connections")?;
@@ -574,7 +574,7 @@ fn connect_time_least_connections_balances_held_connections() -> Result<()> {
 
 #[test]
 fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> {
-    if skip_unless_root("connect_time_programs_are_attached_only_when_a_balancer_asks") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -608,7 +608,7 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
 
 #[test]
 fn connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy() -> Result<()> {
-    if skip_unless_root("connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -703,7 +703,7 @@ impl Drop for LocalServer {
 
 #[test]
 fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
-    if skip("connect_time_ipv6_listener_to_an_ipv6_server") {
+    if skip() {
         return Ok(());
     }
     // A native IPv6 listener and an IPv6 server (on [::1] in lb's namespace): connect6 and
@@ -786,7 +786,7 @@ on_unhealthy = "kill"
 
 #[test]
 fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
-    if skip("connect_time_refused_connects_fail_a_server_without_a_check") {
+    if skip() {
         return Ok(());
     }
     const PASSIVE_FALL: u64 = 3;
@@ -852,7 +852,7 @@ fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
 
 #[test]
 fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()> {
-    if skip("connect_time_syn_sent_connects_to_a_failed_server_are_aborted") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -920,7 +920,7 @@ on_unhealthy = "kill"
 
 #[test]
 fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
-    if skip("connect_time_retransmission_timeout_counts_as_a_reset") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1020,7 +1020,7 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
 
 #[test]
 fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result<()> {
-    if skip("connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1066,7 +1066,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
 
 #[test]
 fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() -> Result<()> {
-    if skip("connect_time_clients_in_another_network_namespace_are_rewritten_and_killed") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1148,7 +1148,7 @@ fn many() -> u32 {
 
 #[test]
 fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
-    if skip("connect_time_ten_thousand_sockets_are_killed") {
+    if skip() {
         return Ok(());
     }
     let many = many();
@@ -1222,7 +1222,7 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
 
 #[test]
 fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<()> {
-    if skip("connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1286,7 +1286,7 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
 
 #[test]
 fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<()> {
-    if skip("connect_time_failback_moves_clients_back_to_the_recovered_server") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;
@@ -1327,7 +1327,7 @@ fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<
 
 #[test]
 fn connect_time_server_removed_through_the_api_resets_its_clients() -> Result<()> {
-    if skip("connect_time_server_removed_through_the_api_resets_its_clients") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new("failover")?;

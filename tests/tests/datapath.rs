@@ -89,7 +89,7 @@ fn bulk_both_directions(mode: &str) -> Result<()> {
 
 #[test]
 fn bulk_256mib_each_way_userspace() -> Result<()> {
-    if skip_unless_root("bulk_256mib_each_way_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     bulk_both_directions("userspace")
@@ -97,7 +97,7 @@ fn bulk_256mib_each_way_userspace() -> Result<()> {
 
 #[test]
 fn bulk_256mib_each_way_bpf() -> Result<()> {
-    if skip_unless_root("bulk_256mib_each_way_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     bulk_both_directions("bpf")
@@ -113,7 +113,7 @@ fn early_sends_in_order(mode: &str) -> Result<()> {
 
 #[test]
 fn early_sends_in_order_bpf() -> Result<()> {
-    if skip_unless_root("early_sends_in_order_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     early_sends_in_order("bpf")
@@ -121,7 +121,7 @@ fn early_sends_in_order_bpf() -> Result<()> {
 
 #[test]
 fn early_sends_in_order_userspace() -> Result<()> {
-    if skip_unless_root("early_sends_in_order_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     early_sends_in_order("userspace")
@@ -135,7 +135,7 @@ fn concurrent_1000(mode: &str) -> Result<()> {
 
 #[test]
 fn concurrent_1000_bpf() -> Result<()> {
-    if skip_unless_root("concurrent_1000_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     concurrent_1000("bpf")
@@ -143,7 +143,7 @@ fn concurrent_1000_bpf() -> Result<()> {
 
 #[test]
 fn concurrent_1000_userspace() -> Result<()> {
-    if skip_unless_root("concurrent_1000_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     concurrent_1000("userspace")
@@ -162,7 +162,7 @@ fn server_reset_reaches_client(mode: &str) -> Result<()> {
 
 #[test]
 fn server_reset_reaches_client_bpf() -> Result<()> {
-    if skip_unless_root("server_reset_reaches_client_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_reset_reaches_client("bpf")
@@ -170,7 +170,7 @@ fn server_reset_reaches_client_bpf() -> Result<()> {
 
 #[test]
 fn server_reset_reaches_client_userspace() -> Result<()> {
-    if skip_unless_root("server_reset_reaches_client_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_reset_reaches_client("userspace")
@@ -188,7 +188,7 @@ fn dead_servers_skipped(mode: &str) -> Result<()> {
 
 #[test]
 fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
-    if skip_unless_root("refused_and_blackholed_servers_skipped_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     dead_servers_skipped("bpf")
@@ -196,7 +196,7 @@ fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
 
 #[test]
 fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
-    if skip_unless_root("refused_and_blackholed_servers_skipped_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     dead_servers_skipped("userspace")
@@ -204,7 +204,7 @@ fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
 
 #[test]
 fn no_server_answers_closes_client() -> Result<()> {
-    if skip_unless_root("no_server_answers_closes_client") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new("bpf", 1, &[])?;
@@ -221,7 +221,7 @@ fn no_server_answers_closes_client() -> Result<()> {
 
 #[test]
 fn bpf_detaches_on_sigterm() -> Result<()> {
-    if skip_unless_root("bpf_detaches_on_sigterm") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new("bpf", 1, &[])?;
@@ -251,7 +251,7 @@ fn bpf_detaches_on_sigterm() -> Result<()> {
 
 #[test]
 fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
-    if skip_unless_root("auto_falls_back_to_userspace_with_one_warning") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut h = Host::new()?;
@@ -286,7 +286,7 @@ fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
 
 #[test]
 fn bpf_mode_fails_with_the_reason() -> Result<()> {
-    if skip_unless_root("bpf_mode_fails_with_the_reason") {
+    if skip_unless_root() {
         return Ok(());
     }
     let listen = format!("127.0.0.1:{}", free_port()?);

@@ -178,7 +178,7 @@ impl Setup {
 
 #[test]
 fn blackholed_server_fails_and_clients_reconnect_elsewhere() -> Result<()> {
-    if skip_unless_root("blackholed_server_fails_and_clients_reconnect_elsewhere") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new(r#"on_unhealthy = "kill""#)?;
@@ -219,7 +219,7 @@ fn blackholed_server_fails_and_clients_reconnect_elsewhere() -> Result<()> {
 
 #[test]
 fn drain_kills_after_drain_timeout() -> Result<()> {
-    if skip_unless_root("drain_kills_after_drain_timeout") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new("on_unhealthy = \"drain\"\ndrain_timeout = \"2s\"")?;
@@ -259,7 +259,7 @@ fn drain_kills_after_drain_timeout() -> Result<()> {
 
 #[test]
 fn keep_leaves_connections_alone() -> Result<()> {
-    if skip_unless_root("keep_leaves_connections_alone") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new(r#"on_unhealthy = "keep""#)?;
@@ -290,7 +290,7 @@ fn direct(addr: &str) -> Result<std::net::TcpStream> {
 
 #[test]
 fn node_scope_destroys_other_processes_connections() -> Result<()> {
-    if skip_unless_root("node_scope_destroys_other_processes_connections") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new(r#"kill_scope = "node""#)?;
@@ -349,7 +349,7 @@ fn node_scope_destroys_other_processes_connections() -> Result<()> {
 /// whose result is older than `max_age` (or that was never checked) checks it first.
 #[test]
 fn loop_off_checks_only_before_a_dial() -> Result<()> {
-    if skip_unless_root("loop_off_checks_only_before_a_dial") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

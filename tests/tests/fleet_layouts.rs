@@ -220,7 +220,7 @@ fn server_layout(rel: &str, sup_port: u16) -> Result<()> {
 
 #[test]
 fn k3s_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
-    if skip_unless_root("k3s_agent_layout_carries_supervisor_and_apiserver") {
+    if skip_unless_root() {
         return Ok(());
     }
     // As shipped (the check skips verification until the agent has joined): one balancer on
@@ -241,7 +241,7 @@ fn k3s_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
 
 #[test]
 fn rke2_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
-    if skip_unless_root("rke2_agent_layout_carries_supervisor_and_apiserver") {
+    if skip_unless_root() {
         return Ok(());
     }
     // The agent joins through 127.0.0.1:9345 and derives the apiserver at 127.0.0.1:6443.
@@ -254,7 +254,7 @@ fn rke2_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
 
 #[test]
 fn k3s_server_layout_carries_etcd() -> Result<()> {
-    if skip_unless_root("k3s_server_layout_carries_etcd") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_layout("k3s/server.toml", 6443)
@@ -262,7 +262,7 @@ fn k3s_server_layout_carries_etcd() -> Result<()> {
 
 #[test]
 fn rke2_server_layout_carries_etcd() -> Result<()> {
-    if skip_unless_root("rke2_server_layout_carries_etcd") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_layout("rke2/server.toml", 9345)
@@ -294,7 +294,7 @@ impl Drop for BindMount {
 /// the servers' CA. A root with no cgroup v2 below it is refused, naming the directory.
 #[test]
 fn daemonset_finds_the_hybrid_cgroup_v2_mount() -> Result<()> {
-    if skip_unless_root("daemonset_finds_the_hybrid_cgroup_v2_mount") {
+    if skip_unless_root() {
         return Ok(());
     }
     let yaml = lb_tests::repo_file("deploy/k3s/daemonset.yaml")?;

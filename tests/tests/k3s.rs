@@ -56,7 +56,7 @@ fn all_reconnect_to(holders: &[Holder], server: &str) -> Result<()> {
 
 #[test]
 fn k3s_failover_failback_and_set_change() -> Result<()> {
-    if skip_unless_root("k3s_failover_failback_and_set_change") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(3, 6443, |i| format!("s{}", i + 1))?;

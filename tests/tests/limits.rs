@@ -90,7 +90,7 @@ fn wait_closed(s: &mut TcpStream, within: Duration) -> Result<Duration> {
 
 #[test]
 fn max_connections_resets_the_one_client_too_many() -> Result<()> {
-    if skip_unless_root("max_connections_resets_the_one_client_too_many") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new("max_connections = 3\n", &[])?;
@@ -123,7 +123,7 @@ fn max_connections_resets_the_one_client_too_many() -> Result<()> {
 
 #[test]
 fn idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one() -> Result<()> {
-    if skip_unless_root("idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new("idle_timeout = \"1s\"\n", &[])?;
@@ -170,7 +170,7 @@ fn idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one() -> Result<()> {
 /// 300 ms), while a quiet connection is still closed.
 #[test]
 fn idle_timeout_sees_bytes_the_kernel_splices() -> Result<()> {
-    if skip_unless_root("idle_timeout_sees_bytes_the_kernel_splices") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
@@ -216,7 +216,7 @@ const NOFILE: &str = "--nofile=64:64";
 
 #[test]
 fn out_of_descriptors_at_accept_is_survived() -> Result<()> {
-    if skip_unless_root("out_of_descriptors_at_accept_is_survived") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new("", &["prlimit", NOFILE, "--"])?;

@@ -17,8 +17,8 @@ use lb_tests::{
 
 const T: Duration = Duration::from_secs(60);
 
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 15), "the kernel data path")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 15), "the kernel data path")
 }
 
 /// The pod (`host`'s namespace, serving `s0` on its veth address and `pod` on its own
@@ -123,7 +123,7 @@ fn skipped(lb: &Lb, program: &str) -> f64 {
 
 #[test]
 fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
-    if skip("connect_time_leaves_a_pod_to_its_own_server") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new()?;
@@ -167,7 +167,7 @@ fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
 
 #[test]
 fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
-    if skip("splice_leaves_a_pod_socket_unregistered") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new()?;
@@ -214,7 +214,7 @@ fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
 
 #[test]
 fn an_upgrade_keeps_the_scope_or_applies_a_new_one() -> Result<()> {
-    if skip("an_upgrade_keeps_the_scope_or_applies_a_new_one") {
+    if skip() {
         return Ok(());
     }
     let s = Setup::new()?;

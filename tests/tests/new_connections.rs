@@ -168,8 +168,7 @@ fn client(listen: SocketAddr, limit: Duration) -> Result<(bool, Duration)> {
 
 #[test]
 fn a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time() -> Result<()> {
-    let name = "a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new("10s", "try")?;
@@ -193,8 +192,7 @@ fn a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time() -> R
 
 #[test]
 fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<()> {
-    let name = "a_connect_loop_through_three_outages_never_waits_past_the_bound";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     connect_loop_through_outages(&Setup::new("10s", "try")?, 3)
@@ -236,8 +234,7 @@ impl Drop for HostsEntries {
 /// its own server, so with either one blackholed the name keeps serving every new client.
 #[test]
 fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()> {
-    let test = "a_name_with_two_addresses_keeps_serving_with_either_blackholed";
-    if skip_unless_root(test) {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -320,8 +317,7 @@ fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
 
 #[test]
 fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once() -> Result<()> {
-    let name = "with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     for (all_failed, bound) in [
@@ -363,8 +359,7 @@ fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once()
 /// leave FAILED instead of being raced as FAILED forever (review finding).
 #[test]
 fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<()> {
-    let name = "with_the_loop_off_failed_servers_are_checked_again_before_a_dial";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

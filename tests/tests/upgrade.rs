@@ -122,7 +122,7 @@ fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
 /// on from where they were.
 #[test]
 fn upgrade_keeps_every_connection() -> Result<()> {
-    if skip_unless_root("upgrade_keeps_every_connection") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
@@ -243,7 +243,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
 /// or reset connection across two upgrades.
 #[test]
 fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
-    if skip_unless_root("upgrade_connect_loop_sees_no_refusal") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
@@ -280,7 +280,7 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
 /// then takes over.
 #[test]
 fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
-    if skip_unless_root("upgrade_failed_takeover_keeps_the_old_lb") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
@@ -327,7 +327,7 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
 /// new process does, and the old lb serves on.
 #[test]
 fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
-    if skip_unless_root("upgrade_second_request_is_refused_while_one_runs") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[])?;
@@ -400,7 +400,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
 /// handlers exist, are ignored rather than ending it (their default action).
 #[test]
 fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
-    if skip_unless_root("upgrade_signals_while_starting_do_not_end_lb") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
@@ -460,7 +460,7 @@ fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
 /// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
 #[test]
 fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
-    if skip_unless_root("upgrade_takeover_dying_midway_gives_everything_back") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
@@ -513,7 +513,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
 /// address and the process that has it; the running lb is untouched.
 #[test]
 fn upgrade_second_lb_run_exits_2() -> Result<()> {
-    if skip_unless_root("upgrade_second_lb_run_exits_2") {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Setup::new(&[], &[])?;
@@ -573,7 +573,7 @@ fn connect_table(lb: &UpLb) -> Result<(u64, Vec<String>)> {
 /// once that slot rested the whole bound from the take-over on.
 #[test]
 fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
-    if skip_unless_root("upgrade_keeps_connect_time_forwarding") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
@@ -666,7 +666,7 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
 /// and the running lb serves on.
 #[test]
 fn upgrade_back_to_back_admin_follows_and_forwarding_is_kept() -> Result<()> {
-    if skip_unless_root("upgrade_back_to_back_admin_follows_and_forwarding_is_kept") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

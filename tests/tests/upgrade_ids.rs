@@ -17,8 +17,8 @@ use lb_tests::{
 const T: Duration = Duration::from_secs(60);
 
 /// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
 }
 
 /// One balancer of a config: name, listener, server, its own lines (such as `forwarding`) and
@@ -205,7 +205,7 @@ fn untouched(h: &Holder, what: &str) -> Result<()> {
 /// before the upgrade are still counted and killed under their balancer.
 #[test]
 fn upgrade_with_balancers_swapped_keeps_their_ids() -> Result<()> {
-    if skip("upgrade_with_balancers_swapped_keeps_their_ids") {
+    if skip() {
         return Ok(());
     }
     let mut s = Setup::new(&[], "")?;
@@ -249,7 +249,7 @@ fn upgrade_with_balancers_swapped_keeps_their_ids() -> Result<()> {
 /// wrote no listener map), and its connections are counted as before.
 #[test]
 fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
-    if skip("upgrade_failing_before_done_leaves_the_listener_maps_alone") {
+    if skip() {
         return Ok(());
     }
     let mut s = Setup::new(&[("LB_UPGRADE_FAULT", "before_done")], "")?;
@@ -289,7 +289,7 @@ fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
 /// programs (its clients go through lb to `b`'s server), the one `a` takes is.
 #[test]
 fn upgrade_moving_listeners_rewrites_only_connect_time_ones() -> Result<()> {
-    if skip("upgrade_moving_listeners_rewrites_only_connect_time_ones") {
+    if skip() {
         return Ok(());
     }
     let mut s = Setup::new(&[], "forwarding = \"splice\"")?;
@@ -338,7 +338,7 @@ fn passive_opens(h: &Host) -> Result<u64> {
 /// loops (with its table sync and ring readers) at Done, before the new one took over.
 #[test]
 fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
-    if skip("upgrade_old_lb_stops_checking_at_done") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
