@@ -21,6 +21,7 @@ mod maps;
 mod pins;
 mod skip;
 mod stream;
+mod timing;
 mod tmp;
 mod upgrading;
 
@@ -47,5 +48,6 @@ pub use skip::{
     skip_unless_root, test_name,
 };
 pub use stream::{Digest, PatternStream};
+pub use timing::{NO_TIMING_ENV, VM_ENV, timed};
 pub use tmp::TempDir;
 pub use upgrading::{Answer, UpLb};

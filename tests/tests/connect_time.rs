@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     ConnectLb, Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
-    skip_unless_root,
+    skip_unless_root, timed,
 };
 use serde_json::Value;
 
@@ -31,12 +31,6 @@ const SLACK_MS: u64 = 700;
 /// From FAILED to a direct client's abort: the table write, the netlink dump and destroy, the
 /// client's wake-up.
 const KILL_SLACK_MS: u64 = 300;
-
-/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
-/// how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
-}
 
 /// `lbt client dial`'s errnos (Linux).
 const ECONNREFUSED: i64 = 111;

@@ -7,7 +7,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{ConnectLb, Host, free_port, run_client, skip_unless_kernel, skip_unless_root};
+use lb_tests::{
+    ConnectLb, Host, free_port, run_client, skip_unless_kernel, skip_unless_root, timed,
+};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
@@ -49,11 +51,6 @@ fn start(fail_fast: &str, interval: &str) -> Result<ConnectLb> {
 /// Root and a kernel with the getpeername (5.8) and sock_release (5.9) hooks.
 fn skip() -> bool {
     skip_unless_root() || skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
-}
-
-/// Timings are asserted on the host only (TCG guests vary too widely).
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
 }
 
 /// `/status` entry of the server at `addr`.

@@ -14,7 +14,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Host, Lb, Place, free_port, run_client, skip_unless_root};
+use lb_tests::{Host, Lb, Place, free_port, run_client, skip_unless_root, timed};
 
 /// Checks: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
 const INTERVAL_MS: u64 = 500;
@@ -24,12 +24,6 @@ const TIMEOUT_MS: u64 = 300;
 const BOUND_MS: u64 = INTERVAL_MS * FALL + TIMEOUT_MS + 1000;
 /// Scheduling slack on a loaded 2-core machine (process start of the client included).
 const SLACK_MS: u64 = 700;
-
-/// Inside a qemu guest under TCG, time runs unevenly (a 10k ping-pong took 0.2-6 s): there the
-/// tests assert what happens, not how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
-}
 
 struct Setup {
     hosts: Vec<Host>,

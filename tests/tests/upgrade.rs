@@ -14,19 +14,13 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within, run_client,
-    skip_unless_root,
+    skip_unless_root, timed,
 };
 use serde_json::Value;
 
 const MIB: u64 = 1024 * 1024;
 /// Bound on any one client.
 const T: Duration = Duration::from_secs(240);
-
-/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
-/// how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
-}
 
 /// `n` on the host; a sixteenth of it in a TCG guest, which moves bytes many times slower.
 fn scaled(n: u64) -> String {
