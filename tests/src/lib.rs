@@ -40,7 +40,7 @@ pub use etcd::{
 pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
-pub use lb::{Lb, free_port, wait_until};
+pub use lb::{Lb, free_port, wait_server_state, wait_until};
 pub use maps::lb_map_entries;
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use skip::{

@@ -14,7 +14,9 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, skip_unless_root};
+use lb_tests::{
+    Holder, Host, Lb, Place, TestCgroup, free_port, skip_unless_root, wait_server_state,
+};
 
 /// Check settings of every test: FAILED within 0.5 × 2 + 0.3 = 1.3 s of the blackhole.
 const INTERVAL_MS: u64 = 500;
@@ -92,7 +94,13 @@ impl Setup {
             config,
         };
         for i in 0..2 {
-            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+            wait_server_state(
+                &s.lb,
+                "api",
+                &s.server(i),
+                "PREFERRED",
+                Duration::from_secs(10),
+            )?;
         }
         Ok(s)
     }
@@ -121,24 +129,6 @@ impl Setup {
         ))
     }
 
-    /// Poll `/status` every 10 ms until server `i` is `want`; returns when that was seen.
-    fn wait_state(&self, i: usize, want: &str, limit: Duration) -> Result<Instant> {
-        let start = Instant::now();
-        loop {
-            if self.server_status(i)?.0 == want {
-                return Ok(Instant::now());
-            }
-            if start.elapsed() > limit {
-                bail!(
-                    "server s{i} is {:?}, not {want}, after {limit:?}\n{}",
-                    self.server_status(i)?,
-                    self.lb.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     /// `n` clients holding connections through lb (each reconnects up to 3 times), all on `s0`.
     fn holders(&self, n: usize) -> Result<Vec<Holder>> {
         let hs: Vec<Holder> = (0..n)
@@ -156,7 +146,15 @@ impl Setup {
     fn fail_s0(&self) -> Result<(Instant, Instant)> {
         let t0 = Instant::now();
         self.hosts[0].blackhole(true)?;
-        let failed = self.wait_state(0, "FAILED", Duration::from_secs(10))?;
+        let waiting = Instant::now();
+        let failed = waiting
+            + wait_server_state(
+                &self.lb,
+                "api",
+                &self.server(0),
+                "FAILED",
+                Duration::from_secs(10),
+            )?;
         let took = failed - t0;
         let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
         eprintln!("s0 FAILED {:.3} s after the blackhole", took.as_secs_f64());

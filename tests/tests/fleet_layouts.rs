@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     Host, Layout, Lb, Place, Supervisor, TempDir, TestCgroup, TestPki, https_ping, layout,
-    run_client, skip_unless_root, wait_until,
+    run_client, skip_unless_root, wait_server_state, wait_until,
 };
 
 /// Bound on a server turning FAILED after its supervisor stops: interval × fall + timeout of the
@@ -86,13 +86,6 @@ fn states(lb: &Lb, name: &str) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
-fn state_of(lb: &Lb, name: &str, server: &str) -> Result<String> {
-    Ok(states(lb, name)?
-        .into_iter()
-        .find(|(a, _)| a == server)
-        .map_or_else(|| "(absent)".into(), |(_, s)| s))
-}
-
 /// Wait until every server of every balancer of `layout` has passed its checks (PREFERRED,
 /// HEALTHY or ACTIVE), and the servers are exactly the test hosts' on `ports` (by balancer).
 fn wait_all_up(lb: &Lb, layout: &Layout, fleet: &Fleet, ports: &[u16]) -> Result<()> {
@@ -122,17 +115,6 @@ fn wait_all_up(lb: &Lb, layout: &Layout, fleet: &Fleet, ports: &[u16]) -> Result
         })?;
     }
     Ok(())
-}
-
-/// Wait until `server` of balancer `name` is `want`; how long it took.
-fn wait_state(lb: &Lb, name: &str, server: &str, want: &str, within: Duration) -> Result<Duration> {
-    wait_until(within, || Ok(state_of(lb, name, server)? == want)).with_context(|| {
-        format!(
-            "{name}: {server} is {}, expected {want}\n{}",
-            state_of(lb, name, server).unwrap_or_default(),
-            lb.log_text()
-        )
-    })
 }
 
 /// The agent layouts: the balancers are those of `shipped` (name, listener as the file has it,
@@ -174,19 +156,19 @@ fn agent_layout(
             "{name}: no pong through lb"
         );
         let s0 = fleet.hosts[0].addr(*port).to_string();
-        wait_state(&lb, name, &s0, "ACTIVE", T)?;
+        wait_server_state(&lb, name, &s0, "ACTIVE", T)?;
     }
     fleet.stop(0, sup_port)?;
     for ((name, _, test_port), port) in layout.listeners.iter().zip(&ports) {
         let s0 = fleet.hosts[0].addr(*port).to_string();
-        let took = wait_state(&lb, name, &s0, "FAILED", FAIL_WITHIN)?;
+        let took = wait_server_state(&lb, name, &s0, "FAILED", FAIL_WITHIN)?;
         eprintln!("{rel} {name}: {s0} FAILED {took:?} after its supervisor stopped");
         ensure!(
             https_ping(*test_port, &ca)? == "pong",
             "{name}: no pong after the failover"
         );
         let s1 = fleet.hosts[1].addr(*port).to_string();
-        wait_state(&lb, name, &s1, "ACTIVE", T)?;
+        wait_server_state(&lb, name, &s1, "ACTIVE", T)?;
     }
     Ok(())
 }
@@ -213,7 +195,7 @@ fn server_layout(rel: &str, sup_port: u16) -> Result<()> {
     peer("s0")?;
     fleet.stop(0, sup_port)?;
     let s0 = fleet.hosts[0].addr(2379).to_string();
-    let took = wait_state(&lb, "etcd", &s0, "FAILED", FAIL_WITHIN)?;
+    let took = wait_server_state(&lb, "etcd", &s0, "FAILED", FAIL_WITHIN)?;
     eprintln!("{rel}: {s0} FAILED {took:?} after its supervisor stopped (its etcd still serves)");
     peer("s1")
 }

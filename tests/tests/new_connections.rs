@@ -13,8 +13,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Host, Lb, Place, free_port, run_client, skip_unless_root, timed};
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    Host, Lb, Place, free_port, run_client, skip_unless_root, timed, wait_server_state,
+};
 
 /// Checks: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
 const INTERVAL_MS: u64 = 500;
@@ -102,7 +104,13 @@ fall = {FALL}
         // With the loop off nothing is checked until a client comes.
         if !health_extra.contains("loop = false") {
             for i in 0..2 {
-                s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+                wait_server_state(
+                    &s.lb,
+                    "api",
+                    &s.names[i],
+                    "PREFERRED",
+                    Duration::from_secs(10),
+                )?;
             }
         }
         Ok(s)
@@ -119,23 +127,6 @@ fall = {FALL}
             .and_then(|s| s["state"].as_str())
             .unwrap_or("")
             .to_string())
-    }
-
-    fn wait_state(&self, i: usize, want: &str, within: Duration) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            let now = self.state(i)?;
-            if now == want {
-                return Ok(());
-            }
-            if start.elapsed() > within {
-                bail!(
-                    "s{i} is {now}, not {want}, after {within:?}\n{}",
-                    self.lb.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 }
 
@@ -278,10 +269,16 @@ fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
         for round in 0..outages {
             let i = round % 2;
             s.hosts[i].blackhole(true)?;
-            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+            wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
             std::thread::sleep(Duration::from_millis(1000));
             s.hosts[i].blackhole(false)?;
-            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+            wait_server_state(
+                &s.lb,
+                "api",
+                &s.names[i],
+                "PREFERRED",
+                Duration::from_secs(10),
+            )?;
             std::thread::sleep(Duration::from_millis(500));
         }
         Ok(())
@@ -323,7 +320,7 @@ fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once()
             s.hosts[i].blackhole(true)?;
         }
         for i in 0..2 {
-            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+            wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
         }
         let (ok, took) = client(s.listen, Duration::from_secs(30))?;
         eprintln!("all_failed = {all_failed}: reset after {took:?}");
@@ -376,7 +373,7 @@ fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<
         std::thread::sleep(Duration::from_millis(600));
     }
     for i in 0..2 {
-        s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+        wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
     }
     for (i, h) in s.hosts.iter_mut().enumerate() {
         h.serve(9000, &format!("s{i}"))?;
