@@ -109,6 +109,20 @@ fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Wait until lb has accepted `n` connections in all (`lb_connections_total`, which goes on
+/// across upgrades).
+fn wait_accepted(lb: &UpLb, n: f64) -> Result<()> {
+    lb_tests::wait_until(T, || Ok(lb.metric("lb_connections_total", "") >= n)).with_context(
+        || {
+            format!(
+                "lb never accepted {n} connections: {}",
+                lb.metric("lb_connections_total", "")
+            )
+        },
+    )?;
+    Ok(())
+}
+
 /// 100 connections streaming both ways (round trips, bulk each way, two against a stalled
 /// server with bytes held for it, holders), half spliced by the kernel and half copied by lb,
 /// stay connected and byte-exact across two upgrades in a row; then, with only the holders left,
@@ -248,9 +262,10 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
         .into_iter()
         .map(|spliced| s.spawn(spliced, &["cps", loop_ms, "--workers", "2"]))
         .collect();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Each upgrade starts once the loops connect through the lb it replaces.
+    wait_accepted(&s.lb, 20.0)?;
     let u1 = s.lb.upgrade_ok()?;
-    std::thread::sleep(Duration::from_millis(1000));
+    wait_accepted(&s.lb, s.lb.metric("lb_connections_total", "") + 20.0)?;
     let u2 = s.lb.upgrade_ok()?;
     for h in loops {
         let v = join_ok("connect loop", h).with_context(|| s.lb.log_text())?;
@@ -572,12 +587,17 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     }
     let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
     s.lb.wait_settled()?;
-    // Wait for the table (the first dial makes the preferred server ACTIVE).
-    std::thread::sleep(Duration::from_millis(500));
+    // Wait for the table, its first server marked ACTIVE.
+    lb_tests::wait_until(T, || {
+        let active = s.lb.servers()?.iter().any(|v| v.1 == "ACTIVE");
+        Ok(active && connect_table(&s.lb).is_ok_and(|(g, v)| g >= 1 && !v.is_empty()))
+    })
+    .with_context(|| format!("no table with an ACTIVE server: {:?}", s.lb.status()))?;
     let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
     let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
-    std::thread::sleep(Duration::from_millis(1000));
+    // The loop is under way: the kernel counts one of its connections besides the holder's.
+    wait_conns(&s.lb, 2, T)?;
     let (before, servers) = connect_table(&s.lb)?;
     ensure!(
         before >= 1 && !servers.is_empty(),
