@@ -13,6 +13,7 @@ mod connect;
 mod deploy;
 mod dns;
 mod etcd;
+mod fixture;
 mod fleet;
 mod host;
 mod http;
@@ -37,6 +38,7 @@ pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
     SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
 };
+pub use fixture::{Fixture, Toml};
 pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};

@@ -1,0 +1,169 @@
+//! The fixture the privileged suites share: test hosts serving `lbt`, a child cgroup for
+//! clients, and an `lb` process in front of them, started from a config written with [`Toml`]
+//! into a file removed on drop.
+
+use std::{fmt::Display, net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Result;
+
+use crate::{Host, Lb, Place, TestCgroup, free_port, wait_server_state};
+
+/// A TOML config built table by table: `Toml::new().array_table("balancer").string("name",
+/// "api").value("rise", 2)`. Values given with [`Toml::value`] are TOML text as written (a
+/// number, a list, an inline table); [`Toml::lines`] adds lines a test passes through as they
+/// are.
+#[derive(Clone, Debug, Default)]
+pub struct Toml(String);
+
+impl Toml {
+    /// An empty config.
+    pub fn new() -> Toml {
+        Toml::default()
+    }
+
+    /// A `[name]` table header.
+    #[must_use]
+    pub fn table(self, name: &str) -> Toml {
+        self.line(&format!("\n[{name}]"))
+    }
+
+    /// A `[[name]]` header: one more element of the array of tables `name`.
+    #[must_use]
+    pub fn array_table(self, name: &str) -> Toml {
+        self.line(&format!("\n[[{name}]]"))
+    }
+
+    /// `key = value`, `value` being TOML text as written.
+    #[must_use]
+    pub fn value(self, key: &str, value: impl Display) -> Toml {
+        self.line(&format!("{key} = {value}"))
+    }
+
+    /// `key = "value"` (`value` holds no quote or backslash).
+    #[must_use]
+    pub fn string(self, key: &str, value: &str) -> Toml {
+        self.line(&format!("{key} = \"{value}\""))
+    }
+
+    /// `text` as it is (any number of lines, or none).
+    #[must_use]
+    pub fn lines(self, text: &str) -> Toml {
+        if text.is_empty() {
+            self
+        } else {
+            self.line(text.trim_end())
+        }
+    }
+
+    /// The config as text.
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+
+    fn line(mut self, line: &str) -> Toml {
+        self.0.push_str(line);
+        self.0.push('\n');
+        self
+    }
+}
+
+/// Hosts, a cgroup and `lb` with a config file of the test's own; everything is removed on
+/// drop, also when the test fails.
+pub struct Fixture {
+    /// The servers' hosts.
+    pub hosts: Vec<Host>,
+    /// How `/status` names each host's server (`address:port` unless a test says otherwise).
+    pub names: Vec<String>,
+    /// A child cgroup made for the test (lb attaches to it when started with `--cgroup`).
+    pub cg: TestCgroup,
+    /// The lb process.
+    pub lb: Lb,
+    /// The balancer's listener: 127.0.0.1 and a free port.
+    pub listen: SocketAddr,
+    config: PathBuf,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl Fixture {
+    /// `lb --config FILE ARGS` in front of `hosts`, their servers on `port`: FILE holds what
+    /// `config` returns for the listener address it is given; `{cgroup}` in `args` stands for
+    /// the path of [`Fixture::cg`]. Returns once lb's admin API answers.
+    ///
+    /// # Errors
+    /// The cgroup, the config file or lb cannot be made.
+    pub fn start(
+        hosts: Vec<Host>,
+        port: u16,
+        config: impl FnOnce(SocketAddr) -> Toml,
+        args: &[&str],
+    ) -> Result<Fixture> {
+        let cg = TestCgroup::new()?;
+        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let path = std::env::temp_dir().join(format!(
+            "lb-fixture-{}-{}.toml",
+            std::process::id(),
+            listen.port()
+        ));
+        std::fs::write(&path, config(listen).text())?;
+        let cgroup = cg.path.display().to_string();
+        let mut argv = vec!["--config".to_string(), path.display().to_string()];
+        argv.extend(args.iter().map(|a| a.replace("{cgroup}", &cgroup)));
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let lb = Lb::start(&argv).inspect_err(|_| {
+            let _ = std::fs::remove_file(&path);
+        })?;
+        let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
+        Ok(Fixture {
+            hosts,
+            names,
+            cg,
+            lb,
+            listen,
+            config: path,
+        })
+    }
+
+    /// Where clients run: in [`Fixture::cg`].
+    pub fn place(&self) -> Place<'_> {
+        Place::cgroup(&self.cg.path)
+    }
+
+    /// Wait until every server of balancer `balancer` is `want`.
+    ///
+    /// # Errors
+    /// One is not within `within` (see [`wait_server_state`]).
+    pub fn wait_all(&self, balancer: &str, want: &str, within: Duration) -> Result<()> {
+        for name in &self.names {
+            wait_server_state(&self.lb, balancer, name, want, within)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_is_written_table_by_table() {
+        let t = Toml::new()
+            .array_table("balancer")
+            .string("name", "api")
+            .value("servers", "[\"a:1\", \"b:2\"]")
+            .lines("")
+            .table("balancer.health")
+            .value("fall", 2)
+            .lines("loop = false\n");
+        assert_eq!(
+            t.text(),
+            "\n[[balancer]]\nname = \"api\"\nservers = [\"a:1\", \"b:2\"]\n\n[balancer.health]\nfall = 2\nloop = false\n"
+        );
+        let parsed: Result<toml::Value, _> = t.text().parse();
+        assert!(parsed.is_ok(), "{parsed:?}");
+    }
+}
