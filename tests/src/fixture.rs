@@ -1,12 +1,12 @@
 //! The fixture the privileged suites share: test hosts serving `lbt`, a child cgroup for
 //! clients, and an `lb` process in front of them, started from a config written with [`Toml`]
-//! into a file removed on drop.
+//! into a file removed on drop, or from arguments alone.
 
 use std::{fmt::Display, net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
 
-use crate::{Host, Lb, Place, TestCgroup, free_port, wait_server_state};
+use crate::{Host, Lb, Place, TestCgroup, UpLb, free_port, wait_server_state};
 
 /// A TOML config built table by table: `Toml::new().array_table("balancer").string("name",
 /// "api").value("rise", 2)`. Values given with [`Toml::value`] are TOML text as written (a
@@ -67,9 +67,9 @@ impl Toml {
     }
 }
 
-/// Hosts, a cgroup and `lb` with a config file of the test's own; everything is removed on
-/// drop, also when the test fails.
-pub struct Fixture {
+/// Hosts, a cgroup and `lb` ([`Lb`], or [`UpLb`] for one followed across `lb upgrade`) with a
+/// config file of the test's own; everything is removed on drop, also when the test fails.
+pub struct Fixture<L = Lb> {
     /// The servers' hosts.
     pub hosts: Vec<Host>,
     /// How `/status` names each host's server (`address:port` unless a test says otherwise).
@@ -77,15 +77,18 @@ pub struct Fixture {
     /// A child cgroup made for the test (lb attaches to it when started with `--cgroup`).
     pub cg: TestCgroup,
     /// The lb process.
-    pub lb: Lb,
+    pub lb: L,
     /// The balancer's listener: 127.0.0.1 and a free port.
     pub listen: SocketAddr,
-    config: PathBuf,
+    /// The config file, when lb was started with one.
+    config: Option<PathBuf>,
 }
 
-impl Drop for Fixture {
+impl<L> Drop for Fixture<L> {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.config);
+        if let Some(path) = &self.config {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -102,7 +105,21 @@ impl Fixture {
         config: impl FnOnce(SocketAddr) -> Toml,
         args: &[&str],
     ) -> Result<Fixture> {
-        let cg = TestCgroup::new()?;
+        Fixture::start_via(&[], hosts, port, config, args)
+    }
+
+    /// [`Fixture::start`] with lb run through `wrapper` (e.g. `prlimit --nofile=64 --`; see
+    /// [`Lb::start_via`]).
+    ///
+    /// # Errors
+    /// As [`Fixture::start`].
+    pub fn start_via(
+        wrapper: &[&str],
+        hosts: Vec<Host>,
+        port: u16,
+        config: impl FnOnce(SocketAddr) -> Toml,
+        args: &[&str],
+    ) -> Result<Fixture> {
         let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let path = std::env::temp_dir().join(format!(
             "lb-fixture-{}-{}.toml",
@@ -110,13 +127,47 @@ impl Fixture {
             listen.port()
         ));
         std::fs::write(&path, config(listen).text())?;
-        let cgroup = cg.path.display().to_string();
         let mut argv = vec!["--config".to_string(), path.display().to_string()];
-        argv.extend(args.iter().map(|a| a.replace("{cgroup}", &cgroup)));
+        argv.extend(args.iter().map(ToString::to_string));
+        Fixture::launch(wrapper, hosts, port, listen, Some(path), &argv)
+    }
+
+    /// `lb ARGS` in front of `hosts`, their servers on `port`, with no config file:
+    /// `{listen}` in `args` stands for a free loopback address and `{cgroup}` for the path of
+    /// [`Fixture::cg`]. Returns once lb's admin API answers.
+    ///
+    /// # Errors
+    /// The cgroup or lb cannot be made.
+    pub fn start_args(hosts: Vec<Host>, port: u16, args: &[&str]) -> Result<Fixture> {
+        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let argv: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("{listen}", &listen.to_string()))
+            .collect();
+        Fixture::launch(&[], hosts, port, listen, None, &argv)
+    }
+
+    fn launch(
+        wrapper: &[&str],
+        hosts: Vec<Host>,
+        port: u16,
+        listen: SocketAddr,
+        config: Option<PathBuf>,
+        args: &[String],
+    ) -> Result<Fixture> {
+        let remove = |config: &Option<PathBuf>| {
+            if let Some(path) = config {
+                let _ = std::fs::remove_file(path);
+            }
+        };
+        let cg = TestCgroup::new().inspect_err(|_| remove(&config))?;
+        let cgroup = cg.path.display().to_string();
+        let argv: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("{cgroup}", &cgroup))
+            .collect();
         let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let lb = Lb::start(&argv).inspect_err(|_| {
-            let _ = std::fs::remove_file(&path);
-        })?;
+        let lb = Lb::start_via(wrapper, &argv).inspect_err(|_| remove(&config))?;
         let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
         Ok(Fixture {
             hosts,
@@ -124,13 +175,8 @@ impl Fixture {
             cg,
             lb,
             listen,
-            config: path,
+            config,
         })
-    }
-
-    /// Where clients run: in [`Fixture::cg`].
-    pub fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
     }
 
     /// Wait until every server of balancer `balancer` is `want`.
@@ -142,6 +188,50 @@ impl Fixture {
             wait_server_state(&self.lb, balancer, name, want, within)?;
         }
         Ok(())
+    }
+}
+
+impl Fixture<UpLb> {
+    /// `lb run ARGS` ([`UpLb`], with `env` added to its environment) in front of `hosts`, their
+    /// servers on `port`, with no config file: `{listen}` in `args` stands for a free loopback
+    /// address and `{cgroup}` for the path of [`Fixture::cg`]. Returns once `/livez` answers.
+    ///
+    /// # Errors
+    /// The cgroup or lb cannot be made.
+    pub fn upgradable(
+        hosts: Vec<Host>,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Fixture<UpLb>> {
+        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let cg = TestCgroup::new()?;
+        let cgroup = cg.path.display().to_string();
+        let argv: Vec<String> = args
+            .iter()
+            .map(|a| {
+                a.replace("{listen}", &listen.to_string())
+                    .replace("{cgroup}", &cgroup)
+            })
+            .collect();
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let lb = UpLb::start(&argv, env)?;
+        let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
+        Ok(Fixture {
+            hosts,
+            names,
+            cg,
+            lb,
+            listen,
+            config: None,
+        })
+    }
+}
+
+impl<L> Fixture<L> {
+    /// Where clients run: in [`Fixture::cg`].
+    pub fn place(&self) -> Place<'_> {
+        Place::cgroup(&self.cg.path)
     }
 }
 

@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within, run_client,
-    skip_unless_root, timed,
+    Fixture, Holder, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within,
+    run_client, skip_unless_root, timed,
 };
 use serde_json::Value;
 
@@ -27,69 +27,52 @@ fn scaled(n: u64) -> String {
     if timed() { n } else { (n / 16).max(1) }.to_string()
 }
 
-struct Setup {
-    _hosts: Vec<Host>,
-    cg: TestCgroup,
-    lb: UpLb,
-    listen: SocketAddr,
+/// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data path
+/// attached to a child cgroup, splice forwarding unless `extra` names another.
+fn setup(extra: &[&str], env: &[(&str, &str)]) -> Result<Fixture<UpLb>> {
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    let mut args = vec![
+        "--listen",
+        "{listen}",
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        "{cgroup}",
+    ];
+    if !extra.contains(&"--forwarding") {
+        args.extend(["--forwarding", "splice"]);
+    }
+    for server in &servers {
+        args.extend(["--server", server.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    Fixture::upgradable(hosts, 9000, &args, env)
 }
 
-impl Setup {
-    /// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data
-    /// path attached to a child cgroup, splice forwarding unless `extra` names another.
-    fn new(extra: &[&str], env: &[(&str, &str)]) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let mut args = vec![
-            "--listen".to_string(),
-            listen.to_string(),
-            "--datapath".into(),
-            "bpf".into(),
-            "--cgroup".into(),
-            cg.path.display().to_string(),
-        ];
-        if !extra.contains(&"--forwarding") {
-            args.extend(["--forwarding".into(), "splice".into()]);
-        }
-        for h in &hosts {
-            args.extend(["--server".to_string(), h.addr(9000).to_string()]);
-        }
-        args.extend(extra.iter().map(ToString::to_string));
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let lb = UpLb::start(&argv, env)?;
-        Ok(Setup {
-            _hosts: hosts,
-            cg,
-            lb,
-            listen,
-        })
-    }
+/// Inside the cgroup (spliced) or outside (copied by lb).
+fn place(s: &Fixture<UpLb>, spliced: bool) -> Place<'_> {
+    if spliced { s.place() } else { Place::default() }
+}
 
-    /// Inside the cgroup (spliced) or outside (copied by lb).
-    fn place(&self, spliced: bool) -> Place<'_> {
-        if spliced {
-            Place::cgroup(&self.cg.path)
+/// Start `action` as a client in a thread; join for its JSON result.
+fn spawn(
+    s: &Fixture<UpLb>,
+    spliced: bool,
+    action: &[&str],
+) -> std::thread::JoinHandle<Result<Value>> {
+    let cg = s.cg.path.clone();
+    let listen = s.listen;
+    let action: Vec<String> = action.iter().map(ToString::to_string).collect();
+    std::thread::spawn(move || {
+        let place = if spliced {
+            Place::cgroup(&cg)
         } else {
             Place::default()
-        }
-    }
-
-    /// Start `action` as a client in a thread; join for its JSON result.
-    fn spawn(&self, spliced: bool, action: &[&str]) -> std::thread::JoinHandle<Result<Value>> {
-        let cg = self.cg.path.clone();
-        let listen = self.listen;
-        let action: Vec<String> = action.iter().map(ToString::to_string).collect();
-        std::thread::spawn(move || {
-            let place = if spliced {
-                Place::cgroup(&cg)
-            } else {
-                Place::default()
-            };
-            let a: Vec<&str> = action.iter().map(String::as_str).collect();
-            run_client(&place, listen, &a, T)
-        })
-    }
+        };
+        let a: Vec<&str> = action.iter().map(String::as_str).collect();
+        run_client(&place, listen, &a, T)
+    })
 }
 
 fn join_ok(name: &str, h: std::thread::JoinHandle<Result<Value>>) -> Result<Value> {
@@ -133,7 +116,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     let mut streams = Vec::new();
     // 80 echo streams: every byte goes both ways and is compared. Under TCG a round trip
@@ -142,7 +125,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for i in 0..80 {
         streams.push((
             format!("rr{i}"),
-            s.spawn(i % 2 == 0, &["rr", rr_count, "4096"]),
+            spawn(&s, i % 2 == 0, &["rr", rr_count, "4096"]),
         ));
     }
     // Bulk each way, spliced and copied.
@@ -150,9 +133,9 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for spliced in [true, false] {
         streams.push((
             "up".into(),
-            s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]),
+            spawn(&s, spliced, &["up", &bulk, "--pause-ms", "200"]),
         ));
-        streams.push(("down".into(), s.spawn(spliced, &["down", &bulk])));
+        streams.push(("down".into(), spawn(&s, spliced, &["down", &bulk])));
     }
     // A stalled server: lb (copy path) or the kernel (splice) holds bytes for it while the
     // upgrades happen; every byte must still arrive once it reads again.
@@ -160,7 +143,8 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for spliced in [true, false] {
         streams.push((
             "stalled".into(),
-            s.spawn(
+            spawn(
+                &s,
                 spliced,
                 &["up", &stalled, "--stall-ms", "4000", "--pause-ms", "200"],
             ),
@@ -168,7 +152,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     }
     let mut holders = Vec::new();
     for i in 0..14 {
-        let h = Holder::start(&s.place(i % 2 == 0), s.listen, 0, 600_000)?;
+        let h = Holder::start(&place(&s, i % 2 == 0), s.listen, 0, 600_000)?;
         h.wait_for("connected", Duration::from_secs(30))?;
         holders.push(h);
     }
@@ -234,7 +218,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     );
     // The held connections still carry bytes: an echo round trip through a new connection
     // beside them, and the holders are still there.
-    let v = run_client(&s.place(true), s.listen, &["rr", "10", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "10", "64"], T)?;
     ensure!(
         v["ok"] == true,
         "a new connection after the upgrades failed: {v}"
@@ -254,13 +238,13 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     // Long enough for both upgrades, which take seconds each under TCG.
     let loop_ms = if timed() { "6000" } else { "15000" };
     let loops: Vec<_> = [true, false]
         .into_iter()
-        .map(|spliced| s.spawn(spliced, &["cps", loop_ms, "--workers", "2"]))
+        .map(|spliced| spawn(&s, spliced, &["cps", loop_ms, "--workers", "2"]))
         .collect();
     // Each upgrade starts once the loops connect through the lb it replaces.
     wait_accepted(&s.lb, 20.0)?;
@@ -292,9 +276,9 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
-    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    let holder = Holder::start(&place(&s, true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
     let good = std::fs::read(s.lb.bin())?;
     s.lb.replace_binary(b"#!/bin/sh\nexit 3\n")?;
@@ -318,7 +302,7 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
             .contains("upgrade failed; this lb keeps serving"),
         "the old lb did not log why"
     );
-    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, false), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not serve: {v}");
     if let Ok(ev) = holder.next(Duration::from_millis(10)) {
         bail!("the held connection saw {ev}");
@@ -339,7 +323,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     let good = std::fs::read(s.lb.bin())?;
     // The new "lb" takes 3 s to fail: the first upgrade holds its turn that long.
@@ -399,7 +383,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
         "the first upgrade's JSON error: {v}"
     );
     ensure!(s.lb.pid == pid, "the pid changed");
-    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, false), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not serve: {v}");
     s.lb.replace_binary(&good)?;
     Ok(())
@@ -472,7 +456,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
+    let mut s = setup(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
     s.lb.wait_settled()?;
     let bulk = scaled(256 * MIB);
     let stalled = scaled(32 * MIB);
@@ -482,9 +466,10 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
     let (stall_ms, in_flight) = if timed() { ("3000", 6) } else { ("30000", 2) };
     let mut streams = Vec::new();
     for spliced in [true, false] {
-        streams.push(s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]));
-        streams.push(s.spawn(spliced, &["down", &bulk]));
-        streams.push(s.spawn(
+        streams.push(spawn(&s, spliced, &["up", &bulk, "--pause-ms", "200"]));
+        streams.push(spawn(&s, spliced, &["down", &bulk]));
+        streams.push(spawn(
+            &s,
             spliced,
             &["up", &stalled, "--stall-ms", stall_ms, "--pause-ms", "200"],
         ));
@@ -513,7 +498,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
     for h in streams {
         join_ok("stream", h).with_context(|| s.lb.log_text())?;
     }
-    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not accept again: {v}");
     Ok(())
 }
@@ -525,7 +510,7 @@ fn upgrade_second_lb_run_exits_2() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new(&[], &[])?;
+    let s = setup(&[], &[])?;
     let other_admin = format!("127.0.0.1:{}", free_port()?);
     let other_listen = format!("127.0.0.1:{}", free_port()?);
     for (listen, admin) in [
@@ -553,7 +538,7 @@ fn upgrade_second_lb_run_exits_2() -> Result<()> {
             "no clear reason: {err}"
         );
     }
-    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the running lb was disturbed: {v}");
     Ok(())
 }
@@ -585,7 +570,7 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
     if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
+    let mut s = setup(&["--forwarding", "connect"], &[])?;
     s.lb.wait_settled()?;
     // Wait for the table, its first server marked ACTIVE.
     lb_tests::wait_until(T, || {
@@ -593,9 +578,9 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
         Ok(active && connect_table(&s.lb).is_ok_and(|(g, v)| g >= 1 && !v.is_empty()))
     })
     .with_context(|| format!("no table with an ACTIVE server: {:?}", s.lb.status()))?;
-    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    let holder = Holder::start(&place(&s, true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
-    let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
+    let looping = spawn(&s, true, &["cps", "4000", "--workers", "2"]);
     // The loop is under way: the kernel counts one of its connections besides the holder's.
     wait_conns(&s.lb, 2, T)?;
     let (before, servers) = connect_table(&s.lb)?;
