@@ -4,7 +4,7 @@
 
 use std::{fmt::Display, net::SocketAddr, path::PathBuf, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 
 use crate::{Host, Lb, Place, TestCgroup, UpLb, free_port, wait_server_state};
 
@@ -204,8 +204,51 @@ impl Fixture<UpLb> {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Fixture<UpLb>> {
+        let no_config: Option<fn(&TestCgroup, SocketAddr) -> Toml> = None;
+        Fixture::upgradable_with(hosts, port, no_config, args, env)
+    }
+
+    /// [`Fixture::upgradable`] started with `--config FILE` ahead of `args`: FILE holds what
+    /// `config` returns for the test's cgroup and the listener address.
+    ///
+    /// # Errors
+    /// The cgroup, the config file or lb cannot be made.
+    pub fn upgradable_with_config(
+        hosts: Vec<Host>,
+        port: u16,
+        config: impl FnOnce(&TestCgroup, SocketAddr) -> Toml,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Fixture<UpLb>> {
+        Fixture::upgradable_with(hosts, port, Some(config), args, env)
+    }
+
+    fn upgradable_with(
+        hosts: Vec<Host>,
+        port: u16,
+        config: Option<impl FnOnce(&TestCgroup, SocketAddr) -> Toml>,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Fixture<UpLb>> {
         let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let cg = TestCgroup::new()?;
+        let mut args: Vec<&str> = args.to_vec();
+        let path = match config {
+            Some(config) => {
+                let path = std::env::temp_dir().join(format!(
+                    "lb-fixture-{}-{}.toml",
+                    std::process::id(),
+                    listen.port()
+                ));
+                std::fs::write(&path, config(&cg, listen).text())?;
+                Some(path)
+            }
+            None => None,
+        };
+        let path_text = path.as_ref().map(|p| p.display().to_string());
+        if let Some(p) = &path_text {
+            args.splice(0..0, ["--config", p.as_str()]);
+        }
         let cgroup = cg.path.display().to_string();
         let argv: Vec<String> = args
             .iter()
@@ -215,7 +258,11 @@ impl Fixture<UpLb> {
             })
             .collect();
         let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let lb = UpLb::start(&argv, env)?;
+        let lb = UpLb::start(&argv, env).inspect_err(|_| {
+            if let Some(p) = &path {
+                let _ = std::fs::remove_file(p);
+            }
+        })?;
         let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
         Ok(Fixture {
             hosts,
@@ -223,7 +270,7 @@ impl Fixture<UpLb> {
             cg,
             lb,
             listen,
-            config: None,
+            config: path,
         })
     }
 }
@@ -232,6 +279,16 @@ impl<L> Fixture<L> {
     /// Where clients run: in [`Fixture::cg`].
     pub fn place(&self) -> Place<'_> {
         Place::cgroup(&self.cg.path)
+    }
+
+    /// Write `config` over lb's config file (for a reload or an upgrade to read).
+    ///
+    /// # Errors
+    /// lb was started without a config file, or the file cannot be written.
+    pub fn write_config(&self, config: &Toml) -> Result<()> {
+        let path = self.config.as_ref().context("lb has no config file")?;
+        std::fs::write(path, config.text())?;
+        Ok(())
     }
 }
 
