@@ -67,6 +67,29 @@ impl Toml {
     }
 }
 
+/// A config file of the test's own, removed on drop.
+struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    /// Write `config` to a file named after this process and `port` in the temporary directory.
+    fn write(port: u16, config: &Toml) -> Result<ConfigFile> {
+        let path =
+            std::env::temp_dir().join(format!("lb-fixture-{}-{port}.toml", std::process::id()));
+        std::fs::write(&path, config.text())?;
+        Ok(ConfigFile(path))
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// What lb's config file holds, made for the test's cgroup and the listener address (none:
+/// lb runs from arguments alone).
+type Config<'a> = Option<&'a dyn Fn(&TestCgroup, SocketAddr) -> Toml>;
+
 /// Hosts, a cgroup and `lb` ([`Lb`], or [`UpLb`] for one followed across `lb upgrade`) with a
 /// config file of the test's own; everything is removed on drop, also when the test fails.
 pub struct Fixture<L = Lb> {
@@ -81,28 +104,21 @@ pub struct Fixture<L = Lb> {
     /// The balancer's listener: 127.0.0.1 and a free port.
     pub listen: SocketAddr,
     /// The config file, when lb was started with one.
-    config: Option<PathBuf>,
-}
-
-impl<L> Drop for Fixture<L> {
-    fn drop(&mut self) {
-        if let Some(path) = &self.config {
-            let _ = std::fs::remove_file(path);
-        }
-    }
+    config: Option<ConfigFile>,
 }
 
 impl Fixture {
     /// `lb --config FILE ARGS` in front of `hosts`, their servers on `port`: FILE holds what
-    /// `config` returns for the listener address it is given; `{cgroup}` in `args` stands for
-    /// the path of [`Fixture::cg`]. Returns once lb's admin API answers.
+    /// `config` returns for the test's cgroup and the listener address; in `args`, `{listen}`
+    /// stands for that address and `{cgroup}` for the cgroup's path. Returns once lb's admin
+    /// API answers.
     ///
     /// # Errors
     /// The cgroup, the config file or lb cannot be made.
     pub fn start(
         hosts: Vec<Host>,
         port: u16,
-        config: impl FnOnce(SocketAddr) -> Toml,
+        config: impl Fn(&TestCgroup, SocketAddr) -> Toml,
         args: &[&str],
     ) -> Result<Fixture> {
         Fixture::start_via(&[], hosts, port, config, args)
@@ -117,66 +133,22 @@ impl Fixture {
         wrapper: &[&str],
         hosts: Vec<Host>,
         port: u16,
-        config: impl FnOnce(SocketAddr) -> Toml,
+        config: impl Fn(&TestCgroup, SocketAddr) -> Toml,
         args: &[&str],
     ) -> Result<Fixture> {
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let path = std::env::temp_dir().join(format!(
-            "lb-fixture-{}-{}.toml",
-            std::process::id(),
-            listen.port()
-        ));
-        std::fs::write(&path, config(listen).text())?;
-        let mut argv = vec!["--config".to_string(), path.display().to_string()];
-        argv.extend(args.iter().map(ToString::to_string));
-        Fixture::launch(wrapper, hosts, port, listen, Some(path), &argv)
+        Fixture::launch(hosts, port, Some(&config), args, |argv| {
+            Lb::start_via(wrapper, argv)
+        })
     }
 
-    /// `lb ARGS` in front of `hosts`, their servers on `port`, with no config file:
-    /// `{listen}` in `args` stands for a free loopback address and `{cgroup}` for the path of
-    /// [`Fixture::cg`]. Returns once lb's admin API answers.
+    /// `lb ARGS` in front of `hosts`, their servers on `port`, with no config file (`{listen}`
+    /// and `{cgroup}` in `args` as for [`Fixture::start`]). Returns once lb's admin API
+    /// answers.
     ///
     /// # Errors
     /// The cgroup or lb cannot be made.
     pub fn start_args(hosts: Vec<Host>, port: u16, args: &[&str]) -> Result<Fixture> {
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let argv: Vec<String> = args
-            .iter()
-            .map(|a| a.replace("{listen}", &listen.to_string()))
-            .collect();
-        Fixture::launch(&[], hosts, port, listen, None, &argv)
-    }
-
-    fn launch(
-        wrapper: &[&str],
-        hosts: Vec<Host>,
-        port: u16,
-        listen: SocketAddr,
-        config: Option<PathBuf>,
-        args: &[String],
-    ) -> Result<Fixture> {
-        let remove = |config: &Option<PathBuf>| {
-            if let Some(path) = config {
-                let _ = std::fs::remove_file(path);
-            }
-        };
-        let cg = TestCgroup::new().inspect_err(|_| remove(&config))?;
-        let cgroup = cg.path.display().to_string();
-        let argv: Vec<String> = args
-            .iter()
-            .map(|a| a.replace("{cgroup}", &cgroup))
-            .collect();
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let lb = Lb::start_via(wrapper, &argv).inspect_err(|_| remove(&config))?;
-        let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
-        Ok(Fixture {
-            hosts,
-            names,
-            cg,
-            lb,
-            listen,
-            config,
-        })
+        Fixture::launch(hosts, port, None, args, Lb::start)
     }
 
     /// Wait until every server of balancer `balancer` is `want`.
@@ -193,8 +165,8 @@ impl Fixture {
 
 impl Fixture<UpLb> {
     /// `lb run ARGS` ([`UpLb`], with `env` added to its environment) in front of `hosts`, their
-    /// servers on `port`, with no config file: `{listen}` in `args` stands for a free loopback
-    /// address and `{cgroup}` for the path of [`Fixture::cg`]. Returns once `/livez` answers.
+    /// servers on `port`, with no config file (`{listen}` and `{cgroup}` in `args` as for
+    /// [`Fixture::start`]). Returns once `/livez` answers.
     ///
     /// # Errors
     /// The cgroup or lb cannot be made.
@@ -204,73 +176,23 @@ impl Fixture<UpLb> {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Fixture<UpLb>> {
-        let no_config: Option<fn(&TestCgroup, SocketAddr) -> Toml> = None;
-        Fixture::upgradable_with(hosts, port, no_config, args, env)
+        Fixture::launch(hosts, port, None, args, |argv| UpLb::start(argv, env))
     }
 
-    /// [`Fixture::upgradable`] started with `--config FILE` ahead of `args`: FILE holds what
-    /// `config` returns for the test's cgroup and the listener address.
+    /// [`Fixture::upgradable`] started with `--config FILE` ahead of `args`, FILE as for
+    /// [`Fixture::start`].
     ///
     /// # Errors
     /// The cgroup, the config file or lb cannot be made.
     pub fn upgradable_with_config(
         hosts: Vec<Host>,
         port: u16,
-        config: impl FnOnce(&TestCgroup, SocketAddr) -> Toml,
+        config: impl Fn(&TestCgroup, SocketAddr) -> Toml,
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Fixture<UpLb>> {
-        Fixture::upgradable_with(hosts, port, Some(config), args, env)
-    }
-
-    fn upgradable_with(
-        hosts: Vec<Host>,
-        port: u16,
-        config: Option<impl FnOnce(&TestCgroup, SocketAddr) -> Toml>,
-        args: &[&str],
-        env: &[(&str, &str)],
-    ) -> Result<Fixture<UpLb>> {
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let cg = TestCgroup::new()?;
-        let mut args: Vec<&str> = args.to_vec();
-        let path = match config {
-            Some(config) => {
-                let path = std::env::temp_dir().join(format!(
-                    "lb-fixture-{}-{}.toml",
-                    std::process::id(),
-                    listen.port()
-                ));
-                std::fs::write(&path, config(&cg, listen).text())?;
-                Some(path)
-            }
-            None => None,
-        };
-        let path_text = path.as_ref().map(|p| p.display().to_string());
-        if let Some(p) = &path_text {
-            args.splice(0..0, ["--config", p.as_str()]);
-        }
-        let cgroup = cg.path.display().to_string();
-        let argv: Vec<String> = args
-            .iter()
-            .map(|a| {
-                a.replace("{listen}", &listen.to_string())
-                    .replace("{cgroup}", &cgroup)
-            })
-            .collect();
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let lb = UpLb::start(&argv, env).inspect_err(|_| {
-            if let Some(p) = &path {
-                let _ = std::fs::remove_file(p);
-            }
-        })?;
-        let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
-        Ok(Fixture {
-            hosts,
-            names,
-            cg,
-            lb,
-            listen,
-            config: path,
+        Fixture::launch(hosts, port, Some(&config), args, |argv| {
+            UpLb::start(argv, env)
         })
     }
 }
@@ -286,9 +208,45 @@ impl<L> Fixture<L> {
     /// # Errors
     /// lb was started without a config file, or the file cannot be written.
     pub fn write_config(&self, config: &Toml) -> Result<()> {
-        let path = self.config.as_ref().context("lb has no config file")?;
-        std::fs::write(path, config.text())?;
+        let file = self.config.as_ref().context("lb has no config file")?;
+        std::fs::write(&file.0, config.text())?;
         Ok(())
+    }
+
+    /// Make the cgroup, pick the listener, write the config file and start lb with `start`
+    /// (`--config FILE` first when there is a config, then `args` filled in).
+    fn launch(
+        hosts: Vec<Host>,
+        port: u16,
+        config: Config<'_>,
+        args: &[&str],
+        start: impl FnOnce(&[&str]) -> Result<L>,
+    ) -> Result<Fixture<L>> {
+        let cg = TestCgroup::new()?;
+        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let config = config
+            .map(|c| ConfigFile::write(listen.port(), &c(&cg, listen)))
+            .transpose()?;
+        let cgroup = cg.path.display().to_string();
+        let mut argv: Vec<String> = config
+            .iter()
+            .flat_map(|c| ["--config".to_string(), c.0.display().to_string()])
+            .collect();
+        argv.extend(args.iter().map(|a| {
+            a.replace("{listen}", &listen.to_string())
+                .replace("{cgroup}", &cgroup)
+        }));
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let lb = start(&argv)?;
+        let names = hosts.iter().map(|h| h.addr(port).to_string()).collect();
+        Ok(Fixture {
+            hosts,
+            names,
+            cg,
+            lb,
+            listen,
+            config,
+        })
     }
 }
 

@@ -29,7 +29,7 @@ const SLACK_MS: u64 = 700;
 fn setup(extra: &str) -> Result<Fixture> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let servers = lb_tests::toml_addrs(&hosts, 9000);
-    let config = |listen: SocketAddr| {
+    let config = |_: &TestCgroup, listen: SocketAddr| {
         Toml::new()
             .table("datapath")
             .string("mode", "auto")

@@ -24,7 +24,7 @@ fn setup(extra: &str, wrapper: &[&str]) -> Result<Fixture> {
 fn setup_with_datapath(datapath: &str, extra: &str, wrapper: &[&str]) -> Result<Fixture> {
     let host = Host::serving(9000, "s0")?;
     let server = host.addr(9000);
-    let config = |listen: SocketAddr| {
+    let config = |_: &TestCgroup, listen: SocketAddr| {
         Toml::new()
             .table("datapath")
             .lines(datapath)

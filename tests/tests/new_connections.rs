@@ -14,7 +14,7 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    Fixture, Host, Place, Toml, run_client, skip_unless_root, timed, wait_server_state,
+    Fixture, Host, Place, TestCgroup, Toml, run_client, skip_unless_root, timed, wait_server_state,
 };
 
 /// Checks: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
@@ -45,7 +45,7 @@ fn setup_with(
     all_failed: &str,
     health_extra: &str,
 ) -> Result<Fixture> {
-    let config = |listen: SocketAddr| {
+    let config = |_: &TestCgroup, listen: SocketAddr| {
         Toml::new()
             .array_table("balancer")
             .string("name", "api")
