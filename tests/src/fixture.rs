@@ -203,13 +203,20 @@ impl<L> Fixture<L> {
         Place::cgroup(&self.cg.path)
     }
 
+    /// lb's config file.
+    ///
+    /// # Errors
+    /// lb was started without one.
+    pub fn config_path(&self) -> Result<&std::path::Path> {
+        Ok(&self.config.as_ref().context("lb has no config file")?.0)
+    }
+
     /// Write `config` over lb's config file (for a reload or an upgrade to read).
     ///
     /// # Errors
     /// lb was started without a config file, or the file cannot be written.
     pub fn write_config(&self, config: &Toml) -> Result<()> {
-        let file = self.config.as_ref().context("lb has no config file")?;
-        std::fs::write(&file.0, config.text())?;
+        std::fs::write(self.config_path()?, config.text())?;
         Ok(())
     }
 
