@@ -2,29 +2,26 @@
 //! its programs attached to a cgroup made for the test, and what the tests read back (server
 //! states from `/status`, entries of lb's kernel maps through `bpftool`).
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context as _, Result, ensure};
 
-use crate::{Host, Lb, Place, TestCgroup, free_port, wait_until};
+use crate::{Fixture, Host, Lb, TestCgroup, Toml, wait_until};
 
-/// lb with a connect-time balancer named `api` and the hosts behind it; the config file is
-/// removed on drop (the hosts, cgroup and lb clean up after themselves).
-pub struct ConnectLb {
-    /// The servers' hosts.
-    pub hosts: Vec<Host>,
-    /// The cgroup lb attaches to; clients run in it.
-    pub cg: TestCgroup,
-    /// The lb process.
-    pub lb: Lb,
-    /// The balancer's listener (127.0.0.1 and a free port).
-    pub listen: SocketAddr,
-    config: PathBuf,
+/// lb with a connect-time balancer named `api` and the hosts behind it: a [`Fixture`] (hosts,
+/// cgroup, lb attached to it, listener, config file) whose balancer forwards at connect time.
+pub struct ConnectLb(Fixture);
+
+impl std::ops::Deref for ConnectLb {
+    type Target = Fixture;
+    fn deref(&self) -> &Fixture {
+        &self.0
+    }
 }
 
-impl Drop for ConnectLb {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.config);
+impl std::ops::DerefMut for ConnectLb {
+    fn deref_mut(&mut self) -> &mut Fixture {
+        &mut self.0
     }
 }
 
@@ -35,25 +32,22 @@ impl ConnectLb {
     /// # Errors
     /// lb does not start or settle, or the balancer does not forward at connect time.
     pub fn start(hosts: Vec<Host>, text: &str) -> Result<ConnectLb> {
-        let cg = TestCgroup::new()?;
-        let port = free_port()?;
-        let text = text.replace("{port}", &port.to_string());
-        let config =
-            std::env::temp_dir().join(format!("lb-connect-{}-{port}.toml", std::process::id()));
-        std::fs::write(&config, &text)?;
-        let lb = Lb::start(&[
-            "--config",
-            &config.display().to_string(),
-            "--cgroup",
-            &cg.path.display().to_string(),
-        ])?;
-        let s = ConnectLb {
-            hosts,
-            cg,
-            lb,
-            listen: format!("127.0.0.1:{port}").parse()?,
-            config,
-        };
+        ConnectLb::start_with(hosts, |_, listen| {
+            Toml::new().lines(&text.replace("{port}", &listen.port().to_string()))
+        })
+    }
+
+    /// lb with the config `config` makes for the test's cgroup and the listener address, in
+    /// front of `hosts` (serving on port 9000); returns once no server is UNCHECKED and the
+    /// table was written.
+    ///
+    /// # Errors
+    /// As [`ConnectLb::start`].
+    pub fn start_with(
+        hosts: Vec<Host>,
+        config: impl Fn(&TestCgroup, SocketAddr) -> Toml,
+    ) -> Result<ConnectLb> {
+        let s = Fixture::start(hosts, 9000, config, &["--cgroup", "{cgroup}"])?;
         s.lb.wait_settled(Duration::from_secs(10))?;
         wait_until(Duration::from_secs(5), || {
             Ok(s.lb.log_text().contains("connect-time table updated"))
@@ -64,7 +58,7 @@ impl ConnectLb {
             "forwarding should be connect: {st}\n{}",
             s.lb.log_text()
         );
-        Ok(s)
+        Ok(ConnectLb(s))
     }
 
     /// A new `lb run` with this setup's config and cgroup on the pin directory of [`Self::lb`]
@@ -90,16 +84,11 @@ impl ConnectLb {
             &dir,
             &[
                 "--config",
-                &self.config.display().to_string(),
+                &self.config_path()?.display().to_string(),
                 "--cgroup",
                 &cgroup.display().to_string(),
             ],
         )
-    }
-
-    /// Clients in the test's cgroup (their connects are rewritten).
-    pub fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
     }
 
     /// State and connection count of the server at `addr` from `/status`.

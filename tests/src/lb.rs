@@ -240,6 +240,28 @@ impl Lb {
             .collect())
     }
 
+    /// The state `/status` gives server `server` of balancer `balancer` (`PREFERRED`,
+    /// `FAILED`, ...), or `(absent)` when the balancer does not list it.
+    ///
+    /// # Errors
+    /// Request or JSON failure, or no such balancer.
+    pub fn server_state(&self, balancer: &str, server: &str) -> Result<String> {
+        let st = self.status()?;
+        let b = st["balancers"]
+            .as_array()
+            .and_then(|v| v.iter().find(|b| b["name"] == balancer))
+            .with_context(|| format!("no balancer {balancer} in /status: {st}"))?;
+        Ok(b["servers"]
+            .as_array()
+            .with_context(|| format!("no servers in /status: {st}"))?
+            .iter()
+            .find(|s| s["address"] == server)
+            .map_or_else(
+                || "(absent)".to_string(),
+                |s| s["state"].as_str().unwrap_or("").to_string(),
+            ))
+    }
+
     /// Wait until `/readyz` answers 200.
     ///
     /// # Errors
@@ -327,4 +349,26 @@ pub fn wait_until(within: Duration, mut f: impl FnMut() -> Result<bool>) -> Resu
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Poll `/status` until server `server` of balancer `balancer` is `want`; returns how long that
+/// took.
+///
+/// # Errors
+/// `/status` failing, or the state still another after `within` (the error names it and holds
+/// lb's log).
+pub fn wait_server_state(
+    lb: &Lb,
+    balancer: &str,
+    server: &str,
+    want: &str,
+    within: Duration,
+) -> Result<Duration> {
+    wait_until(within, || Ok(lb.server_state(balancer, server)? == want)).with_context(|| {
+        format!(
+            "{balancer}: {server} is {}, not {want}, after {within:?}\n{}",
+            lb.server_state(balancer, server).unwrap_or_default(),
+            lb.log_text()
+        )
+    })
 }

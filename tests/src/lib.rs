@@ -13,6 +13,7 @@ mod connect;
 mod deploy;
 mod dns;
 mod etcd;
+mod fixture;
 mod fleet;
 mod host;
 mod http;
@@ -21,6 +22,7 @@ mod maps;
 mod pins;
 mod skip;
 mod stream;
+mod timing;
 mod tmp;
 mod upgrading;
 
@@ -36,16 +38,18 @@ pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
     SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
 };
+pub use fixture::{Fixture, Toml};
 pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
-pub use lb::{Lb, free_port, wait_until};
+pub use lb::{Lb, free_port, wait_server_state, wait_until};
 pub use maps::lb_map_entries;
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
-    skip_unless_root,
+    skip_unless_root, test_name,
 };
 pub use stream::{Digest, PatternStream};
+pub use timing::{NO_TIMING_ENV, VM_ENV, timed};
 pub use tmp::TempDir;
 pub use upgrading::{Answer, UpLb};

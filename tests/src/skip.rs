@@ -2,7 +2,9 @@
 //! and how it says so, so that a skipped test is counted as skipped and never as passed.
 //!
 //! A test that cannot run calls [`skip`] (through [`skip_unless_root`] or
-//! [`skip_unless_kernel`]) and returns `Ok`, which libtest counts as passed. [`skip`] prints one
+//! [`skip_unless_kernel`]) and returns `Ok`, which libtest counts as passed. None of them takes
+//! the test's name: libtest runs every test on a thread named after it, and [`test_name`] reads
+//! it from there, so no test spells its own name. [`skip`] prints one
 //! machine-readable line, `SKIP <test>: <reason>`, on stdout, and appends the same line to the
 //! file named by `$LB_TEST_SKIP_LOG` ([`SKIP_LOG_ENV`]) when that is set. The file is what
 //! `cargo xtask test` reads: libtest captures the stdout of passing tests and throws it away
@@ -26,19 +28,35 @@ pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
+/// The name of the running test: the last `::` part of the current thread's name, which
+/// libtest sets to the test's path (also with `--test-threads=1`), so `a::b::some_test` gives
+/// `some_test`, the bare function name every `SKIP` line carries.
+///
+/// # Panics
+/// On a thread that libtest did not start for a test (an unnamed or the main thread): a skip
+/// reported under the wrong name would be counted against another test.
+pub fn test_name() -> String {
+    let thread = std::thread::current();
+    match thread.name() {
+        Some(path) if path != "main" => path.rsplit("::").next().unwrap_or(path).to_string(),
+        _ => panic!("test_name() called outside a libtest test thread"),
+    }
+}
+
 /// The line that reports a skip: `SKIP <test>: <reason>`.
 pub fn skip_line(test: &str, reason: &str) -> String {
     format!("SKIP {test}: {reason}")
 }
 
-/// Report that `test` is skipped because of `reason`: print [`skip_line`] on stdout and append
-/// it to `$LB_TEST_SKIP_LOG` when set. The caller then returns `Ok` without testing anything.
+/// Report that the running test ([`test_name`]) is skipped because of `reason`: print
+/// [`skip_line`] on stdout and append it to `$LB_TEST_SKIP_LOG` when set. The caller then
+/// returns `Ok` without testing anything.
 ///
 /// # Panics
 /// When `$LB_TEST_SKIP_LOG` is set but cannot be written: a skip that cannot be recorded would
-/// be counted as a pass, so the test fails instead.
-pub fn skip(test: &str, reason: &str) {
-    let line = skip_line(test, reason);
+/// be counted as a pass, so the test fails instead. Outside a test thread (see [`test_name`]).
+pub fn skip(reason: &str) {
+    let line = skip_line(&test_name(), reason);
     println!("{line}");
     if let Some(log) = std::env::var_os(SKIP_LOG_ENV)
         && let Err(e) = append_line(Path::new(&log), &line)
@@ -62,11 +80,11 @@ fn append_line(log: &Path, line: &str) -> std::io::Result<()> {
 
 /// Report a skip and return true when not running as root (the reason starts with
 /// [`NEEDS_ROOT`]); false when the test may run.
-pub fn skip_unless_root(test: &str) -> bool {
+pub fn skip_unless_root() -> bool {
     if is_root() {
         return false;
     }
-    skip(test, &format!("{NEEDS_ROOT} (network namespaces, BPF)"));
+    skip(&format!("{NEEDS_ROOT} (network namespaces, BPF)"));
     true
 }
 
@@ -84,18 +102,15 @@ fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
 /// Report a skip and return true when the kernel is older than `min`; `feature` names what the
 /// test needs (e.g. `"bpf_sock_destroy"`). A legitimate skip: counted as skipped, never a
 /// failure; `cargo xtask vm-test` lists it in its summary.
-pub fn skip_unless_kernel(test: &str, min: (u32, u32), feature: &str) -> bool {
+pub fn skip_unless_kernel(min: (u32, u32), feature: &str) -> bool {
     match kernel_version() {
         Some(v) if v >= min => false,
         v => {
             let running = v.map_or_else(|| "unknown".to_string(), |(a, b)| format!("{a}.{b}"));
-            skip(
-                test,
-                &format!(
-                    "needs {feature} (kernel {}.{}+), running {running}",
-                    min.0, min.1
-                ),
-            );
+            skip(&format!(
+                "needs {feature} (kernel {}.{}+), running {running}",
+                min.0, min.1
+            ));
             true
         }
     }
@@ -130,6 +145,18 @@ mod tests {
         assert_eq!(lines, want);
         assert!(want[0].starts_with(&format!("SKIP t0: {NEEDS_ROOT}")));
         Ok(())
+    }
+
+    /// libtest names each test's thread after the test's path, also when it runs one test at a
+    /// time (`--test-threads=1`, as the VM guest does); [`test_name`] keeps the last part.
+    #[test]
+    fn a_test_knows_its_own_name() {
+        assert_eq!(test_name(), "a_test_knows_its_own_name");
+        let path = std::thread::current().name().map(str::to_string);
+        assert_eq!(
+            path.as_deref(),
+            Some("skip::tests::a_test_knows_its_own_name")
+        );
     }
 
     #[test]

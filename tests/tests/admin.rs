@@ -127,7 +127,7 @@ const CONTRACT_METRICS: [&str; 10] = [
 
 #[test]
 fn endpoints_answer_with_their_codes() -> Result<()> {
-    if skip_unless_root("endpoints_answer_with_their_codes") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -368,7 +368,7 @@ fn endpoints_answer_with_their_codes() -> Result<()> {
 
 #[test]
 fn hostile_input_does_not_hurt_the_daemon() -> Result<()> {
-    if skip_unless_root("hostile_input_does_not_hurt_the_daemon") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -456,7 +456,7 @@ fall = 1
 
 #[test]
 fn check_runs_are_shared_and_cancelled_with_their_callers() -> Result<()> {
-    if skip_unless_root("check_runs_are_shared_and_cancelled_with_their_callers") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -594,7 +594,7 @@ fn pct(lat: &[Duration], q: f64) -> Duration {
 
 #[test]
 fn probes_answer_fast_while_the_data_path_is_saturated() -> Result<()> {
-    if skip_unless_root("probes_answer_fast_while_the_data_path_is_saturated") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -676,7 +676,7 @@ servers = ["{sb}"]
 
 #[test]
 fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
-    if skip_unless_root("sighup_keeps_the_old_config_when_the_new_one_is_broken") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -744,7 +744,7 @@ fn bpftool_cgroup(cg: &Path) -> Result<String> {
 
 #[test]
 fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()> {
-    if skip_unless_root("sigterm_drains_for_the_grace_period_then_detaches_and_exits_0") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -814,7 +814,7 @@ fn sigterm_drains_for_the_grace_period_then_detaches_and_exits_0() -> Result<()>
 
 #[test]
 fn token_and_unix_socket() -> Result<()> {
-    if skip_unless_root("token_and_unix_socket") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -906,7 +906,7 @@ fn token_and_unix_socket() -> Result<()> {
 
 #[test]
 fn cli_against_a_live_daemon() -> Result<()> {
-    if skip_unless_root("cli_against_a_live_daemon") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -1055,7 +1055,7 @@ fn lb_cli_as_nobody(args: &[&str]) -> Result<Option<Output>> {
 
 #[test]
 fn changes_need_root_lbs_user_or_the_token() -> Result<()> {
-    if skip_unless_root("changes_need_root_lbs_user_or_the_token") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -1064,10 +1064,7 @@ fn changes_need_root_lbs_user_or_the_token() -> Result<()> {
     let admin = lb.admin.to_string();
     // Reading is open to every local user.
     let Some(o) = lb_cli_as_nobody(&["status", "--admin", &admin])? else {
-        lb_tests::skip(
-            "changes_need_root_lbs_user_or_the_token",
-            "uid 65534 cannot execute the lb binary here",
-        );
+        lb_tests::skip("uid 65534 cannot execute the lb binary here");
         return Ok(());
     };
     ensure!(code(&o) == 0, "status as nobody: {o:?}");
@@ -1103,7 +1100,7 @@ fn changes_need_root_lbs_user_or_the_token() -> Result<()> {
 
 #[test]
 fn the_token_lets_another_user_change_and_a_remote_admin_needs_one() -> Result<()> {
-    if skip_unless_root("the_token_lets_another_user_change_and_a_remote_admin_needs_one") {
+    if skip_unless_root() {
         return Ok(());
     }
     let _g = serial();
@@ -1128,10 +1125,7 @@ fn the_token_lets_another_user_change_and_a_remote_admin_needs_one() -> Result<(
     let tok = token.to_str().context("path")?;
     let drain = ["servers", "drain", "-b", "t", &server, "--admin", &admin];
     let Some(o) = lb_cli_as_nobody(&drain)? else {
-        lb_tests::skip(
-            "the_token_lets_another_user_change_and_a_remote_admin_needs_one",
-            "uid 65534 cannot execute the lb binary here",
-        );
+        lb_tests::skip("uid 65534 cannot execute the lb binary here");
         return Ok(());
     };
     ensure!(

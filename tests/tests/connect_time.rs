@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     ConnectLb, Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
-    skip_unless_root,
+    skip_unless_root, timed,
 };
 use serde_json::Value;
 
@@ -31,12 +31,6 @@ const SLACK_MS: u64 = 700;
 /// From FAILED to a direct client's abort: the table write, the netlink dump and destroy, the
 /// client's wake-up.
 const KILL_SLACK_MS: u64 = 300;
-
-/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
-/// how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
-}
 
 /// `lbt client dial`'s errnos (Linux).
 const ECONNREFUSED: i64 = 111;
@@ -66,23 +60,8 @@ on_unhealthy = "kill"
 "#;
 
 /// [`ConnectLb`] and what these tests do with it.
-struct Setup(ConnectLb);
-
-impl std::ops::Deref for Setup {
-    type Target = ConnectLb;
-    fn deref(&self) -> &ConnectLb {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Setup {
-    fn deref_mut(&mut self) -> &mut ConnectLb {
-        &mut self.0
-    }
-}
-
 /// [`CONFIG`] for `hosts` on :9000 with `policy` and these check settings (milliseconds); its
-/// `{port}` is left for [`Setup::with_config`].
+/// `{port}` is left for [`ConnectLb::start`].
 fn config(hosts: &[Host], policy: &str, interval_ms: u64, timeout_ms: u64, fall: u64) -> String {
     CONFIG
         .replace("{servers}", &lb_tests::toml_addrs(hosts, 9000))
@@ -92,89 +71,81 @@ fn config(hosts: &[Host], policy: &str, interval_ms: u64, timeout_ms: u64, fall:
         .replace("{fall}", &fall.to_string())
 }
 
-impl Setup {
-    /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
-    /// forwarding; returns once no server is UNCHECKED and the table was written.
-    fn new(policy: &str) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let text = config(&hosts, policy, INTERVAL_MS, TIMEOUT_MS, FALL);
-        Setup::with_config(hosts, &text)
-    }
+/// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
+/// forwarding; returns once no server is UNCHECKED and the table was written.
+fn setup(policy: &str) -> Result<ConnectLb> {
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let text = config(&hosts, policy, INTERVAL_MS, TIMEOUT_MS, FALL);
+    ConnectLb::start(hosts, &text)
+}
 
-    /// lb with config `text` (its `{port}` replaced by a free port for the listener) in front
-    /// of `hosts`; returns once no server is UNCHECKED and the table was written.
-    fn with_config(hosts: Vec<Host>, text: &str) -> Result<Setup> {
-        Ok(Setup(ConnectLb::start(hosts, text)?))
-    }
+fn server(s: &ConnectLb, i: usize) -> String {
+    s.hosts[i].addr(9000).to_string()
+}
 
-    fn server(&self, i: usize) -> String {
-        self.hosts[i].addr(9000).to_string()
-    }
+/// State and connection count of server `i` from `/status`.
+fn server_status(s: &ConnectLb, i: usize) -> Result<(String, u64)> {
+    s.status_of(&server(s, i))
+}
 
-    /// State and connection count of server `i` from `/status`.
-    fn server_status(&self, i: usize) -> Result<(String, u64)> {
-        self.status_of(&self.server(i))
-    }
-
-    /// Poll until s0 is FAILED (every 10 ms, at most `limit` after `t0`); when it turned so.
-    fn wait_s0_failed(&self, t0: Instant, limit: Duration) -> Result<Instant> {
-        loop {
-            if self.server_status(0)?.0 == "FAILED" {
-                return Ok(Instant::now());
-            }
-            if t0.elapsed() > limit {
-                bail!("s0 not FAILED after {limit:?}: {}", self.lb.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
+/// Poll until s0 is FAILED (every 10 ms, at most `limit` after `t0`); when it turned so.
+fn wait_s0_failed(s: &ConnectLb, t0: Instant, limit: Duration) -> Result<Instant> {
+    loop {
+        if server_status(s, 0)?.0 == "FAILED" {
+            return Ok(Instant::now());
         }
+        if t0.elapsed() > limit {
+            bail!("s0 not FAILED after {limit:?}: {}", s.lb.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
+}
 
-    /// Blackhole s0 and, at once, start a client `connect()` that the table sends to s0 (its
-    /// SYNs go nowhere, so it waits in SYN_SENT); returns the client's result, when it ended,
-    /// when s0 turned FAILED, and when the blackhole began.
-    fn dial_into_blackhole(&self) -> Result<(Value, Instant, Instant, Instant)> {
-        let t0 = Instant::now();
-        self.hosts[0].blackhole(true)?;
-        std::thread::scope(|scope| -> Result<_> {
-            let client = scope.spawn(|| {
-                let r = run_client(&self.place(), self.listen, &["dial"], T);
-                (r, Instant::now())
-            });
-            let failed = self.wait_s0_failed(t0, Duration::from_secs(10))?;
-            let (r, done) = client.join().expect("client thread");
-            Ok((r?, done, failed, t0))
-        })
-    }
+/// Blackhole s0 and, at once, start a client `connect()` that the table sends to s0 (its
+/// SYNs go nowhere, so it waits in SYN_SENT); returns the client's result, when it ended,
+/// when s0 turned FAILED, and when the blackhole began.
+fn dial_into_blackhole(s: &ConnectLb) -> Result<(Value, Instant, Instant, Instant)> {
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    std::thread::scope(|scope| -> Result<_> {
+        let client = scope.spawn(|| {
+            let r = run_client(&s.place(), s.listen, &["dial"], T);
+            (r, Instant::now())
+        });
+        let failed = wait_s0_failed(s, t0, Duration::from_secs(10))?;
+        let (r, done) = client.join().expect("client thread");
+        Ok((r?, done, failed, t0))
+    })
+}
 
-    /// `lb servers --balancer api <args>` through the CLI (the admin API).
-    fn servers_cmd(&self, args: &[&str]) -> Result<()> {
-        let out = std::process::Command::new(lb_tests::lb_bin())
-            .args(["servers", "--balancer", "api"])
-            .args(args)
-            .args(["--admin", &self.lb.admin.to_string()])
-            .output()?;
-        ensure!(out.status.success(), "lb servers {args:?}: {out:?}");
-        Ok(())
-    }
+/// `lb servers --balancer api <args>` through the CLI (the admin API).
+fn servers_cmd(s: &ConnectLb, args: &[&str]) -> Result<()> {
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["servers", "--balancer", "api"])
+        .args(args)
+        .args(["--admin", &s.lb.admin.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "lb servers {args:?}: {out:?}");
+    Ok(())
+}
 
-    /// `lb servers kill` server `i`.
-    fn kill_server(&self, i: usize) -> Result<()> {
-        self.servers_cmd(&["kill", &self.server(i)])
-    }
+/// `lb servers kill` server `i`.
+fn kill_server(s: &ConnectLb, i: usize) -> Result<()> {
+    servers_cmd(s, &["kill", &server(s, i)])
+}
 
-    /// `lb_connections_killed_total` for `reason`.
-    fn killed(&self, reason: &str) -> f64 {
-        self.lb.metric(
-            "lb_connections_killed_total",
-            &format!("reason=\"{reason}\""),
-        )
-    }
+/// `lb_connections_killed_total` for `reason`.
+fn killed(s: &ConnectLb, reason: &str) -> f64 {
+    s.lb.metric(
+        "lb_connections_killed_total",
+        &format!("reason=\"{reason}\""),
+    )
+}
 
-    fn peer(&self, place: &Place<'_>) -> Result<Value> {
-        let v = run_client(place, self.listen, &["peer"], T)?;
-        ensure!(v["ok"] == true, "peer client failed: {v}");
-        Ok(v)
-    }
+fn peer(s: &ConnectLb, place: &Place<'_>) -> Result<Value> {
+    let v = run_client(place, s.listen, &["peer"], T)?;
+    ensure!(v["ok"] == true, "peer client failed: {v}");
+    Ok(v)
 }
 
 /// Wait (at most 5 s) for holder `h`'s connection to end, print how and when (`what`, timed from
@@ -194,19 +165,19 @@ fn expect_reset(h: &Holder, what: &str, t: Instant) -> Result<()> {
 }
 
 /// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
 }
 
 #[test]
 fn connect_time_goes_straight_to_the_server() -> Result<()> {
-    if skip("connect_time_goes_straight_to_the_server") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
 
     // In the cgroup: the server sees the client's own socket, getpeername the listener.
-    let v = s.peer(&s.place())?;
+    let v = peer(&s, &s.place())?;
     eprintln!("in the cgroup: {v}");
     ensure!(v["peer"] == s.listen.to_string(), "getpeername: {v}");
     ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
@@ -240,14 +211,14 @@ fn connect_time_goes_straight_to_the_server() -> Result<()> {
     let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
-    let m = s.lb.metric("lb_server_connections", &s.server(0));
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 1))?;
+    let m = s.lb.metric("lb_server_connections", &server(&s, 0));
     ensure!(m == 1.0, "lb_server_connections for s0 = {m}");
     drop(h);
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 0))?;
 
     // Outside the cgroup nothing is rewritten: lb proxies, the server sees lb's socket.
-    let v = s.peer(&Place::default())?;
+    let v = peer(&s, &Place::default())?;
     eprintln!("outside the cgroup: {v}");
     ensure!(v["peer"] == s.listen.to_string(), "{v}");
     ensure!(
@@ -263,10 +234,10 @@ fn connect_time_goes_straight_to_the_server() -> Result<()> {
 
 #[test]
 fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
-    if skip("connect_time_failover_resets_clients_of_a_failed_server") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
     let holders: Vec<Holder> = (0..3)
         .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
         .collect::<Result<_>>()?;
@@ -274,15 +245,15 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
         let ev = h.wait_for("connected", Duration::from_secs(10))?;
         ensure!(ev["server"] == "s0", "client should start on s0: {ev}");
     }
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 3))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 3))?;
     // lb's own health checks reach s1 at its own address while clients' connects to the
     // listener are rewritten to s0.
-    let s1 = s.server_status(1)?.0;
+    let s1 = server_status(&s, 1)?.0;
     ensure!(s1 == "HEALTHY" || s1 == "PREFERRED", "s1 is {s1}");
 
     let t0 = Instant::now();
     s.hosts[0].blackhole(true)?;
-    let failed = s.wait_s0_failed(t0, Duration::from_secs(10))?;
+    let failed = wait_s0_failed(&s, t0, Duration::from_secs(10))?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "s0 FAILED {:.3} s after the blackhole",
@@ -327,13 +298,13 @@ fn connect_time_failover_resets_clients_of_a_failed_server() -> Result<()> {
 
 #[test]
 fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
-    if skip("connect_time_round_robin_spreads_new_connects") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("round-robin")?;
+    let s = setup("round-robin")?;
     let mut per = [0u32; 2];
     for _ in 0..20 {
-        let v = s.peer(&s.place())?;
+        let v = peer(&s, &s.place())?;
         ensure!(v["server_sees"] == v["local"], "{v}");
         match v["server"].as_str() {
             Some("s0") => per[0] += 1,
@@ -348,16 +319,16 @@ fn connect_time_round_robin_spreads_new_connects() -> Result<()> {
 
 #[test]
 fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
-    if skip("connect_time_servers_kill_resets_direct_clients") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
     let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 1))?;
     let t = Instant::now();
-    s.kill_server(0)?;
+    kill_server(&s, 0)?;
     expect_reset(&h, "lb servers kill", t)?;
     // A kill is not a failure: the client reconnects to s0 again.
     let ev = h.wait_for("connected", Duration::from_secs(5))?;
@@ -367,10 +338,10 @@ fn connect_time_servers_kill_resets_direct_clients() -> Result<()> {
 
 #[test]
 fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
-    if skip("connect_time_ipv4_mapped_from_an_ipv6_socket") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
     // An IPv6 socket dialing the listener's IPv4-mapped address (connect6, getpeername6): it
     // goes to the server's mapped address and still names the listener as its peer.
     let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", s.listen.port()).parse()?;
@@ -397,16 +368,16 @@ fn connect_time_ipv4_mapped_from_an_ipv6_socket() -> Result<()> {
     let h = Holder::start(&s.place(), mapped, 1, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 1))?;
     let t = Instant::now();
-    s.kill_server(0)?;
+    kill_server(&s, 0)?;
     expect_reset(&h, "lb servers kill (IPv4-mapped)", t)?;
     Ok(())
 }
 
 #[test]
 fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<()> {
-    if skip_unless_root("connect_time_with_the_userspace_datapath_falls_back_to_the_proxy") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -446,11 +417,11 @@ fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<
 /// the listener, and proxied by lb (a client outside the cgroup, kernel splice upstream).
 #[test]
 fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
-    if skip("connect_time_round_trip_and_new_connection_figures") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
-    let direct: SocketAddr = s.server(0).parse()?;
+    let s = setup("failover")?;
+    let direct: SocketAddr = server(&s, 0).parse()?;
     let cg = s.place();
     let outside = Place::default();
     let runs: [(&str, &Place<'_>, SocketAddr); 3] = [
@@ -480,10 +451,10 @@ fn connect_time_round_trip_and_new_connection_figures() -> Result<()> {
 
 #[test]
 fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> Result<()> {
-    if skip("connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down") {
+    if skip() {
         return Ok(());
     }
-    let mut s = Setup::new("failover")?;
+    let mut s = setup("failover")?;
     let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
@@ -534,10 +505,10 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
 
 #[test]
 fn connect_time_least_connections_balances_held_connections() -> Result<()> {
-    if skip("connect_time_least_connections_balances_held_connections") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("least-connections")?;
+    let s = setup("least-connections")?;
     // With two servers the kernel compares both on every connect: each new held connection goes
     // to the one with fewer, so after every connect the counts differ by at most one.
     let mut holders = Vec::new();
@@ -546,16 +517,16 @@ fn connect_time_least_connections_balances_held_connections() -> Result<()> {
         h.wait_for("connected", Duration::from_secs(10))?;
         holders.push(h);
         lb_tests::wait_until(Duration::from_secs(5), || {
-            Ok(s.server_status(0)?.1 + s.server_status(1)?.1 == i + 1)
+            Ok(server_status(&s, 0)?.1 + server_status(&s, 1)?.1 == i + 1)
         })?;
-        let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+        let (n0, n1) = (server_status(&s, 0)?.1, server_status(&s, 1)?.1);
         ensure!(
             n0.abs_diff(n1) <= 1,
             "after {} connects: s0 {n0}, s1 {n1}",
             i + 1
         );
     }
-    let (n0, n1) = (s.server_status(0)?.1, s.server_status(1)?.1);
+    let (n0, n1) = (server_status(&s, 0)?.1, server_status(&s, 1)?.1);
     eprintln!("6 held connections: s0 {n0}, s1 {n1}");
     ensure!(n0 == 3 && n1 == 3, "s0 {n0}, s1 {n1}");
     let m = s.lb.metric("lb_server_connections", "");
@@ -574,7 +545,7 @@ fn connect_time_least_connections_balances_held_connections() -> Result<()> {
 
 #[test]
 fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> {
-    if skip_unless_root("connect_time_programs_are_attached_only_when_a_balancer_asks") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -608,7 +579,7 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
 
 #[test]
 fn connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy() -> Result<()> {
-    if skip_unless_root("connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
@@ -703,7 +674,7 @@ impl Drop for LocalServer {
 
 #[test]
 fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
-    if skip("connect_time_ipv6_listener_to_an_ipv6_server") {
+    if skip() {
         return Ok(());
     }
     // A native IPv6 listener and an IPv6 server (on [::1] in lb's namespace): connect6 and
@@ -786,7 +757,7 @@ on_unhealthy = "kill"
 
 #[test]
 fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
-    if skip("connect_time_refused_connects_fail_a_server_without_a_check") {
+    if skip() {
         return Ok(());
     }
     const PASSIVE_FALL: u64 = 3;
@@ -796,7 +767,7 @@ fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
     let text = PASSIVE_CONFIG
         .replace("{servers}", &servers)
         .replace("{fall}", &PASSIVE_FALL.to_string());
-    let s = Setup::with_config(hosts, &text)?;
+    let s = ConnectLb::start(hosts, &text)?;
     let (first, _) = s.status_of(&refusing)?;
     ensure!(
         first != "FAILED",
@@ -852,14 +823,14 @@ fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
 
 #[test]
 fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()> {
-    if skip("connect_time_syn_sent_connects_to_a_failed_server_are_aborted") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
-    let v = s.peer(&s.place())?;
+    let s = setup("failover")?;
+    let v = peer(&s, &s.place())?;
     ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
 
-    let (dial, done, failed, t0) = s.dial_into_blackhole()?;
+    let (dial, done, failed, t0) = dial_into_blackhole(&s)?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({} after {} ms in connect())",
@@ -920,15 +891,15 @@ on_unhealthy = "kill"
 
 #[test]
 fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
-    if skip("connect_time_retransmission_timeout_counts_as_a_reset") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let text = RTO_CONFIG
         .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
         .replace("{check}", &hosts[1].addr(9000).to_string());
-    let s = Setup::with_config(hosts, &text)?;
-    let v = s.peer(&s.place())?;
+    let s = ConnectLb::start(hosts, &text)?;
+    let v = peer(&s, &s.place())?;
     ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
     let failures = || s.lb.metric("lb_health_checks_total", "result=\"failure\"");
     let diag = || {
@@ -973,19 +944,18 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
         });
         // Under TCG the client alone can take seconds to start.
         let start_bound = Duration::from_secs(if timed() { 5 } else { 30 });
-        lb_tests::wait_until(start_bound, || Ok(s.server_status(0)?.1 == 1)).with_context(
+        lb_tests::wait_until(start_bound, || Ok(server_status(&s, 0)?.1 == 1)).with_context(
             || {
                 format!(
                     "the echo client's connection should count on s0: {:?}; {}",
-                    s.server_status(0),
+                    server_status(&s, 0),
                     diag()
                 )
             },
         )?;
         let t0 = Instant::now();
         s.hosts[0].blackhole(true)?;
-        let failed = s
-            .wait_s0_failed(t0, Duration::from_secs(if timed() { 10 } else { 60 }))
+        let failed = wait_s0_failed(&s, t0, Duration::from_secs(if timed() { 10 } else { 60 }))
             .with_context(diag)?;
         let (r, done) = client.join().expect("client thread");
         Ok((r?, done, failed, t0))
@@ -1020,20 +990,20 @@ fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
 
 #[test]
 fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result<()> {
-    if skip("connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
         .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
     ensure!(text.contains("\"keep\""), "config template changed");
-    let s = Setup::with_config(hosts, &text)?;
+    let s = ConnectLb::start(hosts, &text)?;
     // An established connection to s0, idle: `keep` leaves it alone.
     let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
 
-    let (dial, done, failed, t0) = s.dial_into_blackhole()?;
+    let (dial, done, failed, t0) = dial_into_blackhole(&s)?;
     let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
     eprintln!(
         "on_unhealthy = keep: s0 FAILED {:.3} s after the blackhole; the pending connect ended {:.3} s after that ({})",
@@ -1055,7 +1025,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
         h.next(Duration::from_millis(500)).is_err(),
         "the held connection should be kept under on_unhealthy = keep"
     );
-    let (_, held) = s.server_status(0)?;
+    let (_, held) = server_status(&s, 0)?;
     ensure!(
         held == 1,
         "s0 should still count the held connection: {held}"
@@ -1066,7 +1036,7 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
 
 #[test]
 fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() -> Result<()> {
-    if skip("connect_time_clients_in_another_network_namespace_are_rewritten_and_killed") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1087,7 +1057,7 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
         text.contains(&gateway.to_string()) && text.contains("namespaces = \"all\""),
         "config template changed"
     );
-    let s = Setup::with_config(hosts, &text)?;
+    let s = ConnectLb::start(hosts, &text)?;
     let ns = s.hosts[0].ns.clone();
     let place = Place {
         cgroup: Some(&s.cg.path),
@@ -1111,9 +1081,9 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     let h = Holder::spawn(&place, dialed, &["hold", "--max-ms", "60000"])?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 1))?;
     let t = Instant::now();
-    s.kill_server(0)?;
+    kill_server(&s, 0)?;
     let closed = h
         .wait_for("closed", Duration::from_secs(5))
         .with_context(|| {
@@ -1148,7 +1118,7 @@ fn many() -> u32 {
 
 #[test]
 fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
-    if skip("connect_time_ten_thousand_sockets_are_killed") {
+    if skip() {
         return Ok(());
     }
     let many = many();
@@ -1162,7 +1132,7 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
     // Checks that a server busy accepting 10,000 connections passes in time.
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let text = config(&hosts, "failover", 1000, 1000, 5);
-    let s = Setup::with_config(hosts, &text)?;
+    let s = ConnectLb::start(hosts, &text)?;
     let max_ms = if timed() { "120000" } else { "600000" };
     let idle = Holder::spawn(
         &s.place(),
@@ -1175,15 +1145,15 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
         .with_context(|| s.lb.log_text())?;
     eprintln!("{many} connect-time connections open in {} ms", ready["ms"]);
     lb_tests::wait_until(Duration::from_secs(10), || {
-        Ok(s.server_status(0)?.1 == u64::from(many))
+        Ok(server_status(&s, 0)?.1 == u64::from(many))
     })
-    .with_context(|| format!("s0 should count {many}: {:?}", s.server_status(0)))?;
+    .with_context(|| format!("s0 should count {many}: {:?}", server_status(&s, 0)))?;
     ensure!(
         s.lb.metric("lb_connections_total", "") == 0.0,
         "nothing should go through lb"
     );
     let t = Instant::now();
-    s.kill_server(0)?;
+    kill_server(&s, 0)?;
     let done = idle.wait_for("all_closed", Duration::from_secs(ready_within))?;
     let took = t.elapsed();
     eprintln!(
@@ -1215,14 +1185,19 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
             s.lb.metric("lb_connections_killed_total", "")
         )
     })?;
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 0))
-        .with_context(|| format!("s0 should count 0 after the kill: {:?}", s.server_status(0)))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 0))
+        .with_context(|| {
+            format!(
+                "s0 should count 0 after the kill: {:?}",
+                server_status(&s, 0)
+            )
+        })?;
     Ok(())
 }
 
 #[test]
 fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<()> {
-    if skip("connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -1286,10 +1261,10 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
 
 #[test]
 fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<()> {
-    if skip("connect_time_failback_moves_clients_back_to_the_recovered_server") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
     let holders = (0..3)
         .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
         .collect::<Result<Vec<_>>>()?;
@@ -1298,7 +1273,7 @@ fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<
         ensure!(ev["server"] == "s0", "{ev}");
     }
     s.hosts[0].blackhole(true)?;
-    s.wait_s0_failed(Instant::now(), Duration::from_secs(10))?;
+    wait_s0_failed(&s, Instant::now(), Duration::from_secs(10))?;
     for h in &holders {
         let ev = h.wait_for("connected", Duration::from_secs(10))?;
         ensure!(ev["server"] == "s1", "after the failover: {ev}");
@@ -1320,42 +1295,42 @@ fn connect_time_failback_moves_clients_back_to_the_recovered_server() -> Result<
         "fail-back: three connect-time clients back on s0 {:.3} s after the blackhole ended",
         t.elapsed().as_secs_f64()
     );
-    let failback = s.killed("failback");
+    let failback = killed(&s, "failback");
     ensure!(failback == 3.0, "killed for fail-back: {failback}, want 3");
     Ok(())
 }
 
 #[test]
 fn connect_time_server_removed_through_the_api_resets_its_clients() -> Result<()> {
-    if skip("connect_time_server_removed_through_the_api_resets_its_clients") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new("failover")?;
+    let s = setup("failover")?;
     let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
-    lb_tests::wait_until(Duration::from_secs(5), || Ok(s.server_status(0)?.1 == 1))?;
+    lb_tests::wait_until(Duration::from_secs(5), || Ok(server_status(&s, 0)?.1 == 1))?;
     let t = Instant::now();
-    s.servers_cmd(&["remove", &s.server(0)])?;
+    servers_cmd(&s, &["remove", &server(&s, 0)])?;
     expect_reset(&h, "server removed, its connect-time", t)?;
     let ev = h.wait_for("connected", Duration::from_secs(5))?;
     ensure!(ev["server"] == "s1", "the reconnect should go to s1: {ev}");
     ensure!(
-        s.killed("removed") == 1.0,
+        killed(&s, "removed") == 1.0,
         "killed for removal: {}",
-        s.killed("removed")
+        killed(&s, "removed")
     );
     let st = s.lb.status()?;
     let servers = st["balancers"][0]["servers"]
         .as_array()
         .context("servers")?;
     ensure!(
-        servers.len() == 1 && servers[0]["address"] == s.server(1).as_str(),
+        servers.len() == 1 && servers[0]["address"] == server(&s, 1).as_str(),
         "s0 should be gone: {st}"
     );
     // Later connects never reach s0 again.
     for _ in 0..5 {
-        let v = s.peer(&s.place())?;
+        let v = peer(&s, &s.place())?;
         ensure!(v["server"] == "s1", "{v}");
     }
     Ok(())

@@ -7,7 +7,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{ConnectLb, Host, free_port, run_client, skip_unless_kernel, skip_unless_root};
+use lb_tests::{
+    ConnectLb, Host, free_port, run_client, skip_unless_kernel, skip_unless_root, timed,
+};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
@@ -47,14 +49,8 @@ fn start(fail_fast: &str, interval: &str) -> Result<ConnectLb> {
 }
 
 /// Root and a kernel with the getpeername (5.8) and sock_release (5.9) hooks.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name)
-        || skip_unless_kernel(name, (5, 9), "cgroup getpeername4/6 and sock_release hooks")
-}
-
-/// Timings are asserted on the host only (TCG guests vary too widely).
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
 }
 
 /// `/status` entry of the server at `addr`.
@@ -87,8 +83,7 @@ fn dial_times(s: &ConnectLb, n: u32) -> Result<Value> {
 
 #[test]
 fn connect_time_blackholed_server_is_avoided_before_any_check_fails() -> Result<()> {
-    let name = "connect_time_blackholed_server_is_avoided_before_any_check_fails";
-    if skip(name) {
+    if skip() {
         return Ok(());
     }
     let s = start(
@@ -197,8 +192,7 @@ impl Drop for DropToPort<'_> {
 
 #[test]
 fn connect_time_lost_syns_below_the_threshold_divert_nothing() -> Result<()> {
-    let name = "connect_time_lost_syns_below_the_threshold_divert_nothing";
-    if skip(name) {
+    if skip() {
         return Ok(());
     }
     let s = start(
@@ -256,8 +250,7 @@ fn connect_time_lost_syns_below_the_threshold_divert_nothing() -> Result<()> {
 
 #[test]
 fn connect_time_syn_timeout_and_syncnt_apply_to_rewritten_sockets() -> Result<()> {
-    let name = "connect_time_syn_timeout_and_syncnt_apply_to_rewritten_sockets";
-    if skip(name) {
+    if skip() {
         return Ok(());
     }
     // auto: 3 × the checks' connect round trip (well under a millisecond here), at least

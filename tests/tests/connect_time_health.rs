@@ -54,9 +54,8 @@ fn start(check: usize, interval: &str, limit: u32) -> Result<ConnectLb> {
 
 /// Root and a kernel with the getpeername (5.8) and sock_release (5.9) hooks; prints the skip
 /// reason otherwise.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name)
-        || skip_unless_kernel(name, (5, 9), "cgroup getpeername4/6 and sock_release hooks")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
 }
 
 /// TCP's protocol number, not its name: the guests have no `/etc/protocols` to look it up in.
@@ -129,7 +128,7 @@ fn wait_checks(s: &ConnectLb, addr: &str, n: usize, within: Duration) -> Result<
 
 #[test]
 fn connect_time_connects_their_client_gives_up_on_fail_no_server() -> Result<()> {
-    if skip("connect_time_connects_their_client_gives_up_on_fail_no_server") {
+    if skip() {
         return Ok(());
     }
     const TRIES: u32 = 5;
@@ -197,7 +196,7 @@ fn connect_time_connects_their_client_gives_up_on_fail_no_server() -> Result<()>
 
 #[test]
 fn connect_time_a_burst_of_retransmission_timeouts_counts_once_per_interval() -> Result<()> {
-    if skip("connect_time_a_burst_of_retransmission_timeouts_counts_once_per_interval") {
+    if skip() {
         return Ok(());
     }
     const SOCKETS: usize = 6;
@@ -244,7 +243,7 @@ fn connect_time_a_burst_of_retransmission_timeouts_counts_once_per_interval() ->
 
 #[test]
 fn connect_time_connects_failing_before_their_syn_leave_no_record() -> Result<()> {
-    if skip("connect_time_connects_failing_before_their_syn_leave_no_record") {
+    if skip() {
         return Ok(());
     }
     const TRIES: u32 = 200;
@@ -286,7 +285,7 @@ fn connect_time_connects_failing_before_their_syn_leave_no_record() -> Result<()
 
 #[test]
 fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
-    if skip("connect_time_counts_of_servers_that_left_are_deleted") {
+    if skip() {
         return Ok(());
     }
     const SERVERS: u16 = 12;
@@ -335,7 +334,7 @@ fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
 
 #[test]
 fn connect_time_keeps_another_sockops_programs_flags() -> Result<()> {
-    if skip("connect_time_keeps_another_sockops_programs_flags") {
+    if skip() {
         return Ok(());
     }
     let s = start(0, "1s", 10)?;

@@ -42,17 +42,17 @@ on_unhealthy = "kill"
 
 /// Root, a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of
 /// this test's own; prints the skip reason otherwise.
-fn setup(name: &str, orphan: &str) -> Result<Option<ConnectLb>> {
-    setup_with(name, orphan, "")
+fn setup(orphan: &str) -> Result<Option<ConnectLb>> {
+    setup_with(orphan, "")
 }
 
 /// [`setup`] with `health` lines added to `[balancer.health]`.
-fn setup_with(name: &str, orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
-    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+fn setup_with(orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
+    if skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(None);
     }
     if let Err(e) = lb_tests::private_bpffs() {
-        skip(name, &format!("cannot mount a bpffs: {e:#}"));
+        skip(&format!("cannot mount a bpffs: {e:#}"));
         return Ok(None);
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -152,7 +152,7 @@ fn kill9(s: &mut ConnectLb) -> Result<()> {
 /// sockets made meanwhile, and `lb servers kill` resets them.
 #[test]
 fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
-    let Some(mut s) = setup("connect_time_pins_serve_through_kill_9_and_adoption", "10m")? else {
+    let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
     let s0 = s.hosts[0].addr(9000).to_string();
@@ -216,11 +216,7 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
 /// reach the listener address, where nobody listens.
 #[test]
 fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
-    let Some(mut s) = setup(
-        "connect_time_pins_stop_rewriting_after_the_orphan_timeout",
-        "3s",
-    )?
-    else {
+    let Some(mut s) = setup("3s")? else {
         return Ok(());
     };
     let age = s.lb.metric("lb_connect_heartbeat_age_seconds", "");
@@ -256,7 +252,7 @@ fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
 /// is refused while lb runs, and afterwards leaves no program attached and no pin.
 #[test]
 fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
-    let Some(mut s) = setup("connect_time_pins_cleanup_leaves_nothing", "10m")? else {
+    let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
     let dir = pin_dir(&s)?;
@@ -338,11 +334,7 @@ fn check_modes(dir: &Path) -> Result<()> {
 /// the pinned programs keep rewriting.
 #[test]
 fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<()> {
-    let Some(mut s) = setup(
-        "connect_time_pins_of_another_layout_are_refused_and_keep_serving",
-        "10m",
-    )?
-    else {
+    let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
     let dir = pin_dir(&s)?;
@@ -380,12 +372,11 @@ fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<
 /// on after it is killed.
 #[test]
 fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
-    let name = "connect_time_pins_go_with_an_upgrade";
-    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+    if skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(());
     }
     if let Err(e) = lb_tests::private_bpffs() {
-        skip(name, &format!("cannot mount a bpffs: {e:#}"));
+        skip(&format!("cannot mount a bpffs: {e:#}"));
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -442,12 +433,7 @@ fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
 /// fail the server).
 #[test]
 fn connect_time_pins_ignore_passive_events_from_before_the_start() -> Result<()> {
-    let Some(mut s) = setup_with(
-        "connect_time_pins_ignore_passive_events_from_before_the_start",
-        "10m",
-        "passive_reset_limit = 1",
-    )?
-    else {
+    let Some(mut s) = setup_with("10m", "passive_reset_limit = 1")? else {
         return Ok(());
     };
     let s0 = s.hosts[0].addr(9000).to_string();
@@ -476,11 +462,7 @@ fn connect_time_pins_ignore_passive_events_from_before_the_start() -> Result<()>
 /// keep serving the cgroup they are attached to.
 #[test]
 fn connect_time_pins_of_another_cgroup_are_refused_and_keep_serving() -> Result<()> {
-    let Some(mut s) = setup(
-        "connect_time_pins_of_another_cgroup_are_refused_and_keep_serving",
-        "10m",
-    )?
-    else {
+    let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
     kill9(&mut s)?;

@@ -120,9 +120,8 @@ fn alternate(s: &ConnectLb, first: &[String], second: &[String]) -> Result<usize
 
 #[test]
 fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
-    let name = "connect_time_tables_are_never_read_torn_while_rewritten";
-    if skip_unless_root(name)
-        || skip_unless_kernel(name, (5, 9), "cgroup getpeername4/6 and sock_release hooks")
+    if skip_unless_root()
+        || skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
     {
         return Ok(());
     }

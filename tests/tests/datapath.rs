@@ -4,58 +4,36 @@
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use lb_tests::{Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_root};
+use lb_tests::{Fixture, Host, Lb, Place, free_port, run_client, skip_unless_root};
 use serde_json::Value;
 
 const MIB: u64 = 1024 * 1024;
 const T: Duration = Duration::from_secs(120);
 
-struct Setup {
-    hosts: Vec<Host>,
-    cg: TestCgroup,
-    lb: Lb,
-    listen: std::net::SocketAddr,
+/// `n` hosts each serving on port 9000, lb in `mode` listening on a free loopback port.
+fn setup(mode: &str, n: usize, extra: &[&str]) -> Result<Fixture> {
+    let hosts = lb_tests::serving_hosts(n, 9000, |i| format!("s{i}"))?;
+    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    let mut args = vec![
+        "--listen",
+        "{listen}",
+        "--datapath",
+        mode,
+        "--cgroup",
+        "{cgroup}",
+        "--forwarding",
+        "splice",
+    ];
+    for server in &servers {
+        args.extend(["--server", server.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    Fixture::start_args(hosts, 9000, &args)
 }
 
-impl Setup {
-    /// `n` hosts each serving on port 9000, lb in `mode` listening on a free loopback port.
-    fn new(mode: &str, n: usize, extra: &[&str]) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(n, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let listen: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let mut args = vec![
-            "--listen".to_string(),
-            listen.to_string(),
-            "--datapath".into(),
-            mode.into(),
-        ];
-        args.extend(["--cgroup".to_string(), cg.path.display().to_string()]);
-        args.extend(["--forwarding".to_string(), "splice".to_string()]);
-        for h in &hosts {
-            args.extend(["--server".to_string(), h.addr(9000).to_string()]);
-        }
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let lb = Lb::start(&argv)?;
-        Ok(Setup {
-            hosts,
-            cg,
-            lb,
-            listen,
-        })
-    }
-
-    fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
-    }
-
-    fn client(&self, action: &[&str]) -> Result<Value> {
-        run_client(&self.place(), self.listen, action, T)
-    }
-
-    fn metric(&self, name: &str, label: &str) -> f64 {
-        self.lb.metric(name, label)
-    }
+/// Run `action` as a client in the fixture's cgroup.
+fn client(s: &Fixture, action: &[&str]) -> Result<Value> {
+    run_client(&s.place(), s.listen, action, T)
 }
 
 fn ok(v: &Value) -> Result<()> {
@@ -64,17 +42,17 @@ fn ok(v: &Value) -> Result<()> {
 }
 
 fn bulk_both_directions(mode: &str) -> Result<()> {
-    let s = Setup::new(mode, 1, &[])?;
+    let s = setup(mode, 1, &[])?;
     let n = (256 * MIB).to_string();
     // The pause lets lb pair the connection before the data (README, "The counting rule").
-    ok(&s.client(&["up", &n, "--pause-ms", "200"])?)?;
-    ok(&s.client(&["down", &n])?)?;
+    ok(&client(&s, &["up", &n, "--pause-ms", "200"])?)?;
+    ok(&client(&s, &["down", &n])?)?;
     // Every byte went exactly one way: spliced by the kernel or copied by lb (protocol headers
     // "UP\n" and "DOWN <n> 7\n" included). How much the kernel carries depends on how often
     // backpressure sent sends to the copy path; the benchmark measures that, this test the sum.
     let sent = 256 * MIB + 3 + format!("DOWN {n} 7\n").len() as u64;
-    let spliced = s.metric("lb_spliced_bytes_total", "client_to_server");
-    let copied = s.metric("lb_copied_bytes_total", "client_to_server");
+    let spliced = s.lb.metric("lb_spliced_bytes_total", "client_to_server");
+    let copied = s.lb.metric("lb_copied_bytes_total", "client_to_server");
     ensure!(
         spliced + copied == sent as f64,
         "spliced {spliced} + copied {copied} != {sent} sent"
@@ -89,7 +67,7 @@ fn bulk_both_directions(mode: &str) -> Result<()> {
 
 #[test]
 fn bulk_256mib_each_way_userspace() -> Result<()> {
-    if skip_unless_root("bulk_256mib_each_way_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     bulk_both_directions("userspace")
@@ -97,23 +75,23 @@ fn bulk_256mib_each_way_userspace() -> Result<()> {
 
 #[test]
 fn bulk_256mib_each_way_bpf() -> Result<()> {
-    if skip_unless_root("bulk_256mib_each_way_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     bulk_both_directions("bpf")
 }
 
 fn early_sends_in_order(mode: &str) -> Result<()> {
-    let s = Setup::new(mode, 1, &[])?;
+    let s = setup(mode, 1, &[])?;
     // 300 connections that write at once after connecting, in 1 KiB writes: the pairing races
     // with the first bytes on every one of them.
-    let v = s.client(&["many", "300", "200000"])?;
+    let v = client(&s, &["many", "300", "200000"])?;
     ok(&v)
 }
 
 #[test]
 fn early_sends_in_order_bpf() -> Result<()> {
-    if skip_unless_root("early_sends_in_order_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     early_sends_in_order("bpf")
@@ -121,21 +99,21 @@ fn early_sends_in_order_bpf() -> Result<()> {
 
 #[test]
 fn early_sends_in_order_userspace() -> Result<()> {
-    if skip_unless_root("early_sends_in_order_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     early_sends_in_order("userspace")
 }
 
 fn concurrent_1000(mode: &str) -> Result<()> {
-    let s = Setup::new(mode, 2, &[])?;
-    let v = s.client(&["many", "1000", "20000"])?;
+    let s = setup(mode, 2, &[])?;
+    let v = client(&s, &["many", "1000", "20000"])?;
     ok(&v)
 }
 
 #[test]
 fn concurrent_1000_bpf() -> Result<()> {
-    if skip_unless_root("concurrent_1000_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     concurrent_1000("bpf")
@@ -143,15 +121,15 @@ fn concurrent_1000_bpf() -> Result<()> {
 
 #[test]
 fn concurrent_1000_userspace() -> Result<()> {
-    if skip_unless_root("concurrent_1000_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     concurrent_1000("userspace")
 }
 
 fn server_reset_reaches_client(mode: &str) -> Result<()> {
-    let s = Setup::new(mode, 1, &[])?;
-    let v = s.client(&["rst"])?;
+    let s = setup(mode, 1, &[])?;
+    let v = client(&s, &["rst"])?;
     ok(&v)?;
     ensure!(
         v["how"] == "connection reset",
@@ -162,7 +140,7 @@ fn server_reset_reaches_client(mode: &str) -> Result<()> {
 
 #[test]
 fn server_reset_reaches_client_bpf() -> Result<()> {
-    if skip_unless_root("server_reset_reaches_client_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_reset_reaches_client("bpf")
@@ -170,7 +148,7 @@ fn server_reset_reaches_client_bpf() -> Result<()> {
 
 #[test]
 fn server_reset_reaches_client_userspace() -> Result<()> {
-    if skip_unless_root("server_reset_reaches_client_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_reset_reaches_client("userspace")
@@ -178,17 +156,17 @@ fn server_reset_reaches_client_userspace() -> Result<()> {
 
 fn dead_servers_skipped(mode: &str) -> Result<()> {
     // s0 refuses (no server), s1 is blackholed, s2 works: every client lands on s2.
-    let mut s = Setup::new(mode, 3, &["--health-loop", "false"])?;
+    let mut s = setup(mode, 3, &["--health-loop", "false"])?;
     s.hosts[0].stop_servers();
     s.hosts[1].blackhole(true)?;
-    let v = s.client(&["up", "100000"])?;
+    let v = client(&s, &["up", "100000"])?;
     ok(&v)?;
     Ok(())
 }
 
 #[test]
 fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
-    if skip_unless_root("refused_and_blackholed_servers_skipped_bpf") {
+    if skip_unless_root() {
         return Ok(());
     }
     dead_servers_skipped("bpf")
@@ -196,7 +174,7 @@ fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
 
 #[test]
 fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
-    if skip_unless_root("refused_and_blackholed_servers_skipped_userspace") {
+    if skip_unless_root() {
         return Ok(());
     }
     dead_servers_skipped("userspace")
@@ -204,12 +182,12 @@ fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
 
 #[test]
 fn no_server_answers_closes_client() -> Result<()> {
-    if skip_unless_root("no_server_answers_closes_client") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new("bpf", 1, &[])?;
+    let mut s = setup("bpf", 1, &[])?;
     s.hosts[0].stop_servers();
-    let v = s.client(&["up", "1000"])?;
+    let v = client(&s, &["up", "1000"])?;
     ensure!(v["ok"] == false, "no server: the client must fail: {v}");
     let log = s.lb.log_text();
     ensure!(
@@ -221,10 +199,10 @@ fn no_server_answers_closes_client() -> Result<()> {
 
 #[test]
 fn bpf_detaches_on_sigterm() -> Result<()> {
-    if skip_unless_root("bpf_detaches_on_sigterm") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new("bpf", 1, &[])?;
+    let mut s = setup("bpf", 1, &[])?;
     let attached = lb_tests::sh(
         "bpftool",
         &["cgroup", "show", &s.cg.path.display().to_string()],
@@ -251,7 +229,7 @@ fn bpf_detaches_on_sigterm() -> Result<()> {
 
 #[test]
 fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
-    if skip_unless_root("auto_falls_back_to_userspace_with_one_warning") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut h = Host::new()?;
@@ -286,7 +264,7 @@ fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
 
 #[test]
 fn bpf_mode_fails_with_the_reason() -> Result<()> {
-    if skip_unless_root("bpf_mode_fails_with_the_reason") {
+    if skip_unless_root() {
         return Ok(());
     }
     let listen = format!("127.0.0.1:{}", free_port()?);

@@ -32,8 +32,8 @@ const DAEMONSETS: [&str; 2] = [
 
 /// Root, a kernel with the getpeername hooks (5.8) the connect-time programs attach, and
 /// `program` when given (util-linux's `setpriv` or `unshare`; busybox guests may lack them).
-fn skip(name: &str, program: Option<&str>) -> bool {
-    if skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks") {
+fn skip(program: Option<&str>) -> bool {
+    if skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks") {
         return true;
     }
     let Some(program) = program else {
@@ -43,7 +43,7 @@ fn skip(name: &str, program: Option<&str>) -> bool {
     if std::env::split_paths(&path).any(|d| d.join(program).is_file()) {
         return false;
     }
-    lb_tests::skip(name, &format!("needs {program} (util-linux) in PATH"));
+    lb_tests::skip(&format!("needs {program} (util-linux) in PATH"));
     true
 }
 
@@ -187,10 +187,7 @@ fn start_as(uid: u32, caps: &[String]) -> Result<(Vec<Host>, TestCgroup, Lb, u16
 
 #[test]
 fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<()> {
-    if skip(
-        "systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients",
-        Some("setpriv"),
-    ) {
+    if skip(Some("setpriv")) {
         return Ok(());
     }
     let unit = lb_tests::repo_file(UNIT)?;
@@ -270,10 +267,7 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
 
 #[test]
 fn connect_time_kill_logs_and_counts_an_unreachable_client_namespace() -> Result<()> {
-    if skip(
-        "connect_time_kill_logs_and_counts_an_unreachable_client_namespace",
-        Some("setpriv"),
-    ) {
+    if skip(Some("setpriv")) {
         return Ok(());
     }
     // What the kernel path needs, without what reaching another user's network namespace does
@@ -312,7 +306,7 @@ fn connect_time_kill_logs_and_counts_an_unreachable_client_namespace() -> Result
 
 #[test]
 fn daemonset_settings_kill_pod_clients() -> Result<()> {
-    if skip("daemonset_settings_kill_pod_clients", None) {
+    if skip(None) {
         return Ok(());
     }
     for path in DAEMONSETS {
@@ -409,10 +403,7 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
 
 #[test]
 fn connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix() -> Result<()> {
-    if skip(
-        "connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix",
-        Some("unshare"),
-    ) {
+    if skip(Some("unshare")) {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -450,10 +441,7 @@ fn connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix() -> Resu
 
 #[test]
 fn the_kernel_path_lifts_a_container_memlock_limit() -> Result<()> {
-    if skip(
-        "the_kernel_path_lifts_a_container_memlock_limit",
-        Some("prlimit"),
-    ) {
+    if skip(Some("prlimit")) {
         return Ok(());
     }
     // A container's default: 64 KiB of locked memory, which kernels before 5.11 charge BPF
@@ -461,10 +449,9 @@ fn the_kernel_path_lifts_a_container_memlock_limit() -> Result<()> {
     // CAP_SYS_RESOURCE).
     let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)?;
     if hard <= 65_536 {
-        lb_tests::skip(
-            "the_kernel_path_lifts_a_container_memlock_limit",
-            &format!("the hard RLIMIT_MEMLOCK ({hard} bytes) leaves nothing to lift"),
-        );
+        lb_tests::skip(&format!(
+            "the hard RLIMIT_MEMLOCK ({hard} bytes) leaves nothing to lift"
+        ));
         return Ok(());
     }
     let hard_text = if hard == nix::sys::resource::RLIM_INFINITY {
@@ -506,14 +493,13 @@ fn the_kernel_path_lifts_a_container_memlock_limit() -> Result<()> {
 /// dead, and the lb of the next start adopts them.
 #[test]
 fn systemd_unit_pins_connect_time_for_the_next_start() -> Result<()> {
-    let name = "systemd_unit_pins_connect_time_for_the_next_start";
-    if skip(name, Some("setpriv")) {
+    if skip(Some("setpriv")) {
         return Ok(());
     }
     let bpffs = match lb_tests::private_bpffs() {
         Ok(at) => at,
         Err(e) => {
-            lb_tests::skip(name, &format!("cannot mount a bpffs: {e:#}"));
+            lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
             return Ok(());
         }
     };

@@ -50,7 +50,7 @@ fn discovery(lb: &Lb) -> Result<serde_json::Value> {
 
 #[test]
 fn dns_discovery_follows_the_answer_within_its_ttl() -> Result<()> {
-    if skip_unless_root("dns_discovery_follows_the_answer_within_its_ttl") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = serving_hosts(3, 6443, |i| format!("s{}", i + 1))?;
@@ -165,7 +165,7 @@ fall = 1
 
 #[test]
 fn etcd_discovery_follows_the_member_list() -> Result<()> {
-    if skip_unless_root("etcd_discovery_follows_the_member_list") {
+    if skip_unless_root() {
         return Ok(());
     }
     let mut cluster = EtcdCluster::start(3)?;
@@ -271,7 +271,7 @@ fn addresses_of(lb: &Lb, i: usize) -> Result<Vec<String>> {
 /// following balancer moves its clients to s2 within the TTL, the pinned one stays on s1.
 #[test]
 fn server_names_follow_dns_unless_pinned() -> Result<()> {
-    if skip_unless_root("server_names_follow_dns_unless_pinned") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = serving_hosts(2, 6443, |i| format!("s{}", i + 1))?;

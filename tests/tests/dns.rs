@@ -9,7 +9,7 @@ use lb_tests::{DnsServer, Host, RecordType, skip_unless_root};
 
 #[test]
 fn dns_answers_change_after_a_rewrite() -> Result<()> {
-    if skip_unless_root("dns_answers_change_after_a_rewrite") {
+    if skip_unless_root() {
         return Ok(());
     }
     // Two test hosts for the records to point at (nothing dials them here).

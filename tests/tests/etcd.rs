@@ -263,7 +263,7 @@ fn secs(d: Duration) -> String {
 
 #[test]
 fn supervisor_down_fails_over_the_etcd_balancer() -> Result<()> {
-    if skip_unless_root("supervisor_down_fails_over_the_etcd_balancer") {
+    if skip_unless_root() {
         return Ok(());
     }
     let t_test = Instant::now();
@@ -599,7 +599,7 @@ fn supervisor_down_fails_over_the_etcd_balancer() -> Result<()> {
 
 #[test]
 fn etcd_support_member_stop_remove_and_add() -> Result<()> {
-    if skip_unless_root("etcd_support_member_stop_remove_and_add") {
+    if skip_unless_root() {
         return Ok(());
     }
     let t = Instant::now();

@@ -8,13 +8,14 @@
 use std::{
     io::Read as _,
     net::SocketAddr,
-    path::PathBuf,
     sync::mpsc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Holder, Host, Lb, Place, TestCgroup, free_port, skip_unless_root};
+use lb_tests::{
+    Fixture, Holder, Lb, Place, TestCgroup, Toml, free_port, skip_unless_root, wait_server_state,
+};
 
 /// Check settings of every test: FAILED within 0.5 × 2 + 0.3 = 1.3 s of the blackhole.
 const INTERVAL_MS: u64 = 500;
@@ -23,168 +24,104 @@ const TIMEOUT_MS: u64 = 300;
 /// Scheduling and polling slack on a shared, loaded machine.
 const SLACK_MS: u64 = 700;
 
-const CONFIG: &str = r#"
-[datapath]
-mode = "auto"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "http"
-url = "http://{server}/healthz"
-interval = "{interval}ms"
-timeout = "{timeout}ms"
-rise = 2
-fall = {fall}
-{extra}
-"#;
-
-struct Setup {
-    hosts: Vec<Host>,
-    cg: TestCgroup,
-    lb: Lb,
-    listen: SocketAddr,
-    config: PathBuf,
+/// Two hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `extra` health settings;
+/// returns once both servers are PREFERRED, so every new client lands on `s0`.
+fn setup(extra: &str) -> Result<Fixture> {
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let config = |_: &TestCgroup, listen: SocketAddr| {
+        Toml::new()
+            .table("datapath")
+            .string("mode", "auto")
+            .array_table("balancer")
+            .string("name", "api")
+            .value("listen", format!("[\"{listen}\"]"))
+            .value("servers", format!("[{servers}]"))
+            .string("policy", "failover")
+            .string("dial_timeout", "1s")
+            .table("balancer.health")
+            .string("kind", "http")
+            .string("url", "http://{server}/healthz")
+            .string("interval", &format!("{INTERVAL_MS}ms"))
+            .string("timeout", &format!("{TIMEOUT_MS}ms"))
+            .value("rise", 2)
+            .value("fall", FALL)
+            .lines(extra)
+    };
+    let s = Fixture::start(
+        hosts,
+        9000,
+        config,
+        &["--cgroup", "{cgroup}", "--forwarding", "splice"],
+    )?;
+    s.wait_all("api", "PREFERRED", Duration::from_secs(10))?;
+    Ok(s)
 }
 
-impl Drop for Setup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.config);
-    }
+/// State and connection count of server `i` from `/status`.
+fn server_status(s: &Fixture, i: usize) -> Result<(String, u64)> {
+    let st = s.lb.status()?;
+    let addr = &s.names[i];
+    let v = st["balancers"][0]["servers"]
+        .as_array()
+        .context("servers")?
+        .iter()
+        .find(|s| s["address"] == addr.as_str())
+        .with_context(|| format!("{addr} not in /status: {st}"))?;
+    Ok((
+        v["state"].as_str().unwrap_or("").to_string(),
+        v["connections"].as_u64().unwrap_or(0),
+    ))
 }
 
-impl Setup {
-    /// Two hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `extra` health settings;
-    /// returns once both servers are PREFERRED, so every new client lands on `s0`.
-    fn new(extra: &str) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let port = free_port()?;
-        let servers = lb_tests::toml_addrs(&hosts, 9000);
-        let text = CONFIG
-            .replace("{port}", &port.to_string())
-            .replace("{servers}", &servers)
-            .replace("{interval}", &INTERVAL_MS.to_string())
-            .replace("{timeout}", &TIMEOUT_MS.to_string())
-            .replace("{fall}", &FALL.to_string())
-            .replace("{extra}", extra);
-        let config =
-            std::env::temp_dir().join(format!("lb-failover-{}-{port}.toml", std::process::id()));
-        std::fs::write(&config, &text)?;
-        let lb = Lb::start(&[
-            "--config",
-            &config.display().to_string(),
-            "--cgroup",
-            &cg.path.display().to_string(),
-            "--forwarding",
-            "splice",
-        ])?;
-        let s = Setup {
-            hosts,
-            cg,
-            lb,
-            listen: format!("127.0.0.1:{port}").parse()?,
-            config,
-        };
-        for i in 0..2 {
-            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
-        }
-        Ok(s)
+/// `n` clients holding connections through lb (each reconnects up to 3 times), all on `s0`.
+fn holders(s: &Fixture, n: usize) -> Result<Vec<Holder>> {
+    let hs: Vec<Holder> = (0..n)
+        .map(|_| Holder::start(&s.place(), s.listen, 3, 60_000))
+        .collect::<Result<_>>()?;
+    for h in &hs {
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "client should start on s0: {ev}");
     }
+    Ok(hs)
+}
 
-    fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
-    }
+/// Blackhole `s0` and return (when it was blackholed, when lb showed it FAILED), checking
+/// the bound `interval × fall + timeout`.
+fn fail_s0(s: &Fixture) -> Result<(Instant, Instant)> {
+    let t0 = Instant::now();
+    s.hosts[0].blackhole(true)?;
+    let waiting = Instant::now();
+    let failed =
+        waiting + wait_server_state(&s.lb, "api", &s.names[0], "FAILED", Duration::from_secs(10))?;
+    let took = failed - t0;
+    let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
+    eprintln!("s0 FAILED {:.3} s after the blackhole", took.as_secs_f64());
+    ensure!(
+        took <= bound,
+        "FAILED after {took:?}, bound {bound:?} (interval × fall + timeout + slack)"
+    );
+    Ok((t0, failed))
+}
 
-    fn server(&self, i: usize) -> String {
-        self.hosts[i].addr(9000).to_string()
-    }
-
-    /// State and connection count of server `i` from `/status`.
-    fn server_status(&self, i: usize) -> Result<(String, u64)> {
-        let st = self.lb.status()?;
-        let addr = self.server(i);
-        let s = st["balancers"][0]["servers"]
-            .as_array()
-            .context("servers")?
-            .iter()
-            .find(|s| s["address"] == addr.as_str())
-            .with_context(|| format!("{addr} not in /status: {st}"))?;
-        Ok((
-            s["state"].as_str().unwrap_or("").to_string(),
-            s["connections"].as_u64().unwrap_or(0),
-        ))
-    }
-
-    /// Poll `/status` every 10 ms until server `i` is `want`; returns when that was seen.
-    fn wait_state(&self, i: usize, want: &str, limit: Duration) -> Result<Instant> {
-        let start = Instant::now();
-        loop {
-            if self.server_status(i)?.0 == want {
-                return Ok(Instant::now());
-            }
-            if start.elapsed() > limit {
-                bail!(
-                    "server s{i} is {:?}, not {want}, after {limit:?}\n{}",
-                    self.server_status(i)?,
-                    self.lb.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// `n` clients holding connections through lb (each reconnects up to 3 times), all on `s0`.
-    fn holders(&self, n: usize) -> Result<Vec<Holder>> {
-        let hs: Vec<Holder> = (0..n)
-            .map(|_| Holder::start(&self.place(), self.listen, 3, 60_000))
-            .collect::<Result<_>>()?;
-        for h in &hs {
-            let ev = h.wait_for("connected", Duration::from_secs(10))?;
-            ensure!(ev["server"] == "s0", "client should start on s0: {ev}");
-        }
-        Ok(hs)
-    }
-
-    /// Blackhole `s0` and return (when it was blackholed, when lb showed it FAILED), checking
-    /// the bound `interval × fall + timeout`.
-    fn fail_s0(&self) -> Result<(Instant, Instant)> {
-        let t0 = Instant::now();
-        self.hosts[0].blackhole(true)?;
-        let failed = self.wait_state(0, "FAILED", Duration::from_secs(10))?;
-        let took = failed - t0;
-        let bound = Duration::from_millis(INTERVAL_MS * FALL + TIMEOUT_MS + SLACK_MS);
-        eprintln!("s0 FAILED {:.3} s after the blackhole", took.as_secs_f64());
-        ensure!(
-            took <= bound,
-            "FAILED after {took:?}, bound {bound:?} (interval × fall + timeout + slack)"
-        );
-        Ok((t0, failed))
-    }
-
-    fn metric(&self, name: &str, label: &str) -> f64 {
-        let (_, body) = self.lb.get("/metrics").unwrap_or_default();
-        body.lines()
-            .filter(|l| l.starts_with(name) && l.contains(label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
+/// The sum of the samples of metrics whose line starts with `name` and holds `label`.
+fn metric(s: &Fixture, name: &str, label: &str) -> f64 {
+    let (_, body) = s.lb.get("/metrics").unwrap_or_default();
+    body.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 #[test]
 fn blackholed_server_fails_and_clients_reconnect_elsewhere() -> Result<()> {
-    if skip_unless_root("blackholed_server_fails_and_clients_reconnect_elsewhere") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new(r#"on_unhealthy = "kill""#)?;
-    let holders = s.holders(3)?;
-    ensure!(s.server_status(0)?.1 == 3, "{:?}", s.server_status(0)?);
-    let (_, failed) = s.fail_s0()?;
+    let s = setup(r#"on_unhealthy = "kill""#)?;
+    let holders = holders(&s, 3)?;
+    ensure!(server_status(&s, 0)?.1 == 3, "{:?}", server_status(&s, 0)?);
+    let (_, failed) = fail_s0(&s)?;
     for (i, h) in holders.iter().enumerate() {
         let closed = h.wait_for("closed", Duration::from_secs(5))?;
         let after = Instant::now().saturating_duration_since(failed);
@@ -205,11 +142,11 @@ fn blackholed_server_fails_and_clients_reconnect_elsewhere() -> Result<()> {
         ensure!(again["server"] == "s1", "client {i} reconnected to {again}");
     }
     ensure!(
-        s.server_status(1)?.0 == "ACTIVE",
+        server_status(&s, 1)?.0 == "ACTIVE",
         "{:?}",
-        s.server_status(1)?
+        server_status(&s, 1)?
     );
-    let killed = s.metric("lb_connections_killed_total", "reason=\"health\"");
+    let killed = metric(&s, "lb_connections_killed_total", "reason=\"health\"");
     ensure!(
         killed >= 3.0,
         "lb_connections_killed_total unhealthy = {killed}"
@@ -219,12 +156,12 @@ fn blackholed_server_fails_and_clients_reconnect_elsewhere() -> Result<()> {
 
 #[test]
 fn drain_kills_after_drain_timeout() -> Result<()> {
-    if skip_unless_root("drain_kills_after_drain_timeout") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new("on_unhealthy = \"drain\"\ndrain_timeout = \"2s\"")?;
-    let holders = s.holders(2)?;
-    let (_, failed) = s.fail_s0()?;
+    let s = setup("on_unhealthy = \"drain\"\ndrain_timeout = \"2s\"")?;
+    let holders = holders(&s, 2)?;
+    let (_, failed) = fail_s0(&s)?;
     // New clients go to s1 while s0 drains.
     let fresh = Holder::start(&s.place(), s.listen, 0, 10_000)?;
     let ev = fresh.wait_for("connected", Duration::from_secs(5))?;
@@ -233,9 +170,9 @@ fn drain_kills_after_drain_timeout() -> Result<()> {
         "a new client during the drain went to {ev}"
     );
     ensure!(
-        s.server_status(0)?.1 == 2,
+        server_status(&s, 0)?.1 == 2,
         "s0 keeps its 2 connections while draining: {:?}",
-        s.server_status(0)?
+        server_status(&s, 0)?
     );
     for (i, h) in holders.iter().enumerate() {
         let closed = h.wait_for("closed", Duration::from_secs(6))?;
@@ -252,19 +189,19 @@ fn drain_kills_after_drain_timeout() -> Result<()> {
         let again = h.wait_for("connected", Duration::from_secs(5))?;
         ensure!(again["server"] == "s1", "client {i} reconnected to {again}");
     }
-    let drained = s.metric("lb_connections_killed_total", "reason=\"drain\"");
+    let drained = metric(&s, "lb_connections_killed_total", "reason=\"drain\"");
     ensure!(drained >= 2.0, "drain_timeout kills = {drained}");
     Ok(())
 }
 
 #[test]
 fn keep_leaves_connections_alone() -> Result<()> {
-    if skip_unless_root("keep_leaves_connections_alone") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new(r#"on_unhealthy = "keep""#)?;
-    let holders = s.holders(2)?;
-    s.fail_s0()?;
+    let s = setup(r#"on_unhealthy = "keep""#)?;
+    let holders = holders(&s, 2)?;
+    fail_s0(&s)?;
     let fresh = Holder::start(&s.place(), s.listen, 0, 10_000)?;
     let ev = fresh.wait_for("connected", Duration::from_secs(5))?;
     ensure!(ev["server"] == "s1", "a new client went to {ev}");
@@ -274,7 +211,7 @@ fn keep_leaves_connections_alone() -> Result<()> {
             bail!("client {i} saw {ev} although on_unhealthy = keep");
         }
     }
-    ensure!(s.server_status(0)?.1 == 2, "{:?}", s.server_status(0)?);
+    ensure!(server_status(&s, 0)?.1 == 2, "{:?}", server_status(&s, 0)?);
     Ok(())
 }
 
@@ -290,21 +227,21 @@ fn direct(addr: &str) -> Result<std::net::TcpStream> {
 
 #[test]
 fn node_scope_destroys_other_processes_connections() -> Result<()> {
-    if skip_unless_root("node_scope_destroys_other_processes_connections") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new(r#"kill_scope = "node""#)?;
-    let _holders = s.holders(1)?;
+    let s = setup(r#"kill_scope = "node""#)?;
+    let _holders = holders(&s, 1)?;
     // Connections the test process (not lb, outside the cgroup) opened itself.
-    let mut to_failed = direct(&s.server(0))?;
-    let mut to_healthy = direct(&s.server(1))?;
+    let mut to_failed = direct(&s.names[0])?;
+    let mut to_healthy = direct(&s.names[1])?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = to_failed.set_read_timeout(Some(Duration::from_secs(20)));
         let r = to_failed.read(&mut [0u8; 16]);
         let _ = tx.send((Instant::now(), r));
     });
-    let (_, failed) = s.fail_s0()?;
+    let (_, failed) = fail_s0(&s)?;
     let (ended, result) = rx
         .recv_timeout(Duration::from_secs(15))
         .context("reader thread")?;
@@ -349,7 +286,7 @@ fn node_scope_destroys_other_processes_connections() -> Result<()> {
 /// whose result is older than `max_age` (or that was never checked) checks it first.
 #[test]
 fn loop_off_checks_only_before_a_dial() -> Result<()> {
-    if skip_unless_root("loop_off_checks_only_before_a_dial") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

@@ -174,7 +174,7 @@ fn warnings(lb: &Lb) -> usize {
 
 #[test]
 fn state_file_is_private_and_survives_a_full_and_a_read_only_disk() -> Result<()> {
-    if skip_unless_root("state_file_is_private_and_survives_a_full_and_a_read_only_disk") {
+    if skip_unless_root() {
         return Ok(());
     }
     let host = Host::serving(9000, "s0")?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     Host, Layout, Lb, Place, Supervisor, TempDir, TestCgroup, TestPki, https_ping, layout,
-    run_client, skip_unless_root, wait_until,
+    run_client, skip_unless_root, wait_server_state, wait_until,
 };
 
 /// Bound on a server turning FAILED after its supervisor stops: interval × fall + timeout of the
@@ -86,13 +86,6 @@ fn states(lb: &Lb, name: &str) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
-fn state_of(lb: &Lb, name: &str, server: &str) -> Result<String> {
-    Ok(states(lb, name)?
-        .into_iter()
-        .find(|(a, _)| a == server)
-        .map_or_else(|| "(absent)".into(), |(_, s)| s))
-}
-
 /// Wait until every server of every balancer of `layout` has passed its checks (PREFERRED,
 /// HEALTHY or ACTIVE), and the servers are exactly the test hosts' on `ports` (by balancer).
 fn wait_all_up(lb: &Lb, layout: &Layout, fleet: &Fleet, ports: &[u16]) -> Result<()> {
@@ -122,17 +115,6 @@ fn wait_all_up(lb: &Lb, layout: &Layout, fleet: &Fleet, ports: &[u16]) -> Result
         })?;
     }
     Ok(())
-}
-
-/// Wait until `server` of balancer `name` is `want`; how long it took.
-fn wait_state(lb: &Lb, name: &str, server: &str, want: &str, within: Duration) -> Result<Duration> {
-    wait_until(within, || Ok(state_of(lb, name, server)? == want)).with_context(|| {
-        format!(
-            "{name}: {server} is {}, expected {want}\n{}",
-            state_of(lb, name, server).unwrap_or_default(),
-            lb.log_text()
-        )
-    })
 }
 
 /// The agent layouts: the balancers are those of `shipped` (name, listener as the file has it,
@@ -174,19 +156,19 @@ fn agent_layout(
             "{name}: no pong through lb"
         );
         let s0 = fleet.hosts[0].addr(*port).to_string();
-        wait_state(&lb, name, &s0, "ACTIVE", T)?;
+        wait_server_state(&lb, name, &s0, "ACTIVE", T)?;
     }
     fleet.stop(0, sup_port)?;
     for ((name, _, test_port), port) in layout.listeners.iter().zip(&ports) {
         let s0 = fleet.hosts[0].addr(*port).to_string();
-        let took = wait_state(&lb, name, &s0, "FAILED", FAIL_WITHIN)?;
+        let took = wait_server_state(&lb, name, &s0, "FAILED", FAIL_WITHIN)?;
         eprintln!("{rel} {name}: {s0} FAILED {took:?} after its supervisor stopped");
         ensure!(
             https_ping(*test_port, &ca)? == "pong",
             "{name}: no pong after the failover"
         );
         let s1 = fleet.hosts[1].addr(*port).to_string();
-        wait_state(&lb, name, &s1, "ACTIVE", T)?;
+        wait_server_state(&lb, name, &s1, "ACTIVE", T)?;
     }
     Ok(())
 }
@@ -213,14 +195,14 @@ fn server_layout(rel: &str, sup_port: u16) -> Result<()> {
     peer("s0")?;
     fleet.stop(0, sup_port)?;
     let s0 = fleet.hosts[0].addr(2379).to_string();
-    let took = wait_state(&lb, "etcd", &s0, "FAILED", FAIL_WITHIN)?;
+    let took = wait_server_state(&lb, "etcd", &s0, "FAILED", FAIL_WITHIN)?;
     eprintln!("{rel}: {s0} FAILED {took:?} after its supervisor stopped (its etcd still serves)");
     peer("s1")
 }
 
 #[test]
 fn k3s_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
-    if skip_unless_root("k3s_agent_layout_carries_supervisor_and_apiserver") {
+    if skip_unless_root() {
         return Ok(());
     }
     // As shipped (the check skips verification until the agent has joined): one balancer on
@@ -241,7 +223,7 @@ fn k3s_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
 
 #[test]
 fn rke2_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
-    if skip_unless_root("rke2_agent_layout_carries_supervisor_and_apiserver") {
+    if skip_unless_root() {
         return Ok(());
     }
     // The agent joins through 127.0.0.1:9345 and derives the apiserver at 127.0.0.1:6443.
@@ -254,7 +236,7 @@ fn rke2_agent_layout_carries_supervisor_and_apiserver() -> Result<()> {
 
 #[test]
 fn k3s_server_layout_carries_etcd() -> Result<()> {
-    if skip_unless_root("k3s_server_layout_carries_etcd") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_layout("k3s/server.toml", 6443)
@@ -262,7 +244,7 @@ fn k3s_server_layout_carries_etcd() -> Result<()> {
 
 #[test]
 fn rke2_server_layout_carries_etcd() -> Result<()> {
-    if skip_unless_root("rke2_server_layout_carries_etcd") {
+    if skip_unless_root() {
         return Ok(());
     }
     server_layout("rke2/server.toml", 9345)
@@ -294,7 +276,7 @@ impl Drop for BindMount {
 /// the servers' CA. A root with no cgroup v2 below it is refused, naming the directory.
 #[test]
 fn daemonset_finds_the_hybrid_cgroup_v2_mount() -> Result<()> {
-    if skip_unless_root("daemonset_finds_the_hybrid_cgroup_v2_mount") {
+    if skip_unless_root() {
         return Ok(());
     }
     let yaml = lb_tests::repo_file("deploy/k3s/daemonset.yaml")?;

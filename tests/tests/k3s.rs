@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{Holder, Lb, Place, TestCgroup, free_port, http_request, skip_unless_root};
+use lb_tests::{
+    Holder, Lb, Place, TestCgroup, free_port, http_request, skip_unless_root, wait_server_state,
+};
 
 fn state_of(lb: &Lb, server: &str) -> Result<String> {
     let st = lb.status()?;
@@ -17,22 +19,6 @@ fn state_of(lb: &Lb, server: &str) -> Result<String> {
         .map_or("(absent)".to_string(), |s| {
             s["state"].as_str().unwrap_or("").to_string()
         }))
-}
-
-fn wait_state(lb: &Lb, server: &str, want: &str, timeout: Duration) -> Result<()> {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        let now = state_of(lb, server)?;
-        if now == want {
-            return Ok(());
-        }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "{server} is {now}, expected {want}: {}",
-            lb.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn killed(lb: &Lb, reason: &str) -> f64 {
@@ -56,7 +42,7 @@ fn all_reconnect_to(holders: &[Holder], server: &str) -> Result<()> {
 
 #[test]
 fn k3s_failover_failback_and_set_change() -> Result<()> {
-    if skip_unless_root("k3s_failover_failback_and_set_change") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(3, 6443, |i| format!("s{}", i + 1))?;
@@ -104,7 +90,7 @@ fall = 1
     ])?;
     lb.wait_ready(Duration::from_secs(10))?;
     for a in &addr {
-        wait_state(&lb, a, "PREFERRED", Duration::from_secs(5))?;
+        wait_server_state(&lb, "apiserver", a, "PREFERRED", Duration::from_secs(5))?;
     }
 
     // Three long-lived clients land on the first server, which turns ACTIVE.
@@ -118,7 +104,7 @@ fall = 1
 
     // Failover: s1 vanishes; its clients are reset and move to s2.
     hosts[0].blackhole(true)?;
-    wait_state(&lb, &addr[0], "FAILED", Duration::from_secs(3))?;
+    wait_server_state(&lb, "apiserver", &addr[0], "FAILED", Duration::from_secs(3))?;
     for h in &holders {
         let ev = h.wait_for("closed", Duration::from_secs(3))?;
         ensure!(

@@ -148,7 +148,7 @@ fn read_only_and_bounded(metrics: SocketAddr) -> Result<()> {
 
 #[test]
 fn k3s_series_on_the_metrics_listener() -> Result<()> {
-    if skip_unless_root("k3s_series_on_the_metrics_listener") {
+    if skip_unless_root() {
         return Ok(());
     }
     let (hosts, lb, listen, metrics, path) = start("interval = \"200ms\"")?;
@@ -215,7 +215,7 @@ fn health_of(body: &str, name: &str, servers: &[String]) -> Vec<f64> {
 
 #[test]
 fn one_compat_observation_per_client_across_servers() -> Result<()> {
-    if skip_unless_root("one_compat_observation_per_client_across_servers") {
+    if skip_unless_root() {
         return Ok(());
     }
     // Checks every minute: the first server's refusal is found by the dial, not by a check.

@@ -10,46 +10,34 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use lb_tests::{
-    Host, Lb, Place, TempDir, TestCgroup, free_port, run_client, skip_unless_root, wait_until,
+    Fixture, Host, Lb, Place, TestCgroup, Toml, run_client, skip_unless_root, wait_until,
 };
 
 /// One server host, lb on the copy path with `extra` balancer keys, through `wrapper`.
-struct Setup {
-    _host: Host,
-    _dir: TempDir,
-    lb: Lb,
-    listen: SocketAddr,
+fn setup(extra: &str, wrapper: &[&str]) -> Result<Fixture> {
+    setup_with_datapath("mode = \"userspace\"", extra, wrapper)
 }
 
-impl Setup {
-    fn new(extra: &str, wrapper: &[&str]) -> Result<Setup> {
-        Setup::with_datapath("mode = \"userspace\"", extra, wrapper)
-    }
-
-    /// As [`Setup::new`] with `datapath` as the `[datapath]` keys.
-    fn with_datapath(datapath: &str, extra: &str, wrapper: &[&str]) -> Result<Setup> {
-        let host = Host::serving(9000, "s0")?;
-        let dir = TempDir::new("lb-limits")?;
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let cfg = dir.join("lb.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "[datapath]\n{datapath}\n[[balancer]]\nname = \"b\"\nlisten = [\"{listen}\"]\nservers = [\"{}\"]\nforwarding = \"splice\"\n{extra}",
-                host.addr(9000)
-            ),
-        )?;
-        let lb = Lb::start_via(wrapper, &["--config", cfg.to_str().context("path")?])?;
-        lb.wait_settled(Duration::from_secs(10))?;
-        Ok(Setup {
-            _host: host,
-            _dir: dir,
-            lb,
-            listen,
-        })
-    }
+/// As [`setup`] with `datapath` as the `[datapath]` keys.
+fn setup_with_datapath(datapath: &str, extra: &str, wrapper: &[&str]) -> Result<Fixture> {
+    let host = Host::serving(9000, "s0")?;
+    let server = host.addr(9000);
+    let config = |_: &TestCgroup, listen: SocketAddr| {
+        Toml::new()
+            .table("datapath")
+            .lines(datapath)
+            .array_table("balancer")
+            .string("name", "b")
+            .value("listen", format!("[\"{listen}\"]"))
+            .value("servers", format!("[\"{server}\"]"))
+            .string("forwarding", "splice")
+            .lines(extra)
+    };
+    let s = Fixture::start_via(wrapper, vec![host], 9000, config, &[])?;
+    s.lb.wait_settled(Duration::from_secs(10))?;
+    Ok(s)
 }
 
 /// A client of the server's `ECHO` protocol through lb.
@@ -90,10 +78,10 @@ fn wait_closed(s: &mut TcpStream, within: Duration) -> Result<Duration> {
 
 #[test]
 fn max_connections_resets_the_one_client_too_many() -> Result<()> {
-    if skip_unless_root("max_connections_resets_the_one_client_too_many") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new("max_connections = 3\n", &[])?;
+    let s = setup("max_connections = 3\n", &[])?;
     let mut held = Vec::new();
     for _ in 0..3 {
         let mut c = echo_client(s.listen)?;
@@ -123,10 +111,10 @@ fn max_connections_resets_the_one_client_too_many() -> Result<()> {
 
 #[test]
 fn idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one() -> Result<()> {
-    if skip_unless_root("idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new("idle_timeout = \"1s\"\n", &[])?;
+    let s = setup("idle_timeout = \"1s\"\n", &[])?;
     let mut quiet = echo_client(s.listen)?;
     ping(&mut quiet)?;
     let mut busy = echo_client(s.listen)?;
@@ -170,12 +158,12 @@ fn idle_timeout_closes_a_quiet_connection_and_keeps_a_busy_one() -> Result<()> {
 /// 300 ms), while a quiet connection is still closed.
 #[test]
 fn idle_timeout_sees_bytes_the_kernel_splices() -> Result<()> {
-    if skip_unless_root("idle_timeout_sees_bytes_the_kernel_splices") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
     let datapath = format!("mode = \"bpf\"\ncgroup = \"{}\"", cg.path.display());
-    let s = Setup::with_datapath(&datapath, "idle_timeout = \"300ms\"\n", &[])?;
+    let s = setup_with_datapath(&datapath, "idle_timeout = \"300ms\"\n", &[])?;
     let n = (4u64 << 30).to_string();
     let start = Instant::now();
     let v = run_client(
@@ -216,10 +204,10 @@ const NOFILE: &str = "--nofile=64:64";
 
 #[test]
 fn out_of_descriptors_at_accept_is_survived() -> Result<()> {
-    if skip_unless_root("out_of_descriptors_at_accept_is_survived") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new("", &["prlimit", NOFILE, "--"])?;
+    let s = setup("", &["prlimit", NOFILE, "--"])?;
     ensure!(
         s.lb.log_text().contains("limit=64") || s.lb.log_text().contains("open-files limit"),
         "{}",

@@ -45,7 +45,7 @@ fn upstream(lb: &Lb, kind: &str, balancer: &str) -> f64 {
 /// rule").
 #[test]
 fn ipv4_and_ipv6_wildcards_on_one_port_count_for_their_own_balancer() -> Result<()> {
-    if skip_unless_root("ipv4_and_ipv6_wildcards_on_one_port_count_for_their_own_balancer") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -149,7 +149,7 @@ servers = ["{}"]
 /// listener is registered and spliced.
 #[test]
 fn wildcard_listener_registers_local_destinations_only() -> Result<()> {
-    if skip_unless_root("wildcard_listener_registers_local_destinations_only") {
+    if skip_unless_root() {
         return Ok(());
     }
     let port = free_port()?;
@@ -198,7 +198,7 @@ fn wildcard_listener_registers_local_destinations_only() -> Result<()> {
 /// the `AF_INET` socket it accepted (before, the two keys never met and it was always copied).
 #[test]
 fn ipv4_mapped_client_of_an_ipv4_listener_splices() -> Result<()> {
-    if skip_unless_root("ipv4_mapped_client_of_an_ipv4_listener_splices") {
+    if skip_unless_root() {
         return Ok(());
     }
     let port = free_port()?;

@@ -11,32 +11,33 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    Holder, Host, Lb, Place, TempDir, TestCgroup, UpLb, free_port, run_client, skip_unless_kernel,
-    skip_unless_root,
+    Holder, Host, Lb, Place, TempDir, TestCgroup, Toml, UpLb, free_port, run_client,
+    skip_unless_kernel, skip_unless_root,
 };
 
 const T: Duration = Duration::from_secs(60);
 
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 15), "the kernel data path")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 15), "the kernel data path")
 }
 
 /// The pod (`host`'s namespace, serving `s0` on its veth address and `pod` on its own
-/// `127.0.0.1:P`), the cgroup, and lb listening on `127.0.0.1:P` in front of `s0`.
-struct Setup {
+/// `127.0.0.1:P`), the cgroup, and the configs of an lb listening on `127.0.0.1:P` in front of
+/// `s0`, which each test starts (and starts again) itself.
+struct Pod {
     host: Host,
     cg: TestCgroup,
     listen: SocketAddr,
     dir: TempDir,
 }
 
-impl Setup {
-    fn new() -> Result<Setup> {
+impl Pod {
+    fn new() -> Result<Pod> {
         let mut host = Host::serving(9000, "s0")?;
         let port = free_port()?;
         let listen: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         host.serve_on(listen, "pod")?;
-        Ok(Setup {
+        Ok(Pod {
             host,
             cg: TestCgroup::new()?,
             listen,
@@ -47,33 +48,29 @@ impl Setup {
     /// A config file: one balancer `api` on `127.0.0.1:P` over `s0`, forwarding
     /// `forwarding`, and `namespaces` when given (else the default).
     fn config(&self, forwarding: &str, namespaces: Option<&str>) -> Result<String> {
-        let scope = namespaces.map_or(String::new(), |n| format!("namespaces = \"{n}\"\n"));
-        let text = format!(
-            r#"
-[datapath]
-mode = "bpf"
-
-[[balancer]]
-name = "api"
-listen = ["{listen}"]
-servers = ["{s0}"]
-forwarding = "{forwarding}"
-{scope}
-[balancer.health]
-kind = "tcp"
-interval = "500ms"
-timeout = "300ms"
-rise = 1
-"#,
-            listen = self.listen,
-            s0 = self.host.addr(9000),
-        );
+        let mut balancer = Toml::new()
+            .table("datapath")
+            .string("mode", "bpf")
+            .array_table("balancer")
+            .string("name", "api")
+            .value("listen", format!("[\"{}\"]", self.listen))
+            .value("servers", format!("[\"{}\"]", self.host.addr(9000)))
+            .string("forwarding", forwarding);
+        if let Some(n) = namespaces {
+            balancer = balancer.string("namespaces", n);
+        }
+        let text = balancer
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", "500ms")
+            .string("timeout", "300ms")
+            .value("rise", 1);
         let file = self.dir.join(&format!("{forwarding}.toml"));
-        std::fs::write(&file, text)?;
+        std::fs::write(&file, text.text())?;
         Ok(file.display().to_string())
     }
 
-    /// lb with [`Setup::config`], settled, its scope checked in `/status`.
+    /// lb with [`Pod::config`], settled, its scope checked in `/status`.
     fn lb(&self, forwarding: &str, namespaces: Option<&str>) -> Result<Lb> {
         let file = self.config(forwarding, namespaces)?;
         let lb = Lb::start(&[
@@ -123,10 +120,10 @@ fn skipped(lb: &Lb, program: &str) -> f64 {
 
 #[test]
 fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
-    if skip("connect_time_leaves_a_pod_to_its_own_server") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new()?;
+    let s = Pod::new()?;
     let lb = s.lb("connect", None)?;
 
     let v = run_client(&s.pod(), s.listen, &["peer"], T)?;
@@ -167,10 +164,10 @@ fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
 
 #[test]
 fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
-    if skip("splice_leaves_a_pod_socket_unregistered") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new()?;
+    let s = Pod::new()?;
     let lb = s.lb("splice", None)?;
 
     // The pod holds a connection to its own server: sockops gives it no flow (nor psock).
@@ -214,10 +211,10 @@ fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
 
 #[test]
 fn an_upgrade_keeps_the_scope_or_applies_a_new_one() -> Result<()> {
-    if skip("an_upgrade_keeps_the_scope_or_applies_a_new_one") {
+    if skip() {
         return Ok(());
     }
-    let s = Setup::new()?;
+    let s = Pod::new()?;
     let file = s.config("connect", None)?;
     let cg = s.cg.path.display().to_string();
     let mut lb = UpLb::start(&["--config", &file, "--cgroup", &cg], &[])?;

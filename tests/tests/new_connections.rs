@@ -8,13 +8,14 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{Host, Lb, Place, free_port, run_client, skip_unless_root};
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    Fixture, Host, Place, TestCgroup, Toml, run_client, skip_unless_root, timed, wait_server_state,
+};
 
 /// Checks: FAILED within 0.5 × 2 + 0.3 = 1.3 s of a blackhole.
 const INTERVAL_MS: u64 = 500;
@@ -25,124 +26,68 @@ const BOUND_MS: u64 = INTERVAL_MS * FALL + TIMEOUT_MS + 1000;
 /// Scheduling slack on a loaded 2-core machine (process start of the client included).
 const SLACK_MS: u64 = 700;
 
-/// Inside a qemu guest under TCG, time runs unevenly (a 10k ping-pong took 0.2-6 s): there the
-/// tests assert what happens, not how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
+/// Two hosts `s0`, `s1` on :9000 behind lb (userspace copy: dialing is what is tested),
+/// `dial_timeout` long enough that waiting it out would show; returns once both are
+/// PREFERRED.
+fn setup(dial_timeout: &str, all_failed: &str) -> Result<Fixture> {
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    setup_with(hosts, &servers, None, dial_timeout, all_failed, "")
 }
 
-struct Setup {
+/// As [`setup`] with `servers` (TOML list items) naming `hosts`, as `/status` shows them in
+/// `names` (their addresses when `None`).
+fn setup_with(
     hosts: Vec<Host>,
-    /// How `/status` names each host's server.
-    names: Vec<String>,
-    lb: Lb,
-    listen: SocketAddr,
-    config: PathBuf,
+    servers: &str,
+    names: Option<Vec<String>>,
+    dial_timeout: &str,
+    all_failed: &str,
+    health_extra: &str,
+) -> Result<Fixture> {
+    let config = |_: &TestCgroup, listen: SocketAddr| {
+        Toml::new()
+            .array_table("balancer")
+            .string("name", "api")
+            .value("listen", format!("[\"{listen}\"]"))
+            .value("servers", format!("[{servers}]"))
+            .string("dial_timeout", dial_timeout)
+            .string("all_failed", all_failed)
+            // Fail-back resets the clients of the backup when the primary returns, by design
+            // (tests/k3s.rs covers it); here every reset would be a client the outage failed,
+            // so it is off.
+            .value("failback", false)
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", &format!("{INTERVAL_MS}ms"))
+            .string("timeout", &format!("{TIMEOUT_MS}ms"))
+            .value("rise", 2)
+            .value("fall", FALL)
+            .lines(health_extra)
+    };
+    let mut s = Fixture::start(hosts, 9000, config, &["--datapath", "userspace"])?;
+    if let Some(names) = names {
+        s.names = names;
+    }
+    // With the loop off nothing is checked until a client comes.
+    if !health_extra.contains("loop = false") {
+        s.wait_all("api", "PREFERRED", Duration::from_secs(10))?;
+    }
+    Ok(s)
 }
 
-impl Drop for Setup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
-
-impl Setup {
-    /// Two hosts `s0`, `s1` on :9000 behind lb (userspace copy: dialing is what is tested),
-    /// `dial_timeout` long enough that waiting it out would show; returns once both are
-    /// PREFERRED.
-    fn new(dial_timeout: &str, all_failed: &str) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let servers = lb_tests::toml_addrs(&hosts, 9000);
-        let names = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
-        Setup::with(hosts, &servers, names, dial_timeout, all_failed, "")
-    }
-
-    /// As [`Setup::new`] with `servers` (TOML list items) naming `hosts`, as `/status` shows
-    /// them in `names`.
-    fn with(
-        hosts: Vec<Host>,
-        servers: &str,
-        names: Vec<String>,
-        dial_timeout: &str,
-        all_failed: &str,
-        health_extra: &str,
-    ) -> Result<Setup> {
-        let port = free_port()?;
-        let text = format!(
-            r#"
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-dial_timeout = "{dial_timeout}"
-all_failed = "{all_failed}"
-# Fail-back resets the clients of the backup when the primary returns, by design (tests/k3s.rs
-# covers it); here every reset would be a client the outage failed, so it is off.
-failback = false
-
-[balancer.health]
-kind = "tcp"
-interval = "{INTERVAL_MS}ms"
-timeout = "{TIMEOUT_MS}ms"
-rise = 2
-fall = {FALL}
-{health_extra}
-"#
-        );
-        let config =
-            std::env::temp_dir().join(format!("lb-new-conns-{}-{port}.toml", std::process::id()));
-        std::fs::write(&config, &text)?;
-        let lb = Lb::start(&[
-            "--config",
-            &config.display().to_string(),
-            "--datapath",
-            "userspace",
-        ])?;
-        let s = Setup {
-            hosts,
-            names,
-            lb,
-            listen: format!("127.0.0.1:{port}").parse()?,
-            config,
-        };
-        // With the loop off nothing is checked until a client comes.
-        if !health_extra.contains("loop = false") {
-            for i in 0..2 {
-                s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
-            }
-        }
-        Ok(s)
-    }
-
-    fn state(&self, i: usize) -> Result<String> {
-        let st = self.lb.status()?;
-        let addr = &self.names[i];
-        Ok(st["balancers"][0]["servers"]
-            .as_array()
-            .context("servers")?
-            .iter()
-            .find(|s| s["address"] == addr.as_str())
-            .and_then(|s| s["state"].as_str())
-            .unwrap_or("")
-            .to_string())
-    }
-
-    fn wait_state(&self, i: usize, want: &str, within: Duration) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            let now = self.state(i)?;
-            if now == want {
-                return Ok(());
-            }
-            if start.elapsed() > within {
-                bail!(
-                    "s{i} is {now}, not {want}, after {within:?}\n{}",
-                    self.lb.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+/// The state `/status` shows for server `i` of `s` ("" when it is not listed).
+fn state(s: &Fixture, i: usize) -> Result<String> {
+    let st = s.lb.status()?;
+    let addr = &s.names[i];
+    Ok(st["balancers"][0]["servers"]
+        .as_array()
+        .context("servers")?
+        .iter()
+        .find(|s| s["address"] == addr.as_str())
+        .and_then(|s| s["state"].as_str())
+        .unwrap_or("")
+        .to_string())
 }
 
 /// As [`client`], reconnecting once when reset, as real clients do: one that connected to a
@@ -168,11 +113,10 @@ fn client(listen: SocketAddr, limit: Duration) -> Result<(bool, Duration)> {
 
 #[test]
 fn a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time() -> Result<()> {
-    let name = "a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new("10s", "try")?;
+    let s = setup("10s", "try")?;
     // s0 is preferred: a new client's dial to it hangs once it is blackholed.
     s.hosts[0].blackhole(true)?;
     std::thread::sleep(Duration::from_millis(200));
@@ -193,11 +137,10 @@ fn a_client_connecting_during_a_blackhole_is_served_by_the_backup_in_time() -> R
 
 #[test]
 fn a_connect_loop_through_three_outages_never_waits_past_the_bound() -> Result<()> {
-    let name = "a_connect_loop_through_three_outages_never_waits_past_the_bound";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
-    connect_loop_through_outages(&Setup::new("10s", "try")?, 3)
+    connect_loop_through_outages(&setup("10s", "try")?, 3)
 }
 
 /// Lines added to `/etc/hosts` for one test, removed on drop (also when the test fails).
@@ -236,8 +179,7 @@ impl Drop for HostsEntries {
 /// its own server, so with either one blackholed the name keeps serving every new client.
 #[test]
 fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()> {
-    let test = "a_name_with_two_addresses_keeps_serving_with_either_blackholed";
-    if skip_unless_root(test) {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -247,7 +189,14 @@ fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()
         .iter()
         .map(|h| format!("{name}:9000 ({})", h.ip))
         .collect();
-    let s = Setup::with(hosts, &format!("\"{name}:9000\""), names, "10s", "try", "")?;
+    let s = setup_with(
+        hosts,
+        &format!("\"{name}:9000\""),
+        Some(names),
+        "10s",
+        "try",
+        "",
+    )?;
     let st = s.lb.status()?;
     ensure!(
         st["balancers"][0]["servers"].as_array().map(Vec::len) == Some(2),
@@ -258,7 +207,7 @@ fn a_name_with_two_addresses_keeps_serving_with_either_blackholed() -> Result<()
 
 /// A new client every 100 ms while the servers are blackholed in turn, `outages` times: every
 /// client is served, none waits past the bound.
-fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
+fn connect_loop_through_outages(s: &Fixture, outages: usize) -> Result<()> {
     let waits: Arc<Mutex<Vec<(bool, Duration)>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // One new client every 100 ms for the whole run, each on its own thread.
@@ -287,10 +236,16 @@ fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
         for round in 0..outages {
             let i = round % 2;
             s.hosts[i].blackhole(true)?;
-            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+            wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
             std::thread::sleep(Duration::from_millis(1000));
             s.hosts[i].blackhole(false)?;
-            s.wait_state(i, "PREFERRED", Duration::from_secs(10))?;
+            wait_server_state(
+                &s.lb,
+                "api",
+                &s.names[i],
+                "PREFERRED",
+                Duration::from_secs(10),
+            )?;
             std::thread::sleep(Duration::from_millis(500));
         }
         Ok(())
@@ -320,20 +275,19 @@ fn connect_loop_through_outages(s: &Setup, outages: usize) -> Result<()> {
 
 #[test]
 fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once() -> Result<()> {
-    let name = "with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     for (all_failed, bound) in [
         ("try", Duration::from_secs(3 + 1)),
         ("refuse", Duration::from_millis(500 + SLACK_MS)),
     ] {
-        let s = Setup::new("3s", all_failed)?;
+        let s = setup("3s", all_failed)?;
         for i in 0..2 {
             s.hosts[i].blackhole(true)?;
         }
         for i in 0..2 {
-            s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+            wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
         }
         let (ok, took) = client(s.listen, Duration::from_secs(30))?;
         eprintln!("all_failed = {all_failed}: reset after {took:?}");
@@ -363,17 +317,15 @@ fn with_every_server_down_a_client_is_reset_within_one_dial_timeout_or_at_once()
 /// leave FAILED instead of being raced as FAILED forever (review finding).
 #[test]
 fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<()> {
-    let name = "with_the_loop_off_failed_servers_are_checked_again_before_a_dial";
-    if skip_unless_root(name) {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let servers = lb_tests::toml_addrs(&hosts, 9000);
-    let names = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
-    let mut s = Setup::with(
+    let mut s = setup_with(
         hosts,
         &servers,
-        names,
+        None,
         "2s",
         "try",
         "loop = false\nmax_age = \"500ms\"",
@@ -387,7 +339,7 @@ fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<
         std::thread::sleep(Duration::from_millis(600));
     }
     for i in 0..2 {
-        s.wait_state(i, "FAILED", Duration::from_secs(5))?;
+        wait_server_state(&s.lb, "api", &s.names[i], "FAILED", Duration::from_secs(5))?;
     }
     for (i, h) in s.hosts.iter_mut().enumerate() {
         h.serve(9000, &format!("s{i}"))?;
@@ -395,7 +347,7 @@ fn with_the_loop_off_failed_servers_are_checked_again_before_a_dial() -> Result<
     std::thread::sleep(Duration::from_millis(600));
     let (ok, _) = client(s.listen, Duration::from_secs(30))?;
     ensure!(ok, "a server is back: the client must be served");
-    let states = [s.state(0)?, s.state(1)?];
+    let states = [state(&s, 0)?, state(&s, 1)?];
     ensure!(
         states.iter().any(|st| st != "FAILED"),
         "the dial's checks must have moved a server out of FAILED: {states:?}\n{}",

@@ -27,7 +27,7 @@ rise = 1
 /// key, discarding a set changed through the API and killing its connections.
 #[test]
 fn sighup_keeps_the_apis_set_unless_the_files_list_changed() -> Result<()> {
-    if skip_unless_root("sighup_keeps_the_apis_set_unless_the_files_list_changed") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(3, 9000, |i| format!("s{i}"))?;

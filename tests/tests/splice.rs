@@ -78,7 +78,7 @@ fn one_server(cg: &TestCgroup, listen: &str, extra: &[&str]) -> Result<(Host, Lb
 
 #[test]
 fn one_gib_each_way_on_one_connection() -> Result<()> {
-    if skip_unless_root("one_gib_each_way_on_one_connection") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new("127.0.0.1")?;
@@ -106,7 +106,7 @@ fn one_gib_each_way_on_one_connection() -> Result<()> {
 
 #[test]
 fn hundred_concurrent_random_sizes() -> Result<()> {
-    if skip_unless_root("hundred_concurrent_random_sizes") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new("127.0.0.1")?;
@@ -238,7 +238,7 @@ fn epoll_client_held_back(stall_after: u64) -> Result<Fixture> {
 
 #[test]
 fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
-    if skip_unless_root("stalled_server_holds_back_an_epoll_client_within_the_bound") {
+    if skip_unless_root() {
         return Ok(());
     }
     // Stalled from the first byte: the client never catches the splice; the copy path's TCP
@@ -249,7 +249,7 @@ fn stalled_server_holds_back_an_epoll_client_within_the_bound() -> Result<()> {
 
 #[test]
 fn stall_mid_splice_sends_an_epoll_client_to_the_copy_path() -> Result<()> {
-    if skip_unless_root("stall_mid_splice_sends_an_epoll_client_to_the_copy_path") {
+    if skip_unless_root() {
         return Ok(());
     }
     // Stalled after 16 MiB, while spliced: the credit runs out and its sends take the copy path.
@@ -267,7 +267,7 @@ fn stall_mid_splice_sends_an_epoll_client_to_the_copy_path() -> Result<()> {
 
 #[test]
 fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
-    if skip_unless_root("stalled_server_makes_a_blocking_client_wait_in_the_kernel") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new("127.0.0.1")?;
@@ -322,7 +322,7 @@ fn stalled_server_makes_a_blocking_client_wait_in_the_kernel() -> Result<()> {
 
 #[test]
 fn ipv6_listener_splices() -> Result<()> {
-    if skip_unless_root("ipv6_listener_splices") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new("[::1]")?;
@@ -348,7 +348,7 @@ fn ipv6_listener_splices() -> Result<()> {
 
 #[test]
 fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
-    if skip_unless_root("client_in_another_namespace_and_child_cgroup") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
@@ -405,7 +405,7 @@ fn sockops_on(cg: &TestCgroup) -> usize {
 
 #[test]
 fn restart_leaves_no_duplicate_programs() -> Result<()> {
-    if skip_unless_root("restart_leaves_no_duplicate_programs") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
@@ -521,7 +521,7 @@ fn blocking_client_released(how: Ending) -> Result<()> {
 
 #[test]
 fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
-    if skip_unless_root("kill_releases_a_blocking_client_waiting_in_the_kernel") {
+    if skip_unless_root() {
         return Ok(());
     }
     blocking_client_released(Ending::Kill)
@@ -529,7 +529,7 @@ fn kill_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
 
 #[test]
 fn lb_dying_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
-    if skip_unless_root("lb_dying_releases_a_blocking_client_waiting_in_the_kernel") {
+    if skip_unless_root() {
         return Ok(());
     }
     blocking_client_released(Ending::LbDies)
@@ -537,7 +537,7 @@ fn lb_dying_releases_a_blocking_client_waiting_in_the_kernel() -> Result<()> {
 
 #[test]
 fn blocking_splice_off_sends_a_blocking_client_to_the_copy_path() -> Result<()> {
-    if skip_unless_root("blocking_splice_off_sends_a_blocking_client_to_the_copy_path") {
+    if skip_unless_root() {
         return Ok(());
     }
     let conf = std::env::temp_dir().join(format!("lb-splice-off-{}.toml", std::process::id()));
@@ -580,7 +580,7 @@ fn blocking_splice_off_sends_a_blocking_client_to_the_copy_path() -> Result<()> 
 /// sees a reset, none a clean close, and lb's log says how many the kernel reset.
 #[test]
 fn kill_resets_a_thousand_clients_in_the_kernel() -> Result<()> {
-    if skip_unless_root("kill_resets_a_thousand_clients_in_the_kernel") {
+    if skip_unless_root() {
         return Ok(());
     }
     const MANY: u64 = 1000;
@@ -628,7 +628,7 @@ fn kill_resets_a_thousand_clients_in_the_kernel() -> Result<()> {
 /// entries when its socket closes, with no system call from lb.
 #[test]
 fn closed_clients_leave_no_flow_or_namespace_entries() -> Result<()> {
-    if skip_unless_root("closed_clients_leave_no_flow_or_namespace_entries") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new("127.0.0.1")?;

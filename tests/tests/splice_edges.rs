@@ -72,7 +72,7 @@ impl Drop for Frozen {
 /// was redirected there (the counting rule matched: the old and new heads are both 3 bytes).
 #[test]
 fn reused_tuple_is_not_redirected_into_the_old_pair() -> Result<()> {
-    if skip_unless_root("reused_tuple_is_not_redirected_into_the_old_pair") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new()?;
@@ -112,19 +112,16 @@ fn reused_tuple_is_not_redirected_into_the_old_pair() -> Result<()> {
 /// The server must receive ciphertext, never the plaintext.
 #[test]
 fn ktls_client_is_never_spliced_in_plaintext() -> Result<()> {
-    if skip_unless_root("ktls_client_is_never_spliced_in_plaintext") {
+    if skip_unless_root() {
         return Ok(());
     }
     // Loads the module where it is one; built in, or absent, is told by the list below.
     let loaded = sh("modprobe", &["tls"]);
     let ulps = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp").unwrap_or_default();
     if !ulps.split_whitespace().any(|u| u == "tls") {
-        skip(
-            "ktls_client_is_never_spliced_in_plaintext",
-            &format!(
-                "the kernel has no TLS ULP (CONFIG_TLS; tcp_available_ulp: {ulps:?}; modprobe tls: {loaded:?})"
-            ),
-        );
+        skip(&format!(
+            "the kernel has no TLS ULP (CONFIG_TLS; tcp_available_ulp: {ulps:?}; modprobe tls: {loaded:?})"
+        ));
         return Ok(());
     }
     let f = Fixture::new()?;
@@ -137,10 +134,9 @@ fn ktls_client_is_never_spliced_in_plaintext() -> Result<()> {
         T,
     )?;
     if !direct["ulp_error"].is_null() || !direct["key_error"].is_null() {
-        skip(
-            "ktls_client_is_never_spliced_in_plaintext",
-            &format!("the kernel refuses kTLS on a plain connection: {direct}"),
-        );
+        skip(&format!(
+            "the kernel refuses kTLS on a plain connection: {direct}"
+        ));
         return Ok(());
     }
     let v = run_client(&f.place(), f.listen, &["ktls-up", &MIB.to_string()], T)?;
@@ -176,7 +172,7 @@ fn ktls_client_is_never_spliced_in_plaintext() -> Result<()> {
 /// then never equalled it, and the connection was never spliced again.
 #[test]
 fn partial_sends_of_a_nonblocking_client_still_splice() -> Result<()> {
-    if skip_unless_root("partial_sends_of_a_nonblocking_client_still_splice") {
+    if skip_unless_root() {
         return Ok(());
     }
     let f = Fixture::new()?;

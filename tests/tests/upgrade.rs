@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within, run_client,
-    skip_unless_root,
+    Fixture, Holder, Place, TestCgroup, UpLb, free_port, http_get, lb_bin, output_within,
+    run_client, skip_unless_root, timed,
 };
 use serde_json::Value;
 
@@ -22,80 +22,57 @@ const MIB: u64 = 1024 * 1024;
 /// Bound on any one client.
 const T: Duration = Duration::from_secs(240);
 
-/// Inside a qemu guest under TCG time runs unevenly: there the tests assert what happens, not
-/// how fast, and print the times.
-fn timed() -> bool {
-    std::env::var_os("LB_VM").is_none()
-}
-
 /// `n` on the host; a sixteenth of it in a TCG guest, which moves bytes many times slower.
 fn scaled(n: u64) -> String {
     if timed() { n } else { (n / 16).max(1) }.to_string()
 }
 
-struct Setup {
-    _hosts: Vec<Host>,
-    cg: TestCgroup,
-    lb: UpLb,
-    listen: SocketAddr,
+/// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data path
+/// attached to a child cgroup, splice forwarding unless `extra` names another.
+fn setup(extra: &[&str], env: &[(&str, &str)]) -> Result<Fixture<UpLb>> {
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers: Vec<String> = hosts.iter().map(|h| h.addr(9000).to_string()).collect();
+    let mut args = vec![
+        "--listen",
+        "{listen}",
+        "--datapath",
+        "bpf",
+        "--cgroup",
+        "{cgroup}",
+    ];
+    if !extra.contains(&"--forwarding") {
+        args.extend(["--forwarding", "splice"]);
+    }
+    for server in &servers {
+        args.extend(["--server", server.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    Fixture::upgradable(hosts, 9000, &args, env)
 }
 
-impl Setup {
-    /// Two hosts serving on port 9000, lb listening on a free loopback port with the bpf data
-    /// path attached to a child cgroup, splice forwarding unless `extra` names another.
-    fn new(extra: &[&str], env: &[(&str, &str)]) -> Result<Setup> {
-        let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let mut args = vec![
-            "--listen".to_string(),
-            listen.to_string(),
-            "--datapath".into(),
-            "bpf".into(),
-            "--cgroup".into(),
-            cg.path.display().to_string(),
-        ];
-        if !extra.contains(&"--forwarding") {
-            args.extend(["--forwarding".into(), "splice".into()]);
-        }
-        for h in &hosts {
-            args.extend(["--server".to_string(), h.addr(9000).to_string()]);
-        }
-        args.extend(extra.iter().map(ToString::to_string));
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let lb = UpLb::start(&argv, env)?;
-        Ok(Setup {
-            _hosts: hosts,
-            cg,
-            lb,
-            listen,
-        })
-    }
+/// Inside the cgroup (spliced) or outside (copied by lb).
+fn place(s: &Fixture<UpLb>, spliced: bool) -> Place<'_> {
+    if spliced { s.place() } else { Place::default() }
+}
 
-    /// Inside the cgroup (spliced) or outside (copied by lb).
-    fn place(&self, spliced: bool) -> Place<'_> {
-        if spliced {
-            Place::cgroup(&self.cg.path)
+/// Start `action` as a client in a thread; join for its JSON result.
+fn spawn(
+    s: &Fixture<UpLb>,
+    spliced: bool,
+    action: &[&str],
+) -> std::thread::JoinHandle<Result<Value>> {
+    let cg = s.cg.path.clone();
+    let listen = s.listen;
+    let action: Vec<String> = action.iter().map(ToString::to_string).collect();
+    std::thread::spawn(move || {
+        let place = if spliced {
+            Place::cgroup(&cg)
         } else {
             Place::default()
-        }
-    }
-
-    /// Start `action` as a client in a thread; join for its JSON result.
-    fn spawn(&self, spliced: bool, action: &[&str]) -> std::thread::JoinHandle<Result<Value>> {
-        let cg = self.cg.path.clone();
-        let listen = self.listen;
-        let action: Vec<String> = action.iter().map(ToString::to_string).collect();
-        std::thread::spawn(move || {
-            let place = if spliced {
-                Place::cgroup(&cg)
-            } else {
-                Place::default()
-            };
-            let a: Vec<&str> = action.iter().map(String::as_str).collect();
-            run_client(&place, listen, &a, T)
-        })
-    }
+        };
+        let a: Vec<&str> = action.iter().map(String::as_str).collect();
+        run_client(&place, listen, &a, T)
+    })
 }
 
 fn join_ok(name: &str, h: std::thread::JoinHandle<Result<Value>>) -> Result<Value> {
@@ -115,6 +92,20 @@ fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Wait until lb has accepted `n` connections in all (`lb_connections_total`, which goes on
+/// across upgrades).
+fn wait_accepted(lb: &UpLb, n: f64) -> Result<()> {
+    lb_tests::wait_until(T, || Ok(lb.metric("lb_connections_total", "") >= n)).with_context(
+        || {
+            format!(
+                "lb never accepted {n} connections: {}",
+                lb.metric("lb_connections_total", "")
+            )
+        },
+    )?;
+    Ok(())
+}
+
 /// 100 connections streaming both ways (round trips, bulk each way, two against a stalled
 /// server with bytes held for it, holders), half spliced by the kernel and half copied by lb,
 /// stay connected and byte-exact across two upgrades in a row; then, with only the holders left,
@@ -122,10 +113,10 @@ fn wait_conns(lb: &UpLb, n: u64, within: Duration) -> Result<()> {
 /// on from where they were.
 #[test]
 fn upgrade_keeps_every_connection() -> Result<()> {
-    if skip_unless_root("upgrade_keeps_every_connection") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     let mut streams = Vec::new();
     // 80 echo streams: every byte goes both ways and is compared. Under TCG a round trip
@@ -134,7 +125,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for i in 0..80 {
         streams.push((
             format!("rr{i}"),
-            s.spawn(i % 2 == 0, &["rr", rr_count, "4096"]),
+            spawn(&s, i % 2 == 0, &["rr", rr_count, "4096"]),
         ));
     }
     // Bulk each way, spliced and copied.
@@ -142,9 +133,9 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for spliced in [true, false] {
         streams.push((
             "up".into(),
-            s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]),
+            spawn(&s, spliced, &["up", &bulk, "--pause-ms", "200"]),
         ));
-        streams.push(("down".into(), s.spawn(spliced, &["down", &bulk])));
+        streams.push(("down".into(), spawn(&s, spliced, &["down", &bulk])));
     }
     // A stalled server: lb (copy path) or the kernel (splice) holds bytes for it while the
     // upgrades happen; every byte must still arrive once it reads again.
@@ -152,7 +143,8 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     for spliced in [true, false] {
         streams.push((
             "stalled".into(),
-            s.spawn(
+            spawn(
+                &s,
                 spliced,
                 &["up", &stalled, "--stall-ms", "4000", "--pause-ms", "200"],
             ),
@@ -160,7 +152,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     }
     let mut holders = Vec::new();
     for i in 0..14 {
-        let h = Holder::start(&s.place(i % 2 == 0), s.listen, 0, 600_000)?;
+        let h = Holder::start(&place(&s, i % 2 == 0), s.listen, 0, 600_000)?;
         h.wait_for("connected", Duration::from_secs(30))?;
         holders.push(h);
     }
@@ -226,7 +218,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
     );
     // The held connections still carry bytes: an echo round trip through a new connection
     // beside them, and the holders are still there.
-    let v = run_client(&s.place(true), s.listen, &["rr", "10", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "10", "64"], T)?;
     ensure!(
         v["ok"] == true,
         "a new connection after the upgrades failed: {v}"
@@ -243,20 +235,21 @@ fn upgrade_keeps_every_connection() -> Result<()> {
 /// or reset connection across two upgrades.
 #[test]
 fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
-    if skip_unless_root("upgrade_connect_loop_sees_no_refusal") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     // Long enough for both upgrades, which take seconds each under TCG.
     let loop_ms = if timed() { "6000" } else { "15000" };
     let loops: Vec<_> = [true, false]
         .into_iter()
-        .map(|spliced| s.spawn(spliced, &["cps", loop_ms, "--workers", "2"]))
+        .map(|spliced| spawn(&s, spliced, &["cps", loop_ms, "--workers", "2"]))
         .collect();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Each upgrade starts once the loops connect through the lb it replaces.
+    wait_accepted(&s.lb, 20.0)?;
     let u1 = s.lb.upgrade_ok()?;
-    std::thread::sleep(Duration::from_millis(1000));
+    wait_accepted(&s.lb, s.lb.metric("lb_connections_total", "") + 20.0)?;
     let u2 = s.lb.upgrade_ok()?;
     for h in loops {
         let v = join_ok("connect loop", h).with_context(|| s.lb.log_text())?;
@@ -280,12 +273,12 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
 /// then takes over.
 #[test]
 fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
-    if skip_unless_root("upgrade_failed_takeover_keeps_the_old_lb") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
-    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    let holder = Holder::start(&place(&s, true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
     let good = std::fs::read(s.lb.bin())?;
     s.lb.replace_binary(b"#!/bin/sh\nexit 3\n")?;
@@ -309,7 +302,7 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
             .contains("upgrade failed; this lb keeps serving"),
         "the old lb did not log why"
     );
-    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, false), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not serve: {v}");
     if let Ok(ev) = holder.next(Duration::from_millis(10)) {
         bail!("the held connection saw {ev}");
@@ -327,10 +320,10 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
 /// new process does, and the old lb serves on.
 #[test]
 fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
-    if skip_unless_root("upgrade_second_request_is_refused_while_one_runs") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[])?;
+    let mut s = setup(&[], &[])?;
     s.lb.wait_settled()?;
     let good = std::fs::read(s.lb.bin())?;
     // The new "lb" takes 3 s to fail: the first upgrade holds its turn that long.
@@ -390,7 +383,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
         "the first upgrade's JSON error: {v}"
     );
     ensure!(s.lb.pid == pid, "the pid changed");
-    let v = run_client(&s.place(false), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, false), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not serve: {v}");
     s.lb.replace_binary(&good)?;
     Ok(())
@@ -400,7 +393,7 @@ fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
 /// handlers exist, are ignored rather than ending it (their default action).
 #[test]
 fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
-    if skip_unless_root("upgrade_signals_while_starting_do_not_end_lb") {
+    if skip_unless_root() {
         return Ok(());
     }
     let cg = TestCgroup::new()?;
@@ -460,10 +453,10 @@ fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
 /// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
 #[test]
 fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
-    if skip_unless_root("upgrade_takeover_dying_midway_gives_everything_back") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
+    let mut s = setup(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
     s.lb.wait_settled()?;
     let bulk = scaled(256 * MIB);
     let stalled = scaled(32 * MIB);
@@ -473,9 +466,10 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
     let (stall_ms, in_flight) = if timed() { ("3000", 6) } else { ("30000", 2) };
     let mut streams = Vec::new();
     for spliced in [true, false] {
-        streams.push(s.spawn(spliced, &["up", &bulk, "--pause-ms", "200"]));
-        streams.push(s.spawn(spliced, &["down", &bulk]));
-        streams.push(s.spawn(
+        streams.push(spawn(&s, spliced, &["up", &bulk, "--pause-ms", "200"]));
+        streams.push(spawn(&s, spliced, &["down", &bulk]));
+        streams.push(spawn(
+            &s,
             spliced,
             &["up", &stalled, "--stall-ms", stall_ms, "--pause-ms", "200"],
         ));
@@ -504,7 +498,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
     for h in streams {
         join_ok("stream", h).with_context(|| s.lb.log_text())?;
     }
-    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the old lb does not accept again: {v}");
     Ok(())
 }
@@ -513,10 +507,10 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
 /// address and the process that has it; the running lb is untouched.
 #[test]
 fn upgrade_second_lb_run_exits_2() -> Result<()> {
-    if skip_unless_root("upgrade_second_lb_run_exits_2") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let s = Setup::new(&[], &[])?;
+    let s = setup(&[], &[])?;
     let other_admin = format!("127.0.0.1:{}", free_port()?);
     let other_listen = format!("127.0.0.1:{}", free_port()?);
     for (listen, admin) in [
@@ -544,7 +538,7 @@ fn upgrade_second_lb_run_exits_2() -> Result<()> {
             "no clear reason: {err}"
         );
     }
-    let v = run_client(&s.place(true), s.listen, &["rr", "20", "64"], T)?;
+    let v = run_client(&place(&s, true), s.listen, &["rr", "20", "64"], T)?;
     ensure!(v["ok"] == true, "the running lb was disturbed: {v}");
     Ok(())
 }
@@ -573,17 +567,22 @@ fn connect_table(lb: &UpLb) -> Result<(u64, Vec<String>)> {
 /// once that slot rested the whole bound from the take-over on.
 #[test]
 fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
-    if skip_unless_root("upgrade_keeps_connect_time_forwarding") {
+    if skip_unless_root() {
         return Ok(());
     }
-    let mut s = Setup::new(&["--forwarding", "connect"], &[])?;
+    let mut s = setup(&["--forwarding", "connect"], &[])?;
     s.lb.wait_settled()?;
-    // Wait for the table (the first dial makes the preferred server ACTIVE).
-    std::thread::sleep(Duration::from_millis(500));
-    let holder = Holder::start(&s.place(true), s.listen, 0, 600_000)?;
+    // Wait for the table, its first server marked ACTIVE.
+    lb_tests::wait_until(T, || {
+        let active = s.lb.servers()?.iter().any(|v| v.1 == "ACTIVE");
+        Ok(active && connect_table(&s.lb).is_ok_and(|(g, v)| g >= 1 && !v.is_empty()))
+    })
+    .with_context(|| format!("no table with an ACTIVE server: {:?}", s.lb.status()))?;
+    let holder = Holder::start(&place(&s, true), s.listen, 0, 600_000)?;
     holder.wait_for("connected", Duration::from_secs(30))?;
-    let looping = s.spawn(true, &["cps", "4000", "--workers", "2"]);
-    std::thread::sleep(Duration::from_millis(1000));
+    let looping = spawn(&s, true, &["cps", "4000", "--workers", "2"]);
+    // The loop is under way: the kernel counts one of its connections besides the holder's.
+    wait_conns(&s.lb, 2, T)?;
     let (before, servers) = connect_table(&s.lb)?;
     ensure!(
         before >= 1 && !servers.is_empty(),
@@ -666,7 +665,7 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
 /// and the running lb serves on.
 #[test]
 fn upgrade_back_to_back_admin_follows_and_forwarding_is_kept() -> Result<()> {
-    if skip_unless_root("upgrade_back_to_back_admin_follows_and_forwarding_is_kept") {
+    if skip_unless_root() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

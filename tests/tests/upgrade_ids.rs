@@ -9,16 +9,16 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    Holder, Host, Place, TempDir, TestCgroup, UpLb, free_port, run_client, skip_unless_kernel,
-    skip_unless_root,
+    Fixture, Holder, Host, TempDir, TestCgroup, Toml, UpLb, free_port, run_client,
+    skip_unless_kernel, skip_unless_root,
 };
 
 /// Bound on any one client.
 const T: Duration = Duration::from_secs(60);
 
 /// Root and a kernel with the getpeername hooks (5.8); prints the skip reason otherwise.
-fn skip(name: &str) -> bool {
-    skip_unless_root(name) || skip_unless_kernel(name, (5, 8), "cgroup getpeername4/6 hooks")
+fn skip() -> bool {
+    skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
 }
 
 /// One balancer of a config: name, listener, server, its own lines (such as `forwarding`) and
@@ -52,11 +52,11 @@ fn config(cgroup: &std::path::Path, balancers: &[Balancer<'_>]) -> String {
 /// checked every second over TCP.
 fn text(
     cg: &TestCgroup,
-    hosts: &[Host],
+    servers: [SocketAddr; 2],
     listen: [SocketAddr; 2],
     b_forwarding: &str,
     layout: Layout,
-) -> String {
+) -> Toml {
     let swap = usize::from(layout.listeners_swapped);
     let balancers: Vec<Balancer<'_>> = layout
         .order
@@ -66,16 +66,16 @@ fn text(
             Balancer {
                 name,
                 listen: listen[i ^ swap],
-                server: hosts[i].addr(9000),
+                server: servers[i],
                 extra: if i == 1 { b_forwarding } else { "" },
                 health: "kind = \"tcp\"\ninterval = \"1s\"",
             }
         })
         .collect();
-    config(&cg.path, &balancers)
+    Toml::new().lines(&config(&cg.path, &balancers))
 }
 
-/// How a [`Setup`]'s config lays its two balancers out.
+/// How a [`TwoBalancers`]' config lays its two balancers out.
 #[derive(Clone, Copy)]
 struct Layout {
     /// Balancer names in config order.
@@ -92,36 +92,46 @@ const FIRST: Layout = Layout {
 
 /// Two balancers, `a` (connect-time) in front of host `s0` and `b` in front of `s1`, each on a
 /// loopback port of its own, behind an lb whose config file the test rewrites.
-struct Setup {
-    hosts: Vec<Host>,
-    cg: TestCgroup,
+struct TwoBalancers {
+    /// Hosts, cgroup, lb and its config file.
+    f: Fixture<UpLb>,
     /// Two loopback listeners, `a`'s and `b`'s at first.
     listen: [SocketAddr; 2],
     /// `b`'s `forwarding` line (empty: connect-time, as `a`).
     b_forwarding: &'static str,
-    /// Holds the config file; removed on drop.
-    dir: TempDir,
-    lb: UpLb,
 }
 
-impl Setup {
+impl std::ops::Deref for TwoBalancers {
+    type Target = Fixture<UpLb>;
+    fn deref(&self) -> &Fixture<UpLb> {
+        &self.f
+    }
+}
+
+impl std::ops::DerefMut for TwoBalancers {
+    fn deref_mut(&mut self) -> &mut Fixture<UpLb> {
+        &mut self.f
+    }
+}
+
+impl TwoBalancers {
     /// lb with the [`FIRST`] layout, `b_forwarding` in `b`'s table and `env` added to its
     /// environment; returns once each listener's clients reach its own balancer's server.
-    fn new(env: &[(&str, &str)], b_forwarding: &'static str) -> Result<Setup> {
+    fn new(env: &[(&str, &str)], b_forwarding: &'static str) -> Result<TwoBalancers> {
         let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-        let cg = TestCgroup::new()?;
-        let listen = [free_port()?, free_port()?].map(|p| SocketAddr::from(([127, 0, 0, 1], p)));
-        let dir = TempDir::new("lb-upgrade-ids")?;
-        let path = dir.join("lb.toml");
-        std::fs::write(&path, text(&cg, &hosts, listen, b_forwarding, FIRST))?;
-        let lb = UpLb::start(&["--config", &path.display().to_string()], env)?;
-        let s = Setup {
+        let second = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let servers = [hosts[0].addr(9000), hosts[1].addr(9000)];
+        let f = Fixture::upgradable_with_config(
             hosts,
-            cg,
-            listen,
+            9000,
+            |cg, first| text(cg, servers, [first, second], b_forwarding, FIRST),
+            &[],
+            env,
+        )?;
+        let s = TwoBalancers {
+            listen: [f.listen, second],
+            f,
             b_forwarding,
-            dir,
-            lb,
         };
         s.lb.wait_settled()?;
         // The tables are written once the first checks are in: wait until each listener's
@@ -135,19 +145,14 @@ impl Setup {
 
     /// Rewrite the config with `layout`.
     fn write(&self, layout: Layout) -> Result<()> {
-        let text = text(
+        let servers = [self.hosts[0].addr(9000), self.hosts[1].addr(9000)];
+        self.write_config(&text(
             &self.cg,
-            &self.hosts,
+            servers,
             self.listen,
             self.b_forwarding,
             layout,
-        );
-        std::fs::write(self.dir.join("lb.toml"), text)?;
-        Ok(())
-    }
-
-    fn place(&self) -> Place<'_> {
-        Place::cgroup(&self.cg.path)
+        ))
     }
 
     /// The server (`s0`, `s1`) a new client of listener `i` reaches.
@@ -205,10 +210,10 @@ fn untouched(h: &Holder, what: &str) -> Result<()> {
 /// before the upgrade are still counted and killed under their balancer.
 #[test]
 fn upgrade_with_balancers_swapped_keeps_their_ids() -> Result<()> {
-    if skip("upgrade_with_balancers_swapped_keeps_their_ids") {
+    if skip() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], "")?;
+    let mut s = TwoBalancers::new(&[], "")?;
     let held = [s.hold(0)?, s.hold(1)?];
     lb_tests::wait_until(Duration::from_secs(5), || {
         Ok(s.connections("a")? == 1 && s.connections("b")? == 1)
@@ -249,10 +254,10 @@ fn upgrade_with_balancers_swapped_keeps_their_ids() -> Result<()> {
 /// wrote no listener map), and its connections are counted as before.
 #[test]
 fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
-    if skip("upgrade_failing_before_done_leaves_the_listener_maps_alone") {
+    if skip() {
         return Ok(());
     }
-    let mut s = Setup::new(&[("LB_UPGRADE_FAULT", "before_done")], "")?;
+    let mut s = TwoBalancers::new(&[("LB_UPGRADE_FAULT", "before_done")], "")?;
     let held = [s.hold(0)?, s.hold(1)?];
     let pid = s.lb.pid;
     s.write(Layout {
@@ -289,10 +294,10 @@ fn upgrade_failing_before_done_leaves_the_listener_maps_alone() -> Result<()> {
 /// programs (its clients go through lb to `b`'s server), the one `a` takes is.
 #[test]
 fn upgrade_moving_listeners_rewrites_only_connect_time_ones() -> Result<()> {
-    if skip("upgrade_moving_listeners_rewrites_only_connect_time_ones") {
+    if skip() {
         return Ok(());
     }
-    let mut s = Setup::new(&[], "forwarding = \"splice\"")?;
+    let mut s = TwoBalancers::new(&[], "forwarding = \"splice\"")?;
     let before = [s.peer(0)?, s.peer(1)?];
     let want = [("s0".to_string(), true), ("s1".to_string(), false)];
     ensure!(
@@ -338,7 +343,7 @@ fn passive_opens(h: &Host) -> Result<u64> {
 /// loops (with its table sync and ring readers) at Done, before the new one took over.
 #[test]
 fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
-    if skip("upgrade_old_lb_stops_checking_at_done") {
+    if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(1, 9000, |i| format!("s{i}"))?;
