@@ -2,25 +2,21 @@
 //! userspace copy path, and ending connections (half-close, reset, kill).
 
 use std::{
+    cell::RefCell,
     future::Future,
     io,
     net::{Shutdown, SocketAddr},
     pin::Pin,
-    sync::Arc,
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, warn};
-
-use std::{
-    cell::RefCell,
-    sync::{
-        OnceLock,
-        atomic::{AtomicBool, AtomicU64, Ordering},
-    },
-};
 
 use crate::{
     addr::ServerAddr,
@@ -215,7 +211,7 @@ enum Resume {
 /// boxed so that the task does not keep a moved-from copy of it for the connection's life.
 #[expect(
     clippy::too_many_lines,
-    reason = "one connection's life after the dial, in the order its phases happen"
+    reason = "one connection's life, phase by phase"
 )]
 async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
     let Conn {
