@@ -253,6 +253,11 @@ fn auto_falls_back_to_userspace_with_one_warning() -> Result<()> {
         why.contains("/nonexistent-cgroup"),
         "the reason must name the cgroup: {why}"
     );
+    let kind = lb.metric("lb_datapath_fallback_info", "reason=\"cgroup\"");
+    ensure!(
+        kind == 1.0,
+        "lb_datapath_fallback_info{{reason=\"cgroup\"}} should be 1: {kind}"
+    );
     let log = lb.log_text();
     ensure!(
         log.matches("falling back").count() == 1,

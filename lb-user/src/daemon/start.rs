@@ -26,9 +26,9 @@ use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
     config::{Config, DatapathMode, Forwarding, Overrides},
-    datapath::Datapath,
+    datapath::{Datapath, FallbackReason},
     health::HealthService,
-    metrics::{KillLabels, Metrics, ModeLabel},
+    metrics::{KillLabels, Metrics, ModeLabel, ReasonLabel},
     proxy::{self, PreDial, ProxyCtx},
 };
 
@@ -95,13 +95,19 @@ impl KillQueues {
     }
 }
 
+/// What [`attach_datapath`] gives: the kernel data path when it runs, the mode in effect, and
+/// why `auto` fell back to userspace when it did.
+type Attached = (
+    Option<Arc<Datapath>>,
+    DatapathMode,
+    Option<(FallbackReason, String)>,
+);
+
 /// Attach the data path as `mode` asks.
 ///
 /// # Errors
 /// With `bpf`, the reason the kernel path could not be attached.
-fn attach_datapath(
-    cfg: &Config,
-) -> anyhow::Result<(Option<Arc<Datapath>>, DatapathMode, Option<String>)> {
+fn attach_datapath(cfg: &Config) -> anyhow::Result<Attached> {
     let d = &cfg.datapath;
     let want_connect = cfg.balancers.iter().any(|b| cfg.wants_connect(b));
     // Pins first, in every mode that loads programs: a directory another lb holds, or whose
@@ -124,8 +130,12 @@ fn attach_datapath(
             Err(e @ crate::datapath::DatapathError::Pins(_)) => Err(e.into()),
             Err(e) => {
                 let reason = crate::errors::chain(&e);
-                warn!(reason = %reason, "kernel data path unavailable; falling back to the userspace copy path");
-                Ok((None, DatapathMode::Userspace, Some(reason)))
+                warn!(reason = %reason, kind = %e.fallback_reason(), "kernel data path unavailable; falling back to the userspace copy path");
+                Ok((
+                    None,
+                    DatapathMode::Userspace,
+                    Some((e.fallback_reason(), reason)),
+                ))
             }
         },
     }
@@ -290,12 +300,7 @@ impl Daemon {
             None => attach_datapath(&cfg)?,
         };
         let metrics = Arc::new(Metrics::with_compat(cfg.metrics.compat));
-        metrics
-            .datapath_info
-            .get_or_create(&ModeLabel {
-                mode: datapath_mode.to_string(),
-            })
-            .set(1);
+        let datapath_fallback = record_datapath(&metrics, datapath_mode, datapath_fallback);
         let tasks = TaskTracker::new();
         let health = HealthService::new(metrics.clone(), tasks.clone());
         let proxy = proxy_context(&cfg, datapath.clone(), &metrics, &health);
@@ -526,6 +531,30 @@ fn proxy_context(
         tasks: TaskTracker::new(),
         freezer: proxy::Freezer::default(),
         limits: proxy::Limits::default(),
+    })
+}
+
+/// The data path in effect as `lb_datapath_info` and, when `auto` fell back, why as
+/// `lb_datapath_fallback_info`; returns the reason's text for `/status`.
+fn record_datapath(
+    metrics: &Metrics,
+    mode: DatapathMode,
+    fallback: Option<(FallbackReason, String)>,
+) -> Option<String> {
+    metrics
+        .datapath_info
+        .get_or_create(&ModeLabel {
+            mode: mode.to_string(),
+        })
+        .set(1);
+    fallback.map(|(kind, why)| {
+        metrics
+            .datapath_fallback
+            .get_or_create(&ReasonLabel {
+                reason: kind.label().to_string(),
+            })
+            .set(1);
+        why
     })
 }
 

@@ -18,6 +18,7 @@ mod btf;
 mod connect_maps;
 mod credit;
 mod failfast;
+mod fallback;
 mod handover;
 mod heartbeat;
 mod kernel_log;
@@ -51,6 +52,7 @@ use lb_common::{
 use tracing::{debug, info, warn};
 
 pub use self::failfast::{jiffies, kernel_hz};
+pub use self::fallback::FallbackReason;
 pub use self::{
     btf::BtfError,
     credit::Pair,

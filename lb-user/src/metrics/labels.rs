@@ -97,6 +97,13 @@ pub struct FallbackLabels {
     pub reason: String,
 }
 
+/// `{reason}` of `lb_datapath_fallback_info` ([`crate::datapath::FallbackReason::label`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// The reason's label.
+    pub reason: String,
+}
+
 /// `{mode}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {

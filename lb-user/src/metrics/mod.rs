@@ -72,6 +72,9 @@ pub struct Metrics {
     pub netns_skipped: Family<NetnsSkipLabels, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
+    /// `lb_datapath_fallback_info`: with `datapath.mode = "auto"` on the userspace copy path,
+    /// one series naming why (value 1); none otherwise.
+    pub datapath_fallback: Family<ReasonLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
     pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
     /// `lb_inflight_checks`.
@@ -174,6 +177,7 @@ impl Metrics {
             connect_suspect: Family::<ServerLabels, Counter>::default(),
             netns_skipped: Family::<NetnsSkipLabels, Counter>::default(),
             datapath_info: Family::<ModeLabel, Gauge>::default(),
+            datapath_fallback: Family::<ReasonLabel, Gauge>::default(),
             balancer_forwarding: Family::<ForwardingLabels, Gauge>::default(),
             inflight_checks: Gauge::default(),
             connect_heartbeat_age: Gauge::<f64, AtomicU64>::default(),
@@ -300,6 +304,11 @@ impl Metrics {
             "datapath_info",
             "Data path in use (value 1)",
             self.datapath_info.clone(),
+        );
+        r.register(
+            "datapath_fallback_info",
+            "Why datapath.mode = auto runs the userspace copy path instead of the kernel data path: not_privileged, cgroup, kernel_feature, load_failed or other (value 1; no series while the kernel data path runs)",
+            self.datapath_fallback.clone(),
         );
         r.register(
             "balancer_forwarding_info",
