@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod cleanup;
+mod compat;
 pub mod config;
 pub mod docs;
 mod man;

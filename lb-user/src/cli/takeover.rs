@@ -20,10 +20,10 @@ use tracing::{error, info, warn};
 
 use super::RunArgs;
 use crate::{
-    config::{Config, DatapathMode},
+    config::Config,
     daemon::{Daemon, Takeover, ids, upgrade::STOP_TIMEOUT},
     datapath::Datapath,
-    handover::{self, Frame, Hello, ListenerKey, Message, VERSION},
+    handover::{self, Frame, ListenerKey, Message, VERSION},
 };
 
 /// Test hook: `before_done` makes a taking-over process exit just before it would answer Done.
@@ -90,7 +90,7 @@ fn take_over(args: &RunArgs, sock: &UnixStream) -> Result<ExitCode, Refusal> {
         reason: format!("invalid configuration: {e}"),
         code: super::EXIT_USAGE,
     })?;
-    compatible(&cfg, &hello).map_err(refuse)?;
+    super::compat::compatible(&cfg, &hello).map_err(|e| refuse(e.to_string()))?;
     let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
     let ids = ids::carried_over(&names, &hello.balancer_ids, &hello.retired_balancer_ids)
         .map_err(|e| refuse(e.to_string()))?;
@@ -233,80 +233,5 @@ fn wait_stopped(sock: &UnixStream) {
             warn!(message = %f.message.unexpected(), "the previous lb sent something else than Stopped; starting")
         }
         Err(e) => warn!(error = %e, "the previous lb did not say it stopped; starting"),
-    }
-}
-
-/// What an upgrade cannot change: the listeners, the data path, the cgroup, a balancer's
-/// forwarding (and no new balancer may ask for `connect` when the running lb has none).
-fn compatible(cfg: &Config, hello: &Hello) -> Result<(), String> {
-    compatible_listeners(cfg, hello)?;
-    compatible_datapath(cfg, hello)?;
-    let running_connect = hello.forwarding.iter().any(|(_, f)| f == "connect");
-    for b in &cfg.balancers {
-        let want = cfg.forwarding_of(b).to_string();
-        match hello.forwarding.iter().find(|(name, _)| *name == b.name) {
-            Some((_, had)) if *had != want => {
-                return Err(format!(
-                    "balancer {}: forwarding {had} in the running lb, {want} in the new config: an upgrade keeps the connect-time programs and tables as they are, restart lb to change it",
-                    b.name
-                ));
-            }
-            None if want == "connect" && !running_connect => {
-                return Err(format!(
-                    "balancer {}: forwarding = \"connect\" but the running lb has no connect-time programs attached (none of its balancers asked for them): restart lb to turn it on",
-                    b.name
-                ));
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-/// The listeners must be the running lb's.
-fn compatible_listeners(cfg: &Config, hello: &Hello) -> Result<(), String> {
-    let mut want: Vec<_> = cfg
-        .balancers
-        .iter()
-        .flat_map(|b| b.listen.iter().copied())
-        .collect();
-    let mut have: Vec<_> = hello.listeners.iter().map(|(a, _)| *a).collect();
-    want.sort();
-    have.sort();
-    if want != have {
-        let show = |v: &[std::net::SocketAddr]| {
-            v.iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        return Err(format!(
-            "the listeners differ (running: {}; new config: {}): an upgrade keeps them, restart lb to change them",
-            show(&have),
-            show(&want)
-        ));
-    }
-    Ok(())
-}
-
-/// The data path mode and cgroup must be the running lb's.
-fn compatible_datapath(cfg: &Config, hello: &Hello) -> Result<(), String> {
-    match (&hello.datapath, cfg.datapath.mode) {
-        (Some(_), DatapathMode::Userspace) => Err(
-            "the running lb has the kernel data path and the new config asks for userspace: restart lb to change it".into(),
-        ),
-        (None, DatapathMode::Bpf) => Err(
-            "the running lb copies in userspace and the new config asks for bpf: restart lb to change it".into(),
-        ),
-        // A configured directory stands for the cgroup v2 mount found below it, as at start.
-        (Some(offer), _) => match &cfg.datapath.cgroup {
-            Some(c) if crate::datapath::resolve_cgroup(c).unwrap_or_else(|_| c.clone()) != offer.cgroup => Err(format!(
-                "the running lb's programs are attached to {} and the new config names {}: restart lb to change it",
-                offer.cgroup.display(),
-                c.display()
-            )),
-            _ => Ok(()),
-        },
-        (None, _) => Ok(()),
     }
 }
