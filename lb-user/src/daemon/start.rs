@@ -534,8 +534,9 @@ fn proxy_context(
     })
 }
 
-/// The data path in effect as `lb_datapath_info` and, when `auto` fell back, why as
-/// `lb_datapath_fallback_info`; returns the reason's text for `/status`.
+/// The data path in effect as `lb_datapath_info`, and `lb_datapath_fallback_info` with one
+/// series per reason from the start: 1 for why `auto` fell back, when it did, 0 for the others.
+/// Returns the reason's text for `/status`.
 fn record_datapath(
     metrics: &Metrics,
     mode: DatapathMode,
@@ -547,15 +548,16 @@ fn record_datapath(
             mode: mode.to_string(),
         })
         .set(1);
-    fallback.map(|(kind, why)| {
+    let kind = fallback.as_ref().map(|(kind, _)| *kind);
+    for r in FallbackReason::ALL {
         metrics
             .datapath_fallback
             .get_or_create(&ReasonLabel {
-                reason: kind.label().to_string(),
+                reason: r.label().to_string(),
             })
-            .set(1);
-        why
-    })
+            .set(i64::from(kind == Some(r)));
+    }
+    fallback.map(|(_, why)| why)
 }
 
 /// Each balancer's forwarding in effect, as `lb_balancer_forwarding_info`.

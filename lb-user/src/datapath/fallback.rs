@@ -20,6 +20,15 @@ pub enum FallbackReason {
 }
 
 impl FallbackReason {
+    /// Every reason, in label order of the docs.
+    pub const ALL: [FallbackReason; 5] = [
+        FallbackReason::NotPrivileged,
+        FallbackReason::Cgroup,
+        FallbackReason::KernelFeature,
+        FallbackReason::LoadFailed,
+        FallbackReason::Other,
+    ];
+
     /// The label value: `not_privileged`, `cgroup`, `kernel_feature`, `load_failed`, `other`.
     pub fn label(self) -> &'static str {
         match self {

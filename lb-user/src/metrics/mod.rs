@@ -72,8 +72,8 @@ pub struct Metrics {
     pub netns_skipped: Family<NetnsSkipLabels, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
-    /// `lb_datapath_fallback_info`: with `datapath.mode = "auto"` on the userspace copy path,
-    /// one series naming why (value 1); none otherwise.
+    /// `lb_datapath_fallback_info`: one series per reason, 1 for why `datapath.mode = "auto"`
+    /// runs the userspace copy path, 0 for the others (all 0 while the kernel data path runs).
     pub datapath_fallback: Family<ReasonLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
     pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
@@ -307,7 +307,7 @@ impl Metrics {
         );
         r.register(
             "datapath_fallback_info",
-            "Why datapath.mode = auto runs the userspace copy path instead of the kernel data path: not_privileged, cgroup, kernel_feature, load_failed or other (value 1; no series while the kernel data path runs)",
+            "Why datapath.mode = auto runs the userspace copy path instead of the kernel data path: 1 for the reason (not_privileged, cgroup, kernel_feature, load_failed, other), 0 for the others; all 0 while the kernel data path runs",
             self.datapath_fallback.clone(),
         );
         r.register(
