@@ -76,23 +76,18 @@ impl Origin {
     }
 }
 
-/// The kill queues of the connect-time balancers, by balancer id: the senders go to the
-/// balancers' [`KillObserver`], the receivers to their table tasks.
-struct KillQueues {
-    tx: HashMap<u32, UnboundedSender<connect::DirectKill>>,
-    rx: HashMap<u32, UnboundedReceiver<connect::DirectKill>>,
-}
+/// The kill queue of each connect-time balancer, by balancer id: senders for the balancers'
+/// [`KillObserver`], receivers for their table tasks.
+type KillSenders = HashMap<u32, UnboundedSender<connect::DirectKill>>;
+type KillReceivers = HashMap<u32, UnboundedReceiver<connect::DirectKill>>;
 
-impl KillQueues {
-    fn for_ids(ids: &HashSet<u32>) -> KillQueues {
-        let (mut tx, mut rx) = (HashMap::new(), HashMap::new());
-        for id in ids {
-            let (t, r) = unbounded_channel();
-            tx.insert(*id, t);
-            rx.insert(*id, r);
-        }
-        KillQueues { tx, rx }
-    }
+fn kill_queues(ids: &HashSet<u32>) -> (KillSenders, KillReceivers) {
+    ids.iter()
+        .map(|id| {
+            let (tx, rx) = unbounded_channel();
+            ((*id, tx), (*id, rx))
+        })
+        .unzip()
 }
 
 /// What [`attach_datapath`] gives: the kernel data path when it runs, the mode in effect, and
@@ -129,13 +124,9 @@ fn attach_datapath(cfg: &Config) -> anyhow::Result<Attached> {
             // Pins this lb must not adopt keep serving; falling back would hide that.
             Err(e @ crate::datapath::DatapathError::Pins(_)) => Err(e.into()),
             Err(e) => {
-                let reason = crate::errors::chain(&e);
-                warn!(reason = %reason, kind = %e.fallback_reason(), "kernel data path unavailable; falling back to the userspace copy path");
-                Ok((
-                    None,
-                    DatapathMode::Userspace,
-                    Some((e.fallback_reason(), reason)),
-                ))
+                let (kind, reason) = (e.fallback_reason(), crate::errors::chain(&e));
+                warn!(reason = %reason, kind = %kind, "kernel data path unavailable; falling back to the userspace copy path");
+                Ok((None, DatapathMode::Userspace, Some((kind, reason))))
             }
         },
     }
@@ -197,7 +188,7 @@ fn decide_forwarding(
 struct KillObserver {
     metrics: Arc<Metrics>,
     /// Per connect-mode balancer id, its table task's kill queue.
-    direct: HashMap<u32, UnboundedSender<connect::DirectKill>>,
+    direct: KillSenders,
 }
 
 impl Observer for KillObserver {
@@ -275,7 +266,7 @@ impl Daemon {
         }
         daemon.serve(bound, &go);
         if let Some(dp) = &daemon.datapath {
-            daemon.spawn_connect_tables(dp, &balancers, &mut kills.rx, &go);
+            daemon.spawn_connect_tables(dp, &balancers, &mut kills, &go);
             daemon.start_kernel_readers(dp, &go, taking_over)?;
         }
         daemon.spawn_first_checks(&go, taking_over);
@@ -292,7 +283,7 @@ impl Daemon {
         config_path: Option<PathBuf>,
         overrides: Overrides,
         origin: &mut Origin,
-    ) -> anyhow::Result<(Arc<Daemon>, Vec<Arc<Balancer>>, KillQueues)> {
+    ) -> anyhow::Result<(Arc<Daemon>, Vec<Arc<Balancer>>, KillReceivers)> {
         let taking_over = origin.adopted.is_some();
         let (datapath, datapath_mode, datapath_fallback) = match origin.adopted.take() {
             Some(Some(dp)) => (Some(Arc::new(dp)), DatapathMode::Bpf, None),
@@ -323,10 +314,10 @@ impl Daemon {
             })
             .map(|b| origin.id_of(&b.name))
             .collect();
-        let mut kills = KillQueues::for_ids(&connect_ids);
+        let (senders, kills) = kill_queues(&connect_ids);
         let observer: Arc<dyn Observer> = Arc::new(KillObserver {
             metrics: metrics.clone(),
-            direct: std::mem::take(&mut kills.tx),
+            direct: senders,
         });
         let balancers: Vec<Arc<Balancer>> = cfg
             .balancers
@@ -373,7 +364,7 @@ impl Daemon {
         self: &Arc<Self>,
         dp: &Arc<Datapath>,
         balancers: &[Arc<Balancer>],
-        rx: &mut HashMap<u32, UnboundedReceiver<connect::DirectKill>>,
+        rx: &mut KillReceivers,
         go: &CancellationToken,
     ) {
         for b in balancers {
