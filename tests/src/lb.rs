@@ -222,19 +222,34 @@ impl Lb {
         Ok(())
     }
 
+    /// Balancer `name` as `/status` gives it.
+    ///
+    /// # Errors
+    /// Request or JSON failure, or no such balancer.
+    pub fn balancer(&self, name: &str) -> Result<serde_json::Value> {
+        let st = self.status()?;
+        st["balancers"]
+            .as_array()
+            .and_then(|v| v.iter().find(|b| b["name"] == name).cloned())
+            .with_context(|| format!("no balancer {name} in /status: {st}"))
+    }
+
+    /// The servers of balancer `name` as `/status` lists them.
+    fn status_servers(&self, name: &str) -> Result<Vec<serde_json::Value>> {
+        let b = self.balancer(name)?;
+        b["servers"]
+            .as_array()
+            .cloned()
+            .with_context(|| format!("no servers in /status: {b}"))
+    }
+
     /// The server addresses of balancer `name`, as `/status` lists them.
     ///
     /// # Errors
     /// Request or JSON failure, or no such balancer.
     pub fn servers(&self, name: &str) -> Result<Vec<String>> {
-        let st = self.status()?;
-        let b = st["balancers"]
-            .as_array()
-            .and_then(|v| v.iter().find(|b| b["name"] == name))
-            .with_context(|| format!("no balancer {name} in /status: {st}"))?;
-        Ok(b["servers"]
-            .as_array()
-            .with_context(|| format!("no servers in /status: {st}"))?
+        Ok(self
+            .status_servers(name)?
             .iter()
             .filter_map(|s| s["address"].as_str().map(String::from))
             .collect())
@@ -246,14 +261,8 @@ impl Lb {
     /// # Errors
     /// Request or JSON failure, or no such balancer.
     pub fn server_state(&self, balancer: &str, server: &str) -> Result<String> {
-        let st = self.status()?;
-        let b = st["balancers"]
-            .as_array()
-            .and_then(|v| v.iter().find(|b| b["name"] == balancer))
-            .with_context(|| format!("no balancer {balancer} in /status: {st}"))?;
-        Ok(b["servers"]
-            .as_array()
-            .with_context(|| format!("no servers in /status: {st}"))?
+        Ok(self
+            .status_servers(balancer)?
             .iter()
             .find(|s| s["address"] == server)
             .map_or_else(

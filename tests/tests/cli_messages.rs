@@ -23,6 +23,20 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `lb run` of one balancer made from flags (named `default`) on `listen`, its admin API on
+/// `admin`.
+fn lb_run_flags(listen: &str, admin: &str) -> Result<Output> {
+    lb(&[
+        "run",
+        "--listen",
+        listen,
+        "--server",
+        "198.18.0.2:6443",
+        "--admin-listen",
+        admin,
+    ])
+}
+
 /// One balancer on `listen`, with `extra` appended.
 fn config(listen: &str, extra: &str) -> String {
     format!(
@@ -53,15 +67,7 @@ fn lb_run_refuses_an_admin_address_equal_to_a_listener_with_exit_2() -> Result<(
         );
     }
     // The same from flags alone: the balancer they make is named `default`.
-    let o = lb(&[
-        "run",
-        "--listen",
-        &addr,
-        "--server",
-        "198.18.0.2:6443",
-        "--admin-listen",
-        &addr,
-    ])?;
+    let o = lb_run_flags(&addr, &addr)?;
     ensure!(o.status.code() == Some(2), "{o:?}");
     ensure!(
         stderr(&o).contains("is also balancer default's listener"),
@@ -76,15 +82,7 @@ fn lb_run_names_the_program_holding_its_listener() -> Result<()> {
     let held = TcpListener::bind("127.0.0.1:0")?;
     let addr = held.local_addr()?.to_string();
     let admin = format!("127.0.0.1:{}", free_port()?);
-    let o = lb(&[
-        "run",
-        "--listen",
-        &addr,
-        "--server",
-        "198.18.0.2:6443",
-        "--admin-listen",
-        &admin,
-    ])?;
+    let o = lb_run_flags(&addr, &admin)?;
     let err = stderr(&o);
     ensure!(o.status.code() == Some(2), "{o:?}");
     let comm = std::fs::read_to_string("/proc/self/comm")?;

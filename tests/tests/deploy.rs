@@ -17,7 +17,6 @@ use lb_tests::{
     Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
     skip_unless_root,
 };
-use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
 /// An unprivileged uid and gid: lb as a user that cannot open a root client's network namespace.
@@ -108,15 +107,6 @@ impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
-}
-
-/// The balancer `name` in `/status`.
-fn balancer(lb: &Lb, name: &str) -> Result<Value> {
-    let st = lb.status()?;
-    st["balancers"]
-        .as_array()
-        .and_then(|v| v.iter().find(|b| b["name"] == name).cloned())
-        .with_context(|| format!("no balancer {name} in /status: {st}"))
 }
 
 /// A client inside `host`'s network namespace and the test's cgroup: a pod on the node.
@@ -221,7 +211,7 @@ fn systemd_unit_identity_runs_the_kernel_path_and_kills_pod_clients() -> Result<
         "the unit's identity should run the kernel data path: {st}\n{}",
         lb.log_text()
     );
-    ensure!(balancer(&lb, "direct")?["forwarding"] == "connect", "{st}");
+    ensure!(lb.balancer("direct")?["forwarding"] == "connect", "{st}");
 
     // Spliced: a client in lb's namespace through balancer `spliced`.
     let listen: SocketAddr = format!("127.0.0.1:{spliced}").parse()?;
@@ -375,7 +365,7 @@ fn daemonset_settings_kill_pod_clients() -> Result<()> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let lb = Lb::start(&args)?;
     lb.wait_settled(Duration::from_secs(10))?;
-    let b = balancer(&lb, "apiserver")?;
+    let b = lb.balancer("apiserver")?;
     ensure!(b["forwarding"] == "connect", "{b}\n{}", lb.log_text());
 
     let place = pod(&hosts[0], &cg);
@@ -422,7 +412,7 @@ fn connect_time_is_refused_outside_the_host_pid_namespace_with_the_fix() -> Resu
     )?;
     let st = lb.status()?;
     ensure!(st["datapath"] == "bpf", "the splice needs no pid: {st}");
-    let b = balancer(&lb, "direct")?;
+    let b = lb.balancer("direct")?;
     ensure!(b["forwarding"] == "splice", "{b}");
     let why = b["forwarding_fallback"].as_str().unwrap_or_default();
     ensure!(
