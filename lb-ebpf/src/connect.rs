@@ -10,7 +10,7 @@
 //! These programs use only the maps defined here, so with a pin directory lb pins them and their
 //! links, and they go on serving the last table after lb exits, whatever the cause, until lb's
 //! heartbeat (`LB_CONNECT_CTL`) is older than the orphan timeout: then they leave connects
-//! alone ([`lb_alive`]). lb's own process id is in that map too, written by each lb that loads
+//! alone ([`control`]). lb's own process id is in that map too, written by each lb that loads
 //! or adopts them.
 //!
 //! A balancer's table is read from the slot its current generation names (`LB_CONNECT_CURRENT`,
@@ -69,7 +69,7 @@ use lb_common::{
     MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS,
     MAX_LISTENERS, NETNS_SCOPE_ALL, PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4,
     PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS,
-    table_index,
+    Unrewritten, table_index,
 };
 
 mod failfast;
@@ -258,7 +258,8 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         return Ok(());
     }
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if !lb_alive(tgid) {
+    let control = control(tgid);
+    if control == Control::Own {
         return Ok(());
     }
     let ip = if v6 {
@@ -289,6 +290,10 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
             }
         }
     };
+    if control == Control::Orphaned {
+        unrewritten(balancer, Unrewritten::Orphaned);
+        return Ok(());
+    }
     // SAFETY: the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
     if !in_scope(balancer, netns) {
@@ -300,10 +305,12 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         return Ok(());
     }
     let Some(table) = current_table(balancer) else {
+        unrewritten(balancer, Unrewritten::NoServers);
         return Ok(());
     };
     let count = table.count as usize;
     if count == 0 || count > MAX_CONNECT_SERVERS {
+        unrewritten(balancer, Unrewritten::NoServers);
         return Ok(());
     }
     let pick = match table.policy {
@@ -329,6 +336,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let pick = core::hint::black_box(pick) & (MAX_CONNECT_SERVERS - 1);
     let pick = failfast::avoid_suspect(table, balancer, pick, count);
     let Some(server) = table.servers.get(pick).copied() else {
+        unrewritten(balancer, Unrewritten::NoServers);
         return Ok(());
     };
     // An IPv4 socket can only reach an IPv4 server; an IPv6 socket an IPv6 one, or an IPv4
@@ -338,7 +346,10 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         (false, AF_INET) => [server.ip_be[0], 0, 0, 0],
         (true, AF_INET6) => server.ip_be,
         (true, AF_INET) if mapped => [0, 0, MAPPED_WORD2, server.ip_be[0]],
-        _ => return Ok(()),
+        _ => {
+            unrewritten(balancer, Unrewritten::Family);
+            return Ok(());
+        }
     };
     // SAFETY: the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
@@ -360,6 +371,7 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         .is_err()
     {
         // Without the record getpeername could not answer: leave it to the listener.
+        unrewritten(balancer, Unrewritten::RecordMap);
         return Ok(());
     }
     let port_raw = u32::from((server.port as u16).to_be());
@@ -378,27 +390,50 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     Ok(())
 }
 
-/// Whether this connect may be rewritten as far as lb's control says: it is not lb's own
-/// (`tgid`), and lb's heartbeat is younger than the orphan timeout (a lb gone for longer leaves
-/// connects alone, so kernel state without a live lb stops steering after a bound).
+/// What lb's control map says of a `connect()` by process `tgid`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Control {
+    /// lb is alive and the connect is not its own: rewrite it.
+    Steer,
+    /// lb's own connect (its checks, its dials): never rewritten, never counted.
+    Own,
+    /// lb's heartbeat is older than the orphan timeout (or lb never wrote its control): a lb
+    /// gone for longer leaves connects alone, so kernel state without a live lb stops steering
+    /// after a bound.
+    Orphaned,
+}
+
 #[inline(always)]
-fn lb_alive(tgid: u32) -> bool {
+fn control(tgid: u32) -> Control {
     let (Some(own), Some(beat), Some(orphan)) = (
         LB_CONNECT_CTL.get(CTL_OWN_TGID),
         LB_CONNECT_CTL.get(CTL_HEARTBEAT_NS),
         LB_CONNECT_CTL.get(CTL_ORPHAN_NS),
     ) else {
-        return false;
+        return Control::Orphaned;
     };
     if u64::from(tgid) == *own {
-        return false;
+        return Control::Own;
     }
     if *orphan == 0 {
-        return true;
+        return Control::Steer;
     }
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_boot_ns() };
-    now.saturating_sub(*beat) <= *orphan
+    if now.saturating_sub(*beat) <= *orphan {
+        Control::Steer
+    } else {
+        Control::Orphaned
+    }
+}
+
+/// Count a `connect()` to `balancer`'s listener that is left as it was.
+#[inline(always)]
+fn unrewritten(balancer: u32, why: Unrewritten) {
+    if let Some(stats) = LB_CONNECT_STATS.get_ptr_mut(balancer) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { (*stats).unrewritten[why as usize] += 1 };
+    }
 }
 
 /// Whether `balancer`'s connect programs act on a socket of network namespace `netns`

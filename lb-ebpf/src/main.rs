@@ -78,7 +78,7 @@ use lb_common::{
     MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS,
     MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MAX_SCHEDULE_TIMEOUT, MODE_REDIRECT,
     NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, O_NONBLOCK, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason,
-    REFRESH_RING_BYTES, RefreshRequest, SockKey, kernel_log_due,
+    REFRESH_RING_BYTES, RefreshRequest, RegisterFailure, SockKey, kernel_log_due,
 };
 
 /// The ELF names of maps (`#[map]` without `name`), programs and globals are their identifiers;
@@ -240,22 +240,22 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         seq: ctx_u32!(ctx.ops, snd_nxt),
         ..FlowState::default()
     };
-    LB_FLOWS
-        .insert(&key, &flow, u64::from(BPF_ANY))
-        .map_err(|_| 1u32)?;
+    if LB_FLOWS.insert(&key, &flow, u64::from(BPF_ANY)).is_err() {
+        return Err(register_failed(balancer, RegisterFailure::FlowsMap));
+    }
     // SAFETY: the value is a plain u64 copied out.
     let seen = unsafe { LB_NETNS.get(&tuple) }.copied();
     let netns = match seen {
         Some(other) if other != cookie => NETNS_AMBIGUOUS,
         _ => cookie,
     };
-    LB_NETNS
-        .insert(&tuple, &netns, u64::from(BPF_ANY))
-        .map_err(|_| 1u32)?;
+    if LB_NETNS.insert(&tuple, &netns, u64::from(BPF_ANY)).is_err() {
+        return Err(register_failed(balancer, RegisterFailure::NetnsMap));
+    }
     // SAFETY: ctx.ops is the live bpf_sock_ops of this callback.
     let ops = unsafe { &mut *ctx.ops };
     if LB_CLIENTS.update(key, ops, u64::from(BPF_ANY)).is_err() {
-        return Err(1);
+        return Err(register_failed(balancer, RegisterFailure::Sockhash));
     }
     // Its close then forgets the flow and namespace entries (forget_client).
     let _ = add_cb_flags(ctx, BPF_SOCK_OPS_STATE_CB_FLAG as i32);
@@ -264,6 +264,17 @@ fn try_sockops(ctx: &SockOpsContext) -> Result<u32, u32> {
         unsafe { (*stats).registered += 1 };
     }
     Ok(1)
+}
+
+/// Count a client socket `balancer`'s sockops registration gave up on (it takes the copy
+/// path); returns the program's verdict.
+#[inline(always)]
+fn register_failed(balancer: u32, why: RegisterFailure) -> u32 {
+    if let Some(stats) = LB_STATS.get_ptr_mut(balancer) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { (*stats).register_failures[why as usize] += 1 };
+    }
+    1
 }
 
 /// Ask for the sockops callbacks in `flags` on this socket, keeping those it already asks for:

@@ -23,6 +23,8 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
+use crate::server_state::{Hold, ServerState};
+
 /// The hand-over protocol version. A process refuses a hand-over from another version, and the
 /// old process keeps serving. Bump it whenever a message, the meaning of a field, or the kernel
 /// map contract (`lb-common`) changes: the new process adopts the old one's maps and programs.
@@ -37,7 +39,11 @@ use serde::{Deserialize, Serialize};
 /// and maps (`LB_CONNECT_SCOPE`, `LB_CONNECT_STATS`, `LB_CONNECT_CTL` with lb's pid and
 /// heartbeat); `lb_sockops` no longer counts connect-time sockets; the locked pin directory
 /// travels as `pin-dir-lock` among the maps.
-pub const VERSION: u32 = 3;
+///
+/// Version 4: [`ServerSnapshot::state`] and [`ServerSnapshot::hold`] as names (`"ACTIVE"`,
+/// `"drain"`) instead of numbers; `BalancerStats` (in `LB_STATS` and `LB_CONNECT_STATS`) with
+/// the sockops registration failures and the connects left unrewritten, by reason.
+pub const VERSION: u32 = 4;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
 pub const ENV_SOCKET: &str = "LB_UPGRADE_SOCKET";
@@ -122,10 +128,10 @@ pub struct DatapathOffer {
 pub struct ServerSnapshot {
     /// The server (`ServerAddr`'s text form).
     pub address: String,
-    /// State value (0 INVALID ... 7 ACTIVE).
-    pub state: u8,
-    /// 0 none, 1 drain, 2 disabled.
-    pub hold: u8,
+    /// Its state, by K3s's name (`"ACTIVE"`, `"FAILED"`, ...).
+    pub state: ServerState,
+    /// The operator's hold on it (`"none"`, `"drain"`, `"disabled"`).
+    pub hold: Hold,
     /// Consecutive failed checks.
     pub consecutive_failures: u32,
     /// Consecutive passed checks.

@@ -26,5 +26,6 @@ pub mod metrics;
 pub mod net;
 pub mod netns;
 pub mod proxy;
+pub mod server_state;
 pub mod singleflight;
 pub mod sock_diag;

@@ -212,6 +212,22 @@ impl Lb {
         Ok(serde_json::from_str(&body)?)
     }
 
+    /// Run the `lb` command line `args` against this lb's admin API (`--admin` appended) and
+    /// return what it printed.
+    ///
+    /// # Errors
+    /// The command could not start or exited non-zero (its output in the error).
+    pub fn cli(&self, args: &[&str]) -> Result<String> {
+        let out = std::process::Command::new(crate::lb_bin())
+            .args(args)
+            .args(["--admin", &self.admin.to_string()])
+            .output()?;
+        if !out.status.success() {
+            bail!("lb {args:?}: {out:?}");
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Send `sig` to the lb process.
     ///
     /// # Errors

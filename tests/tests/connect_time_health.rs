@@ -382,3 +382,69 @@ impl Read for ConnectLb {
         self.map_entries("LB_CONNECT_SOCKS")
     }
 }
+
+/// While no server is usable (both disabled), the connect programs leave connects to the
+/// listener as they were and count each as `no_servers`, in `/status`, the metrics and `lb
+/// status`; once a server is back they rewrite again and the count stays.
+#[test]
+fn connect_time_connects_without_a_usable_server_are_counted_unrewritten() -> Result<()> {
+    if skip() {
+        return Ok(());
+    }
+    const TRIES: u32 = 3;
+    let s = start(0, "300ms", 1)?;
+    let unrewritten = |reason: &str| -> Result<u64> {
+        let b = s.lb.balancer("api")?;
+        b["kernel"]["unrewritten_connects"][reason]
+            .as_u64()
+            .with_context(|| format!("no kernel counters in /status: {b}"))
+    };
+    ensure!(
+        unrewritten("no_servers")? == 0,
+        "counted before any connect"
+    );
+    let servers: Vec<String> = (0..2).map(|i| s.hosts[i].addr(9000).to_string()).collect();
+    for addr in &servers {
+        s.lb.cli(&["servers", "--balancer", "api", "disable", addr])?;
+    }
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        Ok(s.lb.balancer("api")?["connect_table"]["servers"]
+            .as_array()
+            .is_none_or(Vec::is_empty))
+    })
+    .context("the connect table should empty")?;
+    let tries = TRIES.to_string();
+    let v = run_client(&s.place(), s.listen, &["dial", "--times", &tries], T)?;
+    eprintln!("{TRIES} connects with every server disabled: {v}");
+    ensure!(
+        unrewritten("no_servers")? == u64::from(TRIES),
+        "no_servers {} after {TRIES} connects: {}",
+        unrewritten("no_servers")?,
+        s.lb.balancer("api")?
+    );
+    let metric =
+        s.lb.metric("lb_connect_unrewritten_total", "reason=\"no_servers\"");
+    ensure!(
+        metric == f64::from(TRIES),
+        "lb_connect_unrewritten_total {metric}"
+    );
+    let text = s.lb.cli(&["status"])?;
+    ensure!(
+        text.contains("connects not rewritten no_servers 3"),
+        "lb status: {text}"
+    );
+    s.lb.cli(&["servers", "--balancer", "api", "enable", &servers[0]])?;
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        let ev = run_client(&s.place(), s.listen, &["peer"], T)?;
+        Ok(ev["ok"] == true && ev["server"] == "s0" && ev["server_sees"] == ev["local"])
+    })
+    .context("connects should be rewritten to s0 again")?;
+    ensure!(
+        unrewritten("no_servers")? == u64::from(TRIES),
+        "counted a rewritten connect"
+    );
+    for reason in ["orphaned", "family", "record_map"] {
+        ensure!(unrewritten(reason)? == 0, "{reason} counted");
+    }
+    Ok(())
+}

@@ -209,6 +209,13 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
         );
     }
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.status_of(&s0)?.1 == 0))?;
+    let counters = s.lb.balancer("api")?["kernel"].clone();
+    ensure!(
+        counters["unrewritten_connects"]
+            .as_object()
+            .is_some_and(|m| m.values().all(|n| n == 0)),
+        "every connect, lb dead or alive, should have been rewritten: {counters}"
+    );
     Ok(())
 }
 
@@ -244,6 +251,15 @@ fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
     ensure!(
         after >= Duration::from_millis(2400),
         "stopped after only {after:?}"
+    );
+    // The counters are pinned with the programs: the next lb reads the one connect left alone.
+    let new = s.start_again()?;
+    let old = std::mem::replace(&mut s.lb, new);
+    drop(old);
+    let counters = s.lb.balancer("api")?["kernel"]["unrewritten_connects"].clone();
+    ensure!(
+        counters["orphaned"] == 1 && counters["no_servers"] == 0,
+        "the connect refused after the orphan timeout should be counted orphaned: {counters}"
     );
     Ok(())
 }

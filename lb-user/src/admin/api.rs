@@ -2,7 +2,7 @@
 //! [`super::client::AdminClient`] (so `lb status`, `lb servers` and `lb check` parse exactly
 //! what the daemon sends).
 
-use std::net::SocketAddr;
+use std::{collections::BTreeMap, net::SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +72,51 @@ pub struct BalancerStatus {
     /// forwards at connect time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connect_table: Option<ConnectTableStatus>,
+    /// What the kernel programs left undone for this balancer's clients, counted since the
+    /// programs were loaded; absent on the userspace data path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<KernelCounters>,
+}
+
+/// A balancer's clients the kernel programs did not serve as configured, by reason (each
+/// reason's label as in the metrics, every reason present).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct KernelCounters {
+    /// Client sockets the sockops program could not register for the splice (they take the
+    /// copy path): `flows_map`, `netns_map`, `sockhash`. `lb_sockops_register_failures_total`.
+    pub register_failures: BTreeMap<String, u64>,
+    /// Connects to a connect-time listener left as they were (the client reaches lb's
+    /// listener): `orphaned`, `no_servers`, `family`, `record_map`.
+    /// `lb_connect_unrewritten_total`.
+    pub unrewritten_connects: BTreeMap<String, u64>,
+    /// Sockets of another network namespace left alone: `connect`, `sockops`.
+    /// `lb_netns_skipped_total`.
+    pub netns_skipped: BTreeMap<String, u64>,
+}
+
+impl From<&lb_common::BalancerStats> for KernelCounters {
+    fn from(st: &lb_common::BalancerStats) -> Self {
+        use lb_common::{RegisterFailure, Unrewritten};
+        KernelCounters {
+            register_failures: by_label(
+                RegisterFailure::ALL.map(|r| (r.label(), st.register_failures[r as usize])),
+            ),
+            unrewritten_connects: by_label(
+                Unrewritten::ALL.map(|r| (r.label(), st.unrewritten[r as usize])),
+            ),
+            netns_skipped: by_label([
+                ("connect", st.netns_skipped_connects),
+                ("sockops", st.netns_skipped_sockets),
+            ]),
+        }
+    }
+}
+
+fn by_label(counts: impl IntoIterator<Item = (&'static str, u64)>) -> BTreeMap<String, u64> {
+    counts
+        .into_iter()
+        .map(|(l, n)| (l.to_string(), n))
+        .collect()
 }
 
 /// A connect-mode balancer's table as the kernel holds it (read from the maps, not from lb's

@@ -140,6 +140,9 @@ pub fn status(daemon: &Handle) -> StatusBody {
                             generation,
                             servers,
                         }),
+                    kernel: daemon
+                        .kernel_stats(b.id)
+                        .map(|st| api::KernelCounters::from(&st)),
                 }
             })
             .collect(),

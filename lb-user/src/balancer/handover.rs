@@ -7,30 +7,8 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use tracing::info;
 
-use super::{Balancer, Hold, ServerState};
+use super::Balancer;
 use crate::handover::ServerSnapshot;
-
-fn state_of(v: u8) -> Option<ServerState> {
-    Some(match v {
-        0 => ServerState::Invalid,
-        1 => ServerState::Failed,
-        2 => ServerState::Standby,
-        3 => ServerState::Unchecked,
-        4 => ServerState::Recovering,
-        5 => ServerState::Healthy,
-        6 => ServerState::Preferred,
-        7 => ServerState::Active,
-        _ => return None,
-    })
-}
-
-fn hold_of(v: u8) -> Hold {
-    match v {
-        1 => Hold::Drain,
-        2 => Hold::Disabled,
-        _ => Hold::None,
-    }
-}
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -45,12 +23,8 @@ impl Balancer {
             .iter()
             .map(|s| ServerSnapshot {
                 address: s.addr.to_string(),
-                state: s.state as u8,
-                hold: match s.hold {
-                    Hold::None => 0,
-                    Hold::Drain => 1,
-                    Hold::Disabled => 2,
-                },
+                state: s.state,
+                hold: s.hold,
                 consecutive_failures: s.consecutive_failures,
                 consecutive_successes: s.consecutive_successes,
                 passive_resets: s.passive_resets,
@@ -82,11 +56,8 @@ impl Balancer {
                 let Some(old) = snapshot.iter().find(|o| o.address == addr) else {
                     continue;
                 };
-                let Some(state) = state_of(old.state) else {
-                    continue;
-                };
-                s.state = state;
-                s.hold = hold_of(old.hold);
+                s.state = old.state;
+                s.hold = old.hold;
                 s.consecutive_failures = old.consecutive_failures;
                 s.consecutive_successes = old.consecutive_successes;
                 s.passive_resets = old.passive_resets;
@@ -110,6 +81,7 @@ impl Balancer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server_state::ServerState;
     use crate::{
         addr::ServerAddr,
         config::{Config, Overrides},

@@ -6,7 +6,7 @@ use clap::Args;
 use hyper::Method;
 
 use super::{AdminArgs, Output, report_error, table};
-use crate::admin::api::{BalancerStatus, StatusBody};
+use crate::admin::api::{BalancerStatus, KernelCounters, StatusBody};
 
 /// `lb status`.
 #[derive(Debug, Args)]
@@ -107,6 +107,9 @@ fn render_balancer(out: &mut String, b: &BalancerStatus) {
         }
         out.push('\n');
     }
+    if let Some(k) = &b.kernel {
+        kernel_line(out, k);
+    }
     out.push_str(&table::servers("  ", &b.servers));
 }
 
@@ -131,5 +134,31 @@ pub async fn run(args: &StatusArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => report_error(&e),
+    }
+}
+
+/// The kernel's "left undone" counters of one balancer, one line, only those above 0 (nothing
+/// when all are 0): `  kernel: not registered for the splice sockhash 3; connects not
+/// rewritten no_servers 12`.
+fn kernel_line(out: &mut String, k: &KernelCounters) {
+    let nonzero = |m: &std::collections::BTreeMap<String, u64>| {
+        m.iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(l, n)| format!("{l} {n}"))
+            .collect::<Vec<_>>()
+    };
+    let parts: Vec<String> = [
+        (
+            "not registered for the splice",
+            nonzero(&k.register_failures),
+        ),
+        ("connects not rewritten", nonzero(&k.unrewritten_connects)),
+    ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .map(|(what, v)| format!("{what} {}", v.join(", ")))
+    .collect();
+    if !parts.is_empty() {
+        out.push_str(&format!("  kernel: {}\n", parts.join("; ")));
     }
 }

@@ -98,6 +98,12 @@ impl Handle {
         self.0.datapath.as_ref()?.connect_table(id)
     }
 
+    /// The counters the kernel programs keep for balancer `id`, summed over the CPUs (`None`
+    /// on the userspace data path).
+    pub fn kernel_stats(&self, id: u32) -> Option<lb_common::BalancerStats> {
+        Some(self.0.datapath.as_ref()?.stats(id))
+    }
+
     /// The connect-time pin directory and the heartbeat's age as the programs see it (`None`
     /// when connect-time is not pinned).
     pub fn connect_pins(

@@ -97,6 +97,17 @@ pub struct FallbackLabels {
     pub reason: String,
 }
 
+/// `{balancer,reason}` of the kernel's per-reason counters: `lb_sockops_register_failures_total`
+/// ([`lb_common::RegisterFailure::label`]) and `lb_connect_unrewritten_total`
+/// ([`lb_common::Unrewritten::label`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KernelReasonLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// The reason's label.
+    pub reason: String,
+}
+
 /// `{reason}` of `lb_datapath_fallback_info` ([`crate::datapath::FallbackReason::label`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {

@@ -8,6 +8,7 @@ use std::{
 };
 
 mod compat;
+mod kernel;
 mod labels;
 
 pub use compat::{
@@ -70,6 +71,12 @@ pub struct Metrics {
     /// `lb_netns_skipped_total`: sockets the kernel programs left alone because they are in
     /// another network namespace than the balancer's scope (`namespaces = "own"`).
     pub netns_skipped: Family<NetnsSkipLabels, Counter>,
+    /// `lb_sockops_register_failures_total{balancer,reason}`: client sockets the sockops
+    /// program could not register for the splice (they take the copy path).
+    pub sockops_register_failures: Family<KernelReasonLabels, Counter>,
+    /// `lb_connect_unrewritten_total{balancer,reason}`: connects to a connect-time listener the
+    /// connect programs left as they were (the client reaches lb's listener).
+    pub connect_unrewritten: Family<KernelReasonLabels, Counter>,
     /// `lb_datapath_info`.
     pub datapath_info: Family<ModeLabel, Gauge>,
     /// `lb_datapath_fallback_info`: one series per reason, 1 for why `datapath.mode = "auto"`
@@ -176,6 +183,8 @@ impl Metrics {
             connect_kill_netns_failures: Family::<BalancerLabel, Counter>::default(),
             connect_suspect: Family::<ServerLabels, Counter>::default(),
             netns_skipped: Family::<NetnsSkipLabels, Counter>::default(),
+            sockops_register_failures: Family::<KernelReasonLabels, Counter>::default(),
+            connect_unrewritten: Family::<KernelReasonLabels, Counter>::default(),
             datapath_info: Family::<ModeLabel, Gauge>::default(),
             datapath_fallback: Family::<ReasonLabel, Gauge>::default(),
             balancer_forwarding: Family::<ForwardingLabels, Gauge>::default(),
@@ -299,6 +308,16 @@ impl Metrics {
             "netns_skipped",
             "Sockets of another network namespace than lb's that dialed a listener's address and were left alone (namespaces = \"own\"): connect (not rewritten) or sockops (not registered for the splice)",
             self.netns_skipped.clone(),
+        );
+        r.register(
+            "sockops_register_failures",
+            "Client sockets the sockops program could not register for the splice, so none of their bytes is spliced (they take the copy path): flows_map or netns_map (an entry could not be written), sockhash (the sockhash is full or refused the socket)",
+            self.sockops_register_failures.clone(),
+        );
+        r.register(
+            "connect_unrewritten",
+            "Connects to a connect-time listener the connect programs left as they were, so the client reaches lb's listener: orphaned (lb's heartbeat older than datapath.orphan_timeout), no_servers (no usable server in the connect table), family (no route between the socket's and the server's address family), record_map (the socket's record could not be written)",
+            self.connect_unrewritten.clone(),
         );
         r.register(
             "datapath_info",
@@ -566,6 +585,7 @@ impl Metrics {
                 reason: r.label().into(),
             });
         }
+        self.touch_kernel_reasons(&b.name);
         for program in ["connect", "sockops"] {
             let _ = self.netns_skipped.get_or_create(&NetnsSkipLabels {
                 balancer: name(),
@@ -597,86 +617,6 @@ impl Metrics {
                 });
             }
         }
-    }
-
-    /// Advance the counters the kernel keeps for `b` to the kernel's running totals.
-    fn bump_kernel(&self, b: &Balancer, dp: &Datapath) {
-        let st = dp.stats(b.id);
-        let name = b.name.as_str();
-        let balancer = BalancerLabel {
-            balancer: b.name.clone(),
-        };
-        self.bump(
-            &self.spliced_bytes,
-            &DirectionLabels {
-                balancer: b.name.clone(),
-                direction: "client_to_server".into(),
-            },
-            (name, "client_to_server"),
-            st.redirected_bytes,
-        );
-        for (family, what, n) in [
-            (
-                &self.splice_blocking_redirects,
-                "blocking_redirects",
-                st.blocking_redirects,
-            ),
-            (
-                &self.splice_credit_refreshes,
-                "credit_refreshes",
-                st.refresh_requests,
-            ),
-            (
-                &self.passive_event_drops,
-                "passive_event_drops",
-                st.connect_event_drops,
-            ),
-        ] {
-            self.bump(family, &balancer, (name, what), n);
-        }
-        for (program, n) in [
-            ("connect", st.netns_skipped_connects),
-            ("sockops", st.netns_skipped_sockets),
-        ] {
-            self.bump(
-                &self.netns_skipped,
-                &NetnsSkipLabels {
-                    balancer: b.name.clone(),
-                    program: program.into(),
-                },
-                (name, &format!("netns_skipped:{program}")),
-                n,
-            );
-        }
-        for r in lb_common::PassReason::ALL {
-            self.bump(
-                &self.splice_fallbacks,
-                &FallbackLabels {
-                    balancer: b.name.clone(),
-                    reason: r.label().into(),
-                },
-                (name, &format!("fallback:{}", r.label())),
-                st.pass[r as usize],
-            );
-        }
-    }
-
-    /// Advance the counter `labels` of `family` to the kernel's running total `now`; the last
-    /// total seen is kept per balancer under `what`.
-    fn bump<S: Clone + std::hash::Hash + Eq>(
-        &self,
-        family: &Family<S, Counter>,
-        labels: &S,
-        (balancer, what): (&str, &str),
-        now: u64,
-    ) {
-        let mut last = self.last_kernel.lock().expect("poisoned");
-        let prev = last
-            .insert((balancer.to_string(), what.to_string()), now)
-            .unwrap_or(0);
-        family
-            .get_or_create(labels)
-            .inc_by(now.saturating_sub(prev));
     }
 }
 
