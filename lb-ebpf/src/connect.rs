@@ -53,7 +53,7 @@ use aya_ebpf::{
     cty::c_void,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
-        bpf_ktime_get_boot_ns, bpf_skc_to_tcp_sock,
+        bpf_skc_to_tcp_sock,
     },
     macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
@@ -61,18 +61,20 @@ use aya_ebpf::{
 };
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, CONNECT_EVENTS_RING_BYTES, CONNECT_LEAST, CONNECT_RANDOM,
-    CONNECT_ROUND_ROBIN, CTL_HEARTBEAT_NS, CTL_ORPHAN_NS, CTL_OWN_TGID, CTL_SLOTS, ConnectCountKey,
-    ConnectEvent, ConnectOrig, ConnectServer, ConnectTable, EVENT_CONNECT_FAILED, EVENT_RTO,
-    GLOBAL_OFF_SK_ERR, ListenerKey, MAP_CONNECT_COUNTS, MAP_CONNECT_CTL, MAP_CONNECT_CURRENT,
-    MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SCOPE,
-    MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES,
-    MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS,
-    MAX_LISTENERS, NETNS_SCOPE_ALL, PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4,
-    PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS,
-    Unrewritten, table_index,
+    CONNECT_ROUND_ROBIN, CTL_SLOTS, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer,
+    ConnectTable, EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, ListenerKey,
+    MAP_CONNECT_COUNTS, MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS,
+    MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SCOPE, MAP_CONNECT_SOCKS, MAP_CONNECT_STATS,
+    MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
+    MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS, MAX_LISTENERS, NETNS_SCOPE_ALL,
+    PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS, Unrewritten, table_index,
 };
 
+mod control;
 mod failfast;
+
+use control::{Control, control, unrewritten};
 
 named_as!(
     LB_CONNECT_LISTENERS = MAP_CONNECT_LISTENERS,
@@ -390,52 +392,6 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     Ok(())
 }
 
-/// What lb's control map says of a `connect()` by process `tgid`.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Control {
-    /// lb is alive and the connect is not its own: rewrite it.
-    Steer,
-    /// lb's own connect (its checks, its dials): never rewritten, never counted.
-    Own,
-    /// lb's heartbeat is older than the orphan timeout (or lb never wrote its control): a lb
-    /// gone for longer leaves connects alone, so kernel state without a live lb stops steering
-    /// after a bound.
-    Orphaned,
-}
-
-#[inline(always)]
-fn control(tgid: u32) -> Control {
-    let (Some(own), Some(beat), Some(orphan)) = (
-        LB_CONNECT_CTL.get(CTL_OWN_TGID),
-        LB_CONNECT_CTL.get(CTL_HEARTBEAT_NS),
-        LB_CONNECT_CTL.get(CTL_ORPHAN_NS),
-    ) else {
-        return Control::Orphaned;
-    };
-    if u64::from(tgid) == *own {
-        return Control::Own;
-    }
-    if *orphan == 0 {
-        return Control::Steer;
-    }
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_boot_ns() };
-    if now.saturating_sub(*beat) <= *orphan {
-        Control::Steer
-    } else {
-        Control::Orphaned
-    }
-}
-
-/// Count a `connect()` to `balancer`'s listener that is left as it was.
-#[inline(always)]
-fn unrewritten(balancer: u32, why: Unrewritten) {
-    if let Some(stats) = LB_CONNECT_STATS.get_ptr_mut(balancer) {
-        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
-        unsafe { (*stats).unrewritten[why as usize] += 1 };
-    }
-}
-
 /// Whether `balancer`'s connect programs act on a socket of network namespace `netns`
 /// (`LB_CONNECT_SCOPE`, as `crate::in_scope` for the splice).
 #[inline(always)]
@@ -695,7 +651,7 @@ fn sock_err(ctx: &SockOpsContext) -> u32 {
     if tp.is_null() {
         return 0;
     }
-    crate::read_kernel::<i32>(tp, off)
+    crate::client_sock::read_kernel::<i32>(tp, off)
         .and_then(|e| u32::try_from(e).ok())
         .unwrap_or(0)
 }

@@ -47,8 +47,8 @@ enum Cmd {
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.
     VmTest {
-        /// Which kernel: 6.1, 6.12 or all.
-        #[arg(long, default_value = "all", value_parser = ["6.1", "6.12", "all"])]
+        /// Which kernel: 5.10, 6.1, 6.12 or all.
+        #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "6.12", "all"])]
         kernel: String,
         /// Hard limit for one guest, boot to power-off, in seconds.
         #[arg(long, default_value_t = vm::DEFAULT_TIMEOUT.as_secs())]

@@ -4,6 +4,7 @@
 //! charts.
 
 mod contenders;
+mod procfs;
 mod report;
 mod scenarios;
 

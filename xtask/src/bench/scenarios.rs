@@ -16,7 +16,8 @@ use serde_json::Value;
 
 use super::{
     Options, Raw,
-    contenders::{Cgroups, Kind, Running, children_cpu_secs, cpu_jiffies, kernel_socket_bytes},
+    contenders::{Cgroups, Kind, Running},
+    procfs::{children_cpu_secs, cpu_jiffies, kernel_socket_bytes},
     report::Results,
 };
 

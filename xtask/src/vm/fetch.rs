@@ -17,6 +17,10 @@ pub struct Series {
     pub label: &'static str,
     /// Package names start with this (`apt-cache pkgnames` prefix).
     pub prefix: &'static str,
+    /// A Debian suite the machine's apt sources do not list (`bullseye` for 5.10): apt is then
+    /// asked with a sources list and package lists of its own, under the cache, so the
+    /// machine's apt configuration is never changed.
+    pub suite: Option<&'static str>,
 }
 
 impl Series {
@@ -40,14 +44,81 @@ impl Series {
 /// The series in the matrix, oldest first.
 pub const SERIES: &[Series] = &[
     Series {
+        label: "5.10",
+        prefix: "linux-image-5.10.0-",
+        suite: Some("bullseye"),
+    },
+    Series {
         label: "6.1",
         prefix: "linux-image-6.1.0-",
+        suite: None,
     },
     Series {
         label: "6.12",
         prefix: "linux-image-6.12.",
+        suite: None,
     },
 ];
+
+/// How apt is asked: the machine's configuration, or one of a suite's own (its sources list,
+/// package lists and archive cache under `target/vm-cache/apt/SUITE`).
+#[derive(Clone, Debug, Default)]
+pub struct Apt {
+    opts: Vec<String>,
+    suite: Option<&'static str>,
+}
+
+impl Apt {
+    /// The machine's own apt.
+    pub fn system() -> Apt {
+        Apt::default()
+    }
+
+    /// apt for `series`: the machine's, or for a suite of its own a configuration under
+    /// `cache` (written once; Debian's archive keyring signs every suite).
+    ///
+    /// # Errors
+    /// The files cannot be written.
+    pub fn for_series(series: &Series, cache: &Path) -> Result<Apt> {
+        let Some(suite) = series.suite else {
+            return Ok(Apt::system());
+        };
+        let dir = cache.join("apt").join(suite);
+        let lists = dir.join("lists");
+        std::fs::create_dir_all(lists.join("partial"))?;
+        std::fs::create_dir_all(dir.join("archives/partial"))?;
+        let sources = dir.join("sources.list");
+        std::fs::write(
+            &sources,
+            format!(
+                "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian {suite} main\n"
+            ),
+        )?;
+        let opt = |k: &str, v: &Path| format!("{k}={}", v.display());
+        let opts = [
+            opt("Dir::Etc::SourceList", &sources),
+            opt("Dir::Etc::SourceParts", &dir.join("sources.list.d")),
+            opt("Dir::State::Lists", &lists),
+            opt("Dir::Cache", &dir),
+            opt("Dir::Cache::pkgcache", &dir.join("pkgcache.bin")),
+            opt("Dir::Cache::srcpkgcache", &dir.join("srcpkgcache.bin")),
+        ]
+        .into_iter()
+        .flat_map(|o| ["-o".to_string(), o])
+        .collect();
+        Ok(Apt {
+            opts,
+            suite: Some(suite),
+        })
+    }
+
+    /// `program` (`apt-get`, `apt-cache`) with this configuration's options.
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.args(&self.opts);
+        c
+    }
+}
 
 fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd
@@ -82,16 +153,16 @@ fn cached(debs: &Path, key: impl Fn(&str) -> Option<u64>) -> Option<PathBuf> {
 }
 
 /// Whether apt has a candidate version of `name` (pkgnames also lists names only referenced).
-fn available(name: &str) -> bool {
-    output(Command::new("apt-cache").args(["policy", name])).is_ok_and(|o| {
+fn available(apt: &Apt, name: &str) -> bool {
+    output(apt.command("apt-cache").args(["policy", name])).is_ok_and(|o| {
         o.lines()
             .any(|l| l.trim().starts_with("Candidate:") && !l.contains("(none)"))
     })
 }
 
 /// Names apt knows starting with `prefix`, newest first, that `key` accepts.
-fn candidates(prefix: &str, key: &impl Fn(&str) -> Option<u64>) -> Result<Vec<String>> {
-    let names = output(Command::new("apt-cache").args(["pkgnames", prefix]))?;
+fn candidates(apt: &Apt, prefix: &str, key: &impl Fn(&str) -> Option<u64>) -> Result<Vec<String>> {
+    let names = output(apt.command("apt-cache").args(["pkgnames", prefix])).unwrap_or_default();
     let mut found: Vec<(u64, String)> = names
         .lines()
         .filter_map(|n| key(n).map(|k| (k, n.to_string())))
@@ -102,9 +173,10 @@ fn candidates(prefix: &str, key: &impl Fn(&str) -> Option<u64>) -> Result<Vec<St
 }
 
 /// `apt-get download NAME` into `debs`, returning the file.
-fn download(debs: &Path, name: &str) -> Result<PathBuf> {
+fn download(apt: &Apt, debs: &Path, name: &str) -> Result<PathBuf> {
     eprintln!("vm: apt-get download {name}");
-    let status = Command::new("apt-get")
+    let status = apt
+        .command("apt-get")
         .args(["download", "-q", "-o", "APT::Sandbox::User=root", name])
         .current_dir(debs)
         .status()
@@ -122,20 +194,26 @@ fn download(debs: &Path, name: &str) -> Result<PathBuf> {
 ///
 /// # Errors
 /// No such package, or the download fails.
-pub fn deb(debs: &Path, prefix: &str, key: impl Fn(&str) -> Option<u64>) -> Result<PathBuf> {
+pub fn deb(
+    apt: &Apt,
+    debs: &Path,
+    prefix: &str,
+    key: impl Fn(&str) -> Option<u64>,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(debs)?;
     if let Some(p) = cached(debs, &key) {
         return Ok(p);
     }
     for attempt in 0..2 {
-        let names = candidates(prefix, &key)?;
+        let names = candidates(apt, prefix, &key)?;
         // Only the newest few: apt lists old ABIs whose files are gone from the mirror.
-        if let Some(name) = names.iter().take(4).find(|n| available(n)) {
-            return download(debs, name);
+        if let Some(name) = names.iter().take(4).find(|n| available(apt, n)) {
+            return download(apt, debs, name);
         }
         if attempt == 0 {
-            eprintln!("vm: apt knows no {prefix}* package; apt-get update");
-            output(Command::new("apt-get").args(["update", "-qq"]))?;
+            let of = apt.suite.map(|s| format!(" ({s})")).unwrap_or_default();
+            eprintln!("vm: apt knows no {prefix}* package; apt-get update{of}");
+            output(apt.command("apt-get").args(["update", "-qq"]))?;
         }
     }
     bail!("no package {prefix}* available from apt")
@@ -323,7 +401,9 @@ mod tests {
 
     #[test]
     fn series_keys() {
-        let [old, new] = [SERIES[0], SERIES[1]];
+        let [oldest, old, new] = [SERIES[0], SERIES[1], SERIES[2]];
+        assert_eq!(oldest.key("linux-image-5.10.0-35-amd64"), Some(35));
+        assert_eq!(oldest.key("linux-image-5.10.0-35-rt-amd64"), None);
         assert_eq!(old.key("linux-image-6.1.0-57-amd64"), Some(57));
         assert_eq!(old.key("linux-image-6.1.0-57-amd64-dbg"), None);
         assert_eq!(old.key("linux-image-6.1.0-57-cloud-amd64"), None);

@@ -205,9 +205,12 @@ pub fn initramfs(
     a.file("init", 0o755, INIT.as_bytes())?;
 
     // busybox from Debian's busybox-static, every applet but those iproute2 provides.
-    let bb_deb = fetch::deb(&cache.join("debs"), "busybox-static", |n| {
-        (n == "busybox-static").then_some(0)
-    })?;
+    let bb_deb = fetch::deb(
+        &fetch::Apt::system(),
+        &cache.join("debs"),
+        "busybox-static",
+        |n| (n == "busybox-static").then_some(0),
+    )?;
     let bb_root = fetch::unpack(&bb_deb, &cache.join("x"))?;
     let busybox = bb_root.join("bin/busybox");
     a.file("bin/busybox", 0o755, &std::fs::read(&busybox)?)?;

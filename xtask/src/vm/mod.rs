@@ -137,7 +137,8 @@ fn run_one(
 ) -> Result<Outcome> {
     let cache = cache();
     let debs = cache.join("debs");
-    let deb = fetch::deb(&debs, series.prefix, |n| series.key(n))?;
+    let apt = fetch::Apt::for_series(&series, &cache)?;
+    let deb = fetch::deb(&apt, &debs, series.prefix, |n| series.key(n))?;
     let root = fetch::unpack(&deb, &cache.join("x"))?;
     let kernel = fetch::Kernel::find(&root)?;
     eprintln!("vm: kernel {} ({})", series.label, kernel.release);
