@@ -2,6 +2,8 @@
 //! tunnel), rise/fall with a server that goes away, the scheduler's intervals, `health.loop =
 //! false`, single-flight checks, and the node-wide kill of a loopback connection.
 
+mod support;
+
 use std::{
     net::SocketAddr,
     path::PathBuf,
@@ -30,6 +32,7 @@ use rustls::{
     pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer},
     server::WebPkiClientVerifier,
 };
+use support::{state, wait_server_state};
 use tokio::{
     io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _},
     net::TcpListener,
@@ -742,28 +745,6 @@ fn balancer(servers: &[String], health: HealthConfig) -> Arc<Balancer> {
     Balancer::new(0, b)
 }
 
-fn state(b: &Balancer, server: &str) -> ServerState {
-    b.status()
-        .into_iter()
-        .find(|s| s.address == server)
-        .unwrap()
-        .state
-}
-
-/// Poll until `server` is in `want` or `limit` passes; returns how long it took.
-async fn wait_state(b: &Balancer, server: &str, want: ServerState, limit: Duration) -> Duration {
-    let start = Instant::now();
-    while state(b, server) != want {
-        assert!(
-            start.elapsed() < limit,
-            "{server} still {} after {limit:?}, want {want}",
-            state(b, server)
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    start.elapsed()
-}
-
 fn checks(metrics: &Metrics, server: &str, result: &str) -> u64 {
     metrics
         .health_checks
@@ -795,7 +776,7 @@ async fn kept_tunnel_fails_on_drop_and_reconnects() {
     let svc = HealthService::new(metrics.clone(), tasks.clone());
     let cancel = CancellationToken::new();
     svc.start(b.clone(), cancel.clone());
-    wait_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
+    wait_server_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
     assert_eq!(ws.accepted.load(Ordering::Relaxed), 1);
 
     // On demand: a ping over the kept tunnel, no new connection.
@@ -803,22 +784,22 @@ async fn kept_tunnel_fails_on_drop_and_reconnects() {
     assert_eq!(ws.accepted.load(Ordering::Relaxed), 1);
 
     ws.drop_connections();
-    let took = wait_state(&b, &server, ServerState::Failed, Duration::from_secs(2)).await;
+    let took = wait_server_state(&b, &server, ServerState::Failed, Duration::from_secs(2)).await;
     assert!(
         took < Duration::from_millis(1000),
         "FAILED after {took:?}, interval is 3 s"
     );
     // Reconnect after the backoff (fast_interval).
-    wait_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
+    wait_server_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
     assert_eq!(ws.accepted.load(Ordering::Relaxed), 2);
 
     // Pongs stop while the socket stays up: FAILED within interval + timeout.
     *ws.mode.lock().unwrap() = WsMode::Silent;
     ws.drop_connections();
-    wait_state(&b, &server, ServerState::Failed, Duration::from_secs(2)).await;
-    wait_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
+    wait_server_state(&b, &server, ServerState::Failed, Duration::from_secs(2)).await;
+    wait_server_state(&b, &server, ServerState::Preferred, Duration::from_secs(3)).await;
     let start = Instant::now();
-    wait_state(&b, &server, ServerState::Failed, Duration::from_secs(5)).await;
+    wait_server_state(&b, &server, ServerState::Failed, Duration::from_secs(5)).await;
     assert!(
         start.elapsed() <= Duration::from_millis(3000 + 500 + 300),
         "no pong noticed after {:?}",
