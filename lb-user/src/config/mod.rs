@@ -8,6 +8,7 @@ mod health;
 mod metrics;
 mod parse_error;
 mod resolve;
+pub mod schema;
 mod validate;
 
 pub use discovery::{
@@ -28,6 +29,7 @@ use std::{
     time::Duration,
 };
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -151,7 +153,9 @@ fn paired_files(
 }
 
 /// Data path choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DatapathMode {
     /// Kernel splice when it can be attached, otherwise userspace with a warning saying why.
@@ -174,7 +178,9 @@ impl fmt::Display for DatapathMode {
 }
 
 /// How a balancer's clients reach their server.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Forwarding {
     /// `Connect` where the running kernel has the connect-time hooks and the balancer dials
@@ -199,7 +205,9 @@ impl fmt::Display for Forwarding {
 }
 
 /// Which network namespaces a balancer's kernel programs act in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Namespaces {
     /// lb's own, where its listeners live: a client in another network namespace (a pod) that
@@ -221,7 +229,7 @@ impl fmt::Display for Namespaces {
 }
 
 /// Server selection policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// K3s: one ACTIVE server at a time, fail over in preference order, fail back.
@@ -247,10 +255,11 @@ impl fmt::Display for Policy {
 }
 
 /// `[admin]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     /// Admin HTTP listen address; default `127.0.0.1:9901`.
+    #[schemars(with = "schema::ListenAddr")]
     pub listen: SocketAddr,
     /// Also serve on this unix socket (mode 0600).
     pub unix_socket: Option<PathBuf>,
@@ -274,7 +283,7 @@ impl Default for AdminConfig {
 }
 
 /// `[datapath]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatapathConfig {
     /// auto | bpf | userspace.
@@ -327,7 +336,7 @@ impl Default for DatapathConfig {
 }
 
 /// `all_failed`: a client's fate when every server is FAILED.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AllFailed {
     /// Dial every server at once, bounded by `dial_timeout` and `connect_budget`; the first
@@ -340,12 +349,13 @@ pub enum AllFailed {
 }
 
 /// `[[balancer]]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BalancerConfig {
     /// Unique name, used in metrics, the admin API and the state file.
     pub name: String,
     /// Listen addresses (IPv4 and IPv6).
+    #[schemars(with = "Vec<schema::ListenAddr>")]
     pub listen: Vec<SocketAddr>,
     /// Servers as `host:port` (host names resolve to every A/AAAA record). May be empty when
     /// `discovery` is set: the set then comes from the state file or the first discovery run.
@@ -421,16 +431,16 @@ fn default_connect_budget() -> Dur {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// `[admin]`.
+    /// `[admin]`: the admin HTTP API's address, unix socket and token.
     #[serde(default)]
     pub admin: AdminConfig,
-    /// `[datapath]`.
+    /// `[datapath]`: the data path (kernel splice, copy, connect-time) and its bounds.
     #[serde(default)]
     pub datapath: DatapathConfig,
-    /// `[metrics]`.
+    /// `[metrics]`: K3s or RKE2 series and a listener for `GET /metrics` alone.
     #[serde(default)]
     pub metrics: MetricsConfig,
     /// `[dns]`: how host names of server lists are resolved.
@@ -439,7 +449,7 @@ pub struct Config {
     /// Grace period for draining on SIGTERM; default 30 s.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: Dur,
-    /// `[[balancer]]` tables.
+    /// `[[balancer]]` tables: each one's listeners, servers and health check.
     #[serde(default, rename = "balancer")]
     pub balancers: Vec<BalancerConfig>,
 }
