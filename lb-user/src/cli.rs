@@ -1,5 +1,5 @@
 //! Command line: `lb run`, the admin client commands (`lb status`, `lb servers`, `lb check`),
-//! `lb config check`, `lb cleanup` (the connect-time pins), and `lb completions` / `lb man`. One file per subcommand under `cli/`;
+//! `lb config check` and `lb config schema`, `lb cleanup` (the connect-time pins), and `lb completions` / `lb man`. One file per subcommand under `cli/`;
 //! every option also reads an `LB_*` environment variable (flags win).
 //!
 //! Exit codes: 0 success (for `lb check`: healthy); 1 failure (`lb check`: unhealthy or the
@@ -220,6 +220,12 @@ pub enum ConfigCommand {
         #[arg(long)]
         skip_files: bool,
     },
+    /// Print a JSON Schema of the config file, for editors that check TOML (taplo, VS Code).
+    ///
+    /// It has every key with its type, default and description, and the spelling of every
+    /// value; `lb config check` also checks the rules between keys. Exit 0, or 1 when standard
+    /// output cannot take it.
+    Schema,
 }
 
 #[cfg(test)]

@@ -85,6 +85,7 @@ fn main() -> ExitCode {
             };
             cli::config::check(&file, files)
         }
+        Command::Config(ConfigCommand::Schema) => cli::config::schema(),
         Command::Completions(args) => cli::docs::completions(&args),
         Command::Man(args) => cli::docs::man(&args),
         Command::Status(args) => {

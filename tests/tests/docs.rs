@@ -2,10 +2,11 @@
 //! CONTRIBUTING, CHANGELOG, `docs/`, `bench/README.md`, `deploy/`) resolves to a file or
 //! directory, and a `#anchor` to a heading of the file it names; the README's headline figures
 //! are the medians of the generated `bench/results/latest.md`; the TOML examples pass
-//! `lb config check` ([`config_examples`]); the `lb ...` command lines parse with lb's own
-//! command line ([`commands`]); the metrics reference lists exactly the registered families
-//! ([`metrics`]); the Grafana dashboard queries only exported series ([`grafana`]). No root
-//! needed.
+//! `lb config check` ([`config_examples`]) and the JSON Schema the `lb` binary prints with
+//! `lb config schema` ([`schema`]; build `lb` first); the `lb ...` command lines parse with
+//! lb's own command line ([`commands`]); the metrics reference lists exactly the registered
+//! families ([`metrics`]); the Grafana dashboard queries only exported series ([`grafana`]).
+//! No root needed.
 //!
 //! `CHANGELOG.md` is history: its links are checked, its examples and command lines are not (a
 //! renamed flag must not force rewriting what was true then).
@@ -19,6 +20,8 @@ mod config_examples;
 mod grafana;
 #[path = "docs/metrics.rs"]
 mod metrics;
+#[path = "docs/schema.rs"]
+mod schema;
 
 use std::{
     collections::{BTreeMap, HashSet},

@@ -1,6 +1,7 @@
-//! `lb config check [--skip-files] FILE`: validate a config file without starting anything.
+//! `lb config check [--skip-files] FILE`: validate a config file without starting anything;
+//! `lb config schema`: print the config file's JSON Schema.
 
-use std::{path::Path, process::ExitCode};
+use std::{io::Write as _, path::Path, process::ExitCode};
 
 use crate::config::{
     BalancerConfig, Config, ConfigError, CredentialFiles, EXIT_INVALID_CONFIG, Forwarding,
@@ -33,6 +34,20 @@ pub fn check(file: &Path, files: CredentialFiles) -> ExitCode {
         Err(e) => {
             eprintln!("{}", invalid(Some(file), &e));
             ExitCode::from(u8::try_from(EXIT_INVALID_CONFIG).unwrap_or(2))
+        }
+    }
+}
+
+/// Print the config file's JSON Schema ([`crate::config::schema`]) to stdout, indented, and
+/// exit 0; 1 when stdout cannot take it.
+pub fn schema() -> ExitCode {
+    let text = serde_json::to_string_pretty(&crate::config::schema::schema())
+        .expect("a JSON value serialises");
+    match writeln!(std::io::stdout(), "{text}") {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lb: config schema: cannot write to stdout: {e}");
+            ExitCode::from(super::EXIT_FAILURE)
         }
     }
 }

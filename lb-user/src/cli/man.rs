@@ -53,13 +53,17 @@ fn sections(name: &str) -> String {
     out.push_str(match name {
         "lb-run" => EXIT_RUN,
         "lb-config-check" => EXIT_CONFIG_CHECK,
+        "lb-config-schema" => EXIT_CONFIG_SCHEMA,
         "lb-check" => EXIT_CHECK,
         _ => EXIT_ALL,
     });
     if matches!(name, "lb" | "lb-run" | "lb-config-check" | "lb-cleanup") {
         out.push_str(FILES);
     }
-    if matches!(name, "lb" | "lb-run" | "lb-config-check") {
+    if matches!(
+        name,
+        "lb" | "lb-run" | "lb-config-check" | "lb-config-schema"
+    ) {
         out.push_str(EXAMPLES);
     }
     out.push_str(SEE_ALSO);
@@ -152,6 +156,10 @@ const EXIT_CONFIG_CHECK: &str = "\
 .TP\n\\fB2\\fR\nThe file cannot be read, does not parse, or a value is refused: the message \
 names the file, the key, the value and the reason.\n";
 
+const EXIT_CONFIG_SCHEMA: &str = "\
+.TP\n\\fB0\\fR\nThe schema was printed.\n\
+.TP\n\\fB1\\fR\nStandard output could not take it.\n";
+
 const EXIT_CHECK: &str = "\
 .TP\n\\fB0\\fR\nHealthy.\n\
 .TP\n\\fB1\\fR\nUnhealthy, or the daemon unreachable.\n\
@@ -169,6 +177,7 @@ const EXAMPLES: &str = "\
 .SH EXAMPLES\n\
 .nf\n\
 lb config check /etc/lb/lb.toml\n\
+lb config schema > lb.schema.json\n\
 lb run \\-\\-config /etc/lb/lb.toml\n\
 lb run \\-\\-listen 127.0.0.1:6444 \\-\\-server 198.18.0.2:6443 \\-\\-server 198.18.0.3:6443\n\
 lb status\n\
@@ -235,11 +244,25 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lb-man-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         generate_to(crate::cli::Cli::command(), &dir).unwrap();
-        for page in ["lb.1", "lb-run.1", "lb-config.1", "lb-config-check.1"] {
+        for page in [
+            "lb.1",
+            "lb-run.1",
+            "lb-config.1",
+            "lb-config-check.1",
+            "lb-config-schema.1",
+        ] {
             assert!(dir.join(page).is_file(), "{page}");
         }
         let check = std::fs::read_to_string(dir.join("lb-config-check.1")).unwrap();
         assert!(check.contains(".SH EXAMPLES"), "{check}");
+        let schema = std::fs::read_to_string(dir.join("lb-config-schema.1")).unwrap();
+        assert!(
+            schema.contains("Print a JSON Schema of the config file"),
+            "{schema}"
+        );
+        assert!(schema.contains("\\fB1\\fR\nStandard output"), "{schema}");
+        let config = std::fs::read_to_string(dir.join("lb-config.1")).unwrap();
+        assert!(config.contains("lb\\-config\\-schema"), "{config}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -3,6 +3,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, CredentialFiles, Dur};
@@ -18,7 +19,7 @@ pub const MIN_DISCOVERY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Where a balancer's servers come from. Every source feeds the same path as
 /// `PUT /balancers/NAME/servers`; an empty or failed answer never empties the balancer.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum DiscoveryConfig {
     /// Every A and AAAA record of a name, each `address:port` a server.
@@ -30,7 +31,7 @@ pub enum DiscoveryConfig {
 }
 
 /// `discovery = { kind = "dns", name = "...", port = N }`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DnsDiscovery {
     /// The name to resolve (A and AAAA).
@@ -49,7 +50,7 @@ pub struct DnsDiscovery {
 }
 
 /// `discovery = { kind = "etcd", endpoints = ["https://10.0.0.1:2379"] }`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EtcdDiscovery {
     /// etcd client URLs (`http://` or `https://`), asked in order until one answers.
@@ -75,7 +76,7 @@ pub struct EtcdDiscovery {
 }
 
 /// `discovery = { kind = "file", path = "/etc/lb/servers.json" }`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FileDiscovery {
     /// The file: a JSON list `["host:port", ...]`, JSON `{"servers": [...], "default": "..."}`,

@@ -3,6 +3,7 @@
 
 use std::{fmt, time::Duration};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{ConfigError, Dur, parse_duration};
@@ -56,7 +57,7 @@ impl fmt::Display for SynTimeout {
 /// `[datapath.fail_fast]` (the default of every connect-time balancer) and
 /// `[balancer.fail_fast]` (replaces it whole for one balancer; keys it leaves out take the
 /// defaults below, not `[datapath.fail_fast]`'s).
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct FailFastConfig {
     /// The SYN retransmission timeout of a rewritten connect: `auto` (default) or 50ms..=1s.

@@ -3,12 +3,13 @@
 
 use std::{fmt, path::PathBuf, time::Duration};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::Dur;
 
 /// What happens to a server's connections when it turns unhealthy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum OnUnhealthy {
     /// Reset every connection at once (default; K3s closes them too).
@@ -21,7 +22,7 @@ pub enum OnUnhealthy {
 }
 
 /// Which sockets a kill reaches.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum KillScope {
     /// lb's own connections.
@@ -32,7 +33,7 @@ pub enum KillScope {
 }
 
 /// Health check kind.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckKind {
     /// Connect within `timeout`.
@@ -47,7 +48,7 @@ pub enum CheckKind {
 }
 
 /// `[balancer.health]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
     /// tcp | tls | http | tunnel.
@@ -150,7 +151,7 @@ impl Default for HealthConfig {
 }
 
 /// One accepted HTTP status: a code or an inclusive range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StatusMatch {
     /// Exactly this code.
     Code(u16),
@@ -174,6 +175,17 @@ impl fmt::Display for StatusMatch {
         match self {
             StatusMatch::Code(c) => write!(f, "{c}"),
             StatusMatch::Range(lo, hi) => write!(f, "{lo}-{hi}"),
+        }
+    }
+}
+
+/// As written in `expect_status`: `200` a number, `200-299` a string (so the schema's default is
+/// a value the parser takes).
+impl Serialize for StatusMatch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            StatusMatch::Code(c) => s.serialize_u16(*c),
+            StatusMatch::Range(..) => s.collect_str(self),
         }
     }
 }

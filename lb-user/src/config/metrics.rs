@@ -3,12 +3,13 @@
 
 use std::{collections::HashSet, net::SocketAddr};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{BalancerConfig, Config, ConfigError};
 
 /// `[metrics] compat`: whose load balancer series lb also exports.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Compat {
     /// `k3s_loadbalancer_*`.
@@ -29,7 +30,7 @@ impl Compat {
 }
 
 /// `[metrics]`.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Also export the agent load balancer's three series under K3s's or RKE2's names; none
@@ -38,6 +39,7 @@ pub struct MetricsConfig {
     /// Serve `GET /metrics` (read-only, no token) on this address too, so a scraper off the node
     /// can reach it while the admin API stays on loopback; none when absent.
     #[serde(deserialize_with = "listen_addr")]
+    #[schemars(with = "Option<super::schema::ListenAddr>")]
     pub listen: Option<SocketAddr>,
 }
 

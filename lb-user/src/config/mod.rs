@@ -2,17 +2,20 @@
 //! [`Config`]. Unknown keys are refused; every error names the key, the value and the reason.
 
 mod discovery;
+mod duration;
 mod failfast;
 mod health;
 mod metrics;
 mod parse_error;
 mod resolve;
+pub mod schema;
 mod validate;
 
 pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
     DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
 };
+pub use duration::{Dur, parse_duration};
 pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
 pub use metrics::{Compat, MetricsConfig, compat_name};
@@ -26,7 +29,8 @@ use std::{
     time::Duration,
 };
 
-use serde::{Deserialize, Deserializer, Serialize};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     addr::{ProxyUrl, ServerAddr},
@@ -148,42 +152,10 @@ fn paired_files(
     }
 }
 
-/// A duration written as `250ms`, `10s`, `1m` (humantime syntax).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Dur(pub Duration);
-
-impl<'de> Deserialize<'de> for Dur {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s)
-            .map(Dur)
-            .map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for Dur {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(self.0).to_string())
-    }
-}
-
-impl fmt::Display for Dur {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", humantime::format_duration(self.0))
-    }
-}
-
-/// Parse `250ms`, `10s`, `1m30s`.
-///
-/// # Errors
-/// A message naming the text when it is not a duration.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("`{s}` is not a duration like 250ms, 10s or 1m ({e})"))
-}
-
 /// Data path choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DatapathMode {
     /// Kernel splice when it can be attached, otherwise userspace with a warning saying why.
@@ -206,7 +178,9 @@ impl fmt::Display for DatapathMode {
 }
 
 /// How a balancer's clients reach their server.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Forwarding {
     /// `Connect` where the running kernel has the connect-time hooks and the balancer dials
@@ -231,7 +205,9 @@ impl fmt::Display for Forwarding {
 }
 
 /// Which network namespaces a balancer's kernel programs act in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Namespaces {
     /// lb's own, where its listeners live: a client in another network namespace (a pod) that
@@ -253,7 +229,7 @@ impl fmt::Display for Namespaces {
 }
 
 /// Server selection policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// K3s: one ACTIVE server at a time, fail over in preference order, fail back.
@@ -279,10 +255,11 @@ impl fmt::Display for Policy {
 }
 
 /// `[admin]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     /// Admin HTTP listen address; default `127.0.0.1:9901`.
+    #[schemars(with = "schema::ListenAddr")]
     pub listen: SocketAddr,
     /// Also serve on this unix socket (mode 0600).
     pub unix_socket: Option<PathBuf>,
@@ -306,7 +283,7 @@ impl Default for AdminConfig {
 }
 
 /// `[datapath]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatapathConfig {
     /// auto | bpf | userspace.
@@ -359,7 +336,7 @@ impl Default for DatapathConfig {
 }
 
 /// `all_failed`: a client's fate when every server is FAILED.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AllFailed {
     /// Dial every server at once, bounded by `dial_timeout` and `connect_budget`; the first
@@ -372,12 +349,13 @@ pub enum AllFailed {
 }
 
 /// `[[balancer]]`.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BalancerConfig {
     /// Unique name, used in metrics, the admin API and the state file.
     pub name: String,
     /// Listen addresses (IPv4 and IPv6).
+    #[schemars(with = "Vec<schema::ListenAddr>")]
     pub listen: Vec<SocketAddr>,
     /// Servers as `host:port` (host names resolve to every A/AAAA record). May be empty when
     /// `discovery` is set: the set then comes from the state file or the first discovery run.
@@ -453,16 +431,16 @@ fn default_connect_budget() -> Dur {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// `[admin]`.
+    /// `[admin]`: the admin HTTP API's address, unix socket and token.
     #[serde(default)]
     pub admin: AdminConfig,
-    /// `[datapath]`.
+    /// `[datapath]`: the data path (kernel splice, copy, connect-time) and its bounds.
     #[serde(default)]
     pub datapath: DatapathConfig,
-    /// `[metrics]`.
+    /// `[metrics]`: K3s or RKE2 series and a listener for `GET /metrics` alone.
     #[serde(default)]
     pub metrics: MetricsConfig,
     /// `[dns]`: how host names of server lists are resolved.
@@ -471,7 +449,7 @@ pub struct Config {
     /// Grace period for draining on SIGTERM; default 30 s.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: Dur,
-    /// `[[balancer]]` tables.
+    /// `[[balancer]]` tables: each one's listeners, servers and health check.
     #[serde(default, rename = "balancer")]
     pub balancers: Vec<BalancerConfig>,
 }

@@ -4,6 +4,7 @@
 
 use std::{fmt, time::Duration};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, Dur};
@@ -13,7 +14,7 @@ use super::{ConfigError, Dur};
 pub const DEFAULT_RESOLVE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// How a balancer treats the host names of its server list.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Resolve {
     /// Re-resolve each name at its answer's TTL (bounded by `[dns] interval` above and 1 s
@@ -36,7 +37,7 @@ impl fmt::Display for Resolve {
 }
 
 /// `[dns]`: how the names of server lists are resolved.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DnsConfig {
     /// `resolve` of balancers that set none: follow (default) | once.

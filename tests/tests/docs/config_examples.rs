@@ -13,13 +13,13 @@ use super::{Marker, example_files, fenced_blocks, files_under, root, shown};
 
 /// One TOML example and where it is.
 #[derive(Debug)]
-struct Example {
+pub(super) struct Example {
     /// `file:line`, for messages.
-    origin: String,
+    pub(super) origin: String,
     /// What it has to pass.
-    marker: Marker,
+    pub(super) marker: Marker,
     /// The TOML.
-    text: String,
+    pub(super) text: String,
 }
 
 /// The ```` ```toml ```` blocks of the Markdown files.
@@ -123,6 +123,17 @@ fn uncommented(example: &Example) -> Vec<Example> {
     out
 }
 
+/// Every example: the Markdown blocks, the configs under `deploy/`, and the variants of the
+/// whole ones with a commented-out key uncommented.
+pub(super) fn all_examples() -> Vec<Example> {
+    let mut examples = Vec::new();
+    markdown_examples(&mut examples);
+    deploy_examples(&mut examples);
+    let variants: Vec<Example> = examples.iter().flat_map(uncommented).collect();
+    examples.extend(variants);
+    examples
+}
+
 /// What is wrong with `example`, if anything.
 fn problem(example: &Example) -> Option<String> {
     let checked = Config::from_toml_with(&example.text, &example.origin, CredentialFiles::Skip);
@@ -151,11 +162,7 @@ fn problem(example: &Example) -> Option<String> {
 
 #[test]
 fn toml_examples_pass_config_check() {
-    let mut examples = Vec::new();
-    markdown_examples(&mut examples);
-    deploy_examples(&mut examples);
-    let variants: Vec<Example> = examples.iter().flat_map(uncommented).collect();
-    examples.extend(variants);
+    let examples = all_examples();
     let whole = examples.iter().filter(|e| e.marker == Marker::None).count();
     assert!(
         examples.iter().any(|e| e.origin.starts_with("docs/"))
