@@ -81,18 +81,27 @@ impl ServerAddr {
             return ServerAddr::from_socket_addr(sa);
         }
         let (host, port) = spec.rsplit_once(':').ok_or(AddrError::MissingPort)?;
-        let port: u16 = port
-            .parse()
-            .map_err(|_| AddrError::BadPort(port.to_string()))?;
+        // Digits only: `u16::from_str` would also take a sign (`+6443`).
+        let port: u16 = Some(port)
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| AddrError::BadPort(port.to_string()))?;
         if port == 0 {
             return Err(AddrError::PortZero);
         }
+        // RFC 1123 §2.1: labels of letters, digits and hyphens, and a name never looks like an
+        // IPv4 address, so a last label of digits alone (`1.2.3.999`) is a bad address, not a
+        // name to look up.
         let ok = !host.is_empty()
             && host.split('.').all(|l| {
                 !l.is_empty()
                     && l.len() <= 63
                     && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-            });
+            })
+            && !host
+                .rsplit('.')
+                .next()
+                .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
         if !ok {
             return Err(AddrError::BadHost(host.to_string()));
         }
@@ -479,6 +488,20 @@ mod tests {
             ServerAddr::parse("::1:80"),
             Err(AddrError::BadHost(_))
         ));
+        for bad_port in ["x:+80", "x:-80", "x: 80", "x:"] {
+            assert!(
+                matches!(ServerAddr::parse(bad_port), Err(AddrError::BadPort(_))),
+                "{bad_port}"
+            );
+        }
+        for not_a_name in ["1.2.3.999:80", "999.0.0.1:80", "api.6443:80", "12345:80"] {
+            assert!(
+                matches!(ServerAddr::parse(not_a_name), Err(AddrError::BadHost(_))),
+                "{not_a_name}"
+            );
+        }
+        assert!(ServerAddr::parse("etcd-1.example:2379").is_ok());
+        assert!(ServerAddr::parse("1a.example:80").is_ok());
     }
 
     #[test]

@@ -25,9 +25,10 @@ const UNIT: &str = "(nanos|nsec|ns|usec|us|\u{b5}s|millis|msec|ms|seconds|second
 /// A humantime number: digits (spaces between them are skipped), an optional fraction.
 const NUMBER: &str = r"[0-9][0-9\s]*(\.\s*[0-9][0-9\s]*)?";
 
-/// A host name or IPv4 address (labels of letters, digits and `-`) with its port (`u16` also
-/// takes a leading `+`).
-const NAME_PORT: &str = r"[0-9A-Za-z-]{1,63}(\.[0-9A-Za-z-]{1,63})*:\+?[0-9]+";
+/// A host name or IPv4 address (labels of letters, digits and `-`) with its port. A name whose
+/// last label is all digits but is no IPv4 address (`1.2.3.999`) matches here; only `lb config
+/// check` refuses it.
+const NAME_PORT: &str = r"[0-9A-Za-z-]{1,63}(\.[0-9A-Za-z-]{1,63})*:[0-9]+";
 
 /// A bracketed IPv6 address (with an optional numeric scope) and its port.
 const V6_PORT: &str = r"\[[0-9A-Fa-f:.]+(%[0-9]+)?\]:[0-9]+";
