@@ -154,7 +154,8 @@ fn raise_nofile() -> Result<u64> {
     Ok(hard)
 }
 
-fn timed(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+/// Run scenario `name` and print how long it took.
+fn scenario(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
     let t = Instant::now();
     let r = f();
     eprintln!("bench: {name} took {:.0} s", t.elapsed().as_secs_f64());
@@ -230,7 +231,7 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
     let mut res = Results::default();
     let all = only.is_none();
     if all {
-        timed("scenarios 1-4", || {
+        scenario("scenarios 1-4", || {
             scenarios::steady(&opts, &hosts, &cgroups, &mut res, &mut raw, false)
         })?;
     }
@@ -238,27 +239,27 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
         // Bulk alone, with three times the runs: direct and lb connect differ by less than
         // one run's spread, and only more runs tell a real difference from noise.
         opts.runs = BULK_ONLY_RUNS;
-        timed("scenarios 1+4", || {
+        scenario("scenarios 1+4", || {
             scenarios::steady(&opts, &hosts, &cgroups, &mut res, &mut raw, true)
         })?;
     }
     if all || only == Some("kill") {
-        timed("scenarios 5+7", || {
+        scenario("scenarios 5+7", || {
             scenarios::idle_and_kill(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
     if all {
-        timed("scenario 6", || {
+        scenario("scenario 6", || {
             scenarios::failover(&opts, &mut hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
     if all || only == Some("upgrade") {
-        timed("scenario 8", || {
+        scenario("scenario 8", || {
             scenarios::upgrade(&opts, &hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
     if all || only == Some("crash") {
-        timed("scenario 9", || {
+        scenario("scenario 9", || {
             scenarios::crash(&opts, &hosts, &cgroups, &mut res, &mut raw)
         })?;
     }
