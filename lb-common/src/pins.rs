@@ -38,7 +38,7 @@ pub const CTL_LAYOUT: u32 = 3;
 pub const CTL_SLOTS: u32 = 4;
 /// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
 /// adopts pins only of its own. Bump it with any change to them.
-pub const CONNECT_PIN_LAYOUT: u64 = 1;
+pub const CONNECT_PIN_LAYOUT: u64 = 2;
 /// The connect-time maps, pinned with their programs' links (the splice's maps are not).
 pub const CONNECT_MAPS: [&str; 12] = [
     MAP_CONNECT_CTL,

@@ -371,7 +371,7 @@ fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<
     println!("refused: {}", err.lines().last().unwrap_or_default());
     ensure!(
         err.contains("layout version 99")
-            && err.contains("are version 1")
+            && err.contains(&format!("are version {}", lb_common::CONNECT_PIN_LAYOUT))
             && err.contains("lb cleanup --pin-dir"),
         "unclear refusal: {err}"
     );

@@ -344,13 +344,18 @@ fn depends(ko: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// Modules to load, in load order (dependencies first), with their decompressed bytes.
-/// Modules built into the kernel are left out, so a name built in on one kernel and modular on
-/// another is fine.
+/// Modules to load, in load order (dependencies first), with their decompressed bytes: each of
+/// `wanted`, and each of `optional` that the package has (one that is missing is named on
+/// stderr and left out). Modules built into the kernel are left out, so a name built in on one
+/// kernel and modular on another is fine.
 ///
 /// # Errors
-/// A module that is neither built in nor in the tree.
-pub fn modules(kernel: &Kernel, wanted: &[&str]) -> Result<Vec<(String, Vec<u8>)>> {
+/// A module of `wanted` (or a dependency) that is neither built in nor in the tree.
+pub fn modules(
+    kernel: &Kernel,
+    wanted: &[&str],
+    optional: &[&str],
+) -> Result<Vec<(String, Vec<u8>)>> {
     let builtin: BTreeSet<String> = std::fs::read_to_string(kernel.modules.join("modules.builtin"))
         .unwrap_or_default()
         .lines()
@@ -391,6 +396,17 @@ pub fn modules(kernel: &Kernel, wanted: &[&str]) -> Result<Vec<(String, Vec<u8>)
             &mut seen,
             &mut order,
         )?;
+    }
+    for name in optional {
+        let name = name.replace('-', "_");
+        if !builtin.contains(&name) && !files.contains_key(&name) {
+            eprintln!(
+                "vm: kernel {} has no module {name}; its tests skip",
+                kernel.release
+            );
+            continue;
+        }
+        visit(&name, &files, &builtin, &mut seen, &mut order)?;
     }
     Ok(order)
 }
