@@ -367,8 +367,9 @@ const _: () = assert!(!same_name(MAP_STATS, "LB_STATS_") && !same_name("", MAP_S
 /// Every map name, for the ELF check. [`MAP_KERNEL_LOG`] is aya-log's, but lb's logger needs it
 /// by that name, so a build that loses or renames it fails the check instead of turning kernel
 /// logging off at run time.
-pub const MAP_NAMES: [&str; 22] = [
+pub const MAP_NAMES: [&str; 23] = [
     MAP_CONNECT_CTL,
+    MAP_CONNECT_NETNS_PROBE,
     MAP_CONNECT_SCOPE,
     MAP_CONNECT_STATS,
     MAP_CONNECT_LISTENERS,

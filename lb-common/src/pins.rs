@@ -36,11 +36,23 @@ pub const CTL_ORPHAN_NS: u32 = 2;
 pub const CTL_LAYOUT: u32 = 3;
 /// Entries of [`MAP_CONNECT_CTL`].
 pub const CTL_SLOTS: u32 = 4;
+/// Array of [`PROBE_SLOTS`] `u64`s through which lb learns its network namespace's cookie on a
+/// kernel without `SO_NETNS_COOKIE` (before 5.14): lb writes a loopback port to
+/// [`PROBE_PORT`], a process of lb's namespace in the cgroup connects to `127.0.0.1` at that
+/// port, and the connect4 program writes that socket's `bpf_get_netns_cookie` (5.7) to
+/// [`PROBE_COOKIE`] instead of looking the connect up.
+pub const MAP_CONNECT_NETNS_PROBE: &str = "LB_CONNECT_NETNS_PROBE";
+/// [`MAP_CONNECT_NETNS_PROBE`] slot: the probe's port (host order); 0: no probe running.
+pub const PROBE_PORT: u32 = 0;
+/// [`MAP_CONNECT_NETNS_PROBE`] slot: the cookie the probe's connect recorded; 0: none yet.
+pub const PROBE_COOKIE: u32 = 1;
+/// Entries of [`MAP_CONNECT_NETNS_PROBE`].
+pub const PROBE_SLOTS: u32 = 2;
 /// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
 /// adopts pins only of its own. Bump it with any change to them.
 pub const CONNECT_PIN_LAYOUT: u64 = 2;
 /// The connect-time maps, pinned with their programs' links (the splice's maps are not).
-pub const CONNECT_MAPS: [&str; 12] = [
+pub const CONNECT_MAPS: [&str; 13] = [
     MAP_CONNECT_CTL,
     MAP_CONNECT_SYN,
     MAP_CONNECT_SUSPECT,
@@ -53,4 +65,5 @@ pub const CONNECT_MAPS: [&str; 12] = [
     MAP_CONNECT_EVENTS,
     MAP_CONNECT_SCOPE,
     MAP_CONNECT_STATS,
+    MAP_CONNECT_NETNS_PROBE,
 ];

@@ -64,11 +64,12 @@ use lb_common::{
     CONNECT_ROUND_ROBIN, CTL_SLOTS, ConnectCountKey, ConnectEvent, ConnectOrig, ConnectServer,
     ConnectTable, EVENT_CONNECT_FAILED, EVENT_RTO, GLOBAL_OFF_SK_ERR, ListenerKey,
     MAP_CONNECT_COUNTS, MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS,
-    MAP_CONNECT_LISTENERS, MAP_CONNECT_RR, MAP_CONNECT_SCOPE, MAP_CONNECT_SOCKS, MAP_CONNECT_STATS,
-    MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES, MAX_BALANCERS, MAX_CONNECT_COUNTS,
-    MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS, MAX_LISTENERS, NETNS_SCOPE_ALL,
-    PROG_CONNECT_RELEASE, PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4,
-    PROG_GETPEERNAME6, REPORTED_RTO, SynPolicy, TABLE_SLOTS, Unrewritten, table_index,
+    MAP_CONNECT_LISTENERS, MAP_CONNECT_NETNS_PROBE, MAP_CONNECT_RR, MAP_CONNECT_SCOPE,
+    MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, MAP_CONNECT_TABLES,
+    MAX_BALANCERS, MAX_CONNECT_COUNTS, MAX_CONNECT_SERVERS, MAX_CONNECT_SYN, MAX_CONNECTIONS,
+    MAX_LISTENERS, NETNS_SCOPE_ALL, PROBE_COOKIE, PROBE_PORT, PROBE_SLOTS, PROG_CONNECT_RELEASE,
+    PROG_CONNECT_SOCKOPS, PROG_CONNECT4, PROG_CONNECT6, PROG_GETPEERNAME4, PROG_GETPEERNAME6,
+    REPORTED_RTO, SynPolicy, TABLE_SLOTS, Unrewritten, table_index,
 };
 
 mod control;
@@ -87,6 +88,7 @@ named_as!(
     LB_CONNECT_CTL = MAP_CONNECT_CTL,
     LB_CONNECT_SCOPE = MAP_CONNECT_SCOPE,
     LB_CONNECT_STATS = MAP_CONNECT_STATS,
+    LB_CONNECT_NETNS_PROBE = MAP_CONNECT_NETNS_PROBE,
     LB_CONNECT_SYN = MAP_CONNECT_SYN,
     LB_CONNECT_SUSPECT = MAP_CONNECT_SUSPECT,
     LB_OFF_SK_ERR = GLOBAL_OFF_SK_ERR,
@@ -140,6 +142,9 @@ const CB_FLAGS: i32 = (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as
 
 // lb's control (see lb_common::MAP_CONNECT_CTL): its tgid, heartbeat and orphan timeout, in a
 // map rather than globals so a new lb that adopts these programs can write its own.
+#[map]
+static LB_CONNECT_NETNS_PROBE: Array<u64> = Array::with_max_entries(PROBE_SLOTS, 0);
+
 #[map]
 static LB_CONNECT_CTL: Array<u64> = Array::with_max_entries(CTL_SLOTS, 0);
 
@@ -209,6 +214,26 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
     }
 }
 
+/// lb's network namespace probe ([`lb_common::MAP_CONNECT_NETNS_PROBE`]): when this connect goes
+/// to `127.0.0.1` at the probe's port, record the socket's network namespace cookie and leave
+/// the connect alone (it is refused: nothing listens there). Returns whether it was the probe.
+#[inline(always)]
+fn netns_probe(ctx: &SockAddrContext, ip_be: u32, port: u32) -> bool {
+    let Some(&probe) = LB_CONNECT_NETNS_PROBE.get(PROBE_PORT) else {
+        return false;
+    };
+    if probe == 0 || u64::from(port) != probe || ip_be != u32::from_ne_bytes([127, 0, 0, 1]) {
+        return false;
+    }
+    // SAFETY: the program's own context.
+    let cookie = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
+    if let Some(slot) = LB_CONNECT_NETNS_PROBE.get_ptr_mut(PROBE_COOKIE) {
+        // SAFETY: an array slot; lb reads it only after the probe's connect returned.
+        unsafe { *slot = cookie };
+    }
+    true
+}
+
 /// Whether an IPv4 address (network order as stored) is in 127.0.0.0/8.
 #[inline(always)]
 fn loopback4(ip_be: u32) -> bool {
@@ -259,17 +284,20 @@ fn try_connect(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     if ctx_u32!(sa, type_) != SOCK_STREAM {
         return Ok(());
     }
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    let control = control(tgid);
-    if control == Control::Own {
-        return Ok(());
-    }
     let ip = if v6 {
         ctx_ip6!(sa, user_ip6)
     } else {
         [ctx_u32!(sa, user_ip4), 0, 0, 0]
     };
     let port = u32::from(u16::from_be(ctx_u32!(sa, user_port) as u16));
+    if !v6 && netns_probe(ctx, ip[0], port) {
+        return Ok(());
+    }
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let control = control(tgid);
+    if control == Control::Own {
+        return Ok(());
+    }
     let (key, mapped) = dialed_key(ip, port, v6);
     // SAFETY: plain u32 copied out.
     let found = unsafe { LB_CONNECT_LISTENERS.get(&key) }.copied();

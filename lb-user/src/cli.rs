@@ -102,6 +102,22 @@ pub enum Command {
     Completions(docs::CompletionsArgs),
     /// Print the man page to stdout, or write one page per command into a directory.
     Man(docs::ManArgs),
+    /// lb's own helper on kernels without `SO_NETNS_COOKIE` (before 5.14): join cgroup
+    /// `--cgroup` and connect to `127.0.0.1:--port`, so the connect program records this
+    /// network namespace's cookie. lb runs it; it is not for operators.
+    #[command(hide = true, name = "netns-probe")]
+    NetnsProbe(NetnsProbeArgs),
+}
+
+/// `lb netns-probe` (hidden): what lb passes its probe process.
+#[derive(Debug, Args)]
+pub struct NetnsProbeArgs {
+    /// The cgroup to join (lb makes it under the data path's cgroup and removes it after).
+    #[arg(long)]
+    pub cgroup: std::path::PathBuf,
+    /// The loopback port to connect to (nothing listens there).
+    #[arg(long)]
+    pub port: u16,
 }
 
 /// How the client commands reach the daemon.

@@ -88,6 +88,7 @@ fn main() -> ExitCode {
         Command::Config(ConfigCommand::Schema) => cli::config::schema(),
         Command::Completions(args) => cli::docs::completions(&args),
         Command::Man(args) => cli::docs::man(&args),
+        Command::NetnsProbe(args) => lb::datapath::netns_probe_child(&args.cgroup, args.port),
         Command::Status(args) => {
             client_runtime().map_or(ExitCode::FAILURE, |rt| rt.block_on(cli::status::run(&args)))
         }

@@ -43,6 +43,8 @@ pub(super) struct ConnectMaps {
     pub(super) stats: Mutex<PerCpuArray<MapData, BalancerStats>>,
     /// `LB_CONNECT_CTL`: lb's tgid, heartbeat, orphan timeout and the layout version.
     pub(super) ctl: Mutex<Array<MapData, u64>>,
+    /// `LB_CONNECT_NETNS_PROBE`: the port and the cookie of lb's network namespace probe.
+    pub(super) netns_probe: Mutex<Array<MapData, u64>>,
     /// The fail-fast maps: SYN policies and suspect marks per server.
     pub(super) failfast: super::failfast::FailFastMaps,
 }
@@ -83,6 +85,27 @@ impl ConnectMaps {
     /// Slot `slot` of `LB_CONNECT_CTL`; `None` when it cannot be read.
     pub(super) fn ctl(&self, slot: u32) -> Option<u64> {
         self.ctl.lock().expect("poisoned").get(&slot, 0).ok()
+    }
+
+    /// Set slot `slot` of `LB_CONNECT_NETNS_PROBE` (`lb_common::PROBE_PORT`, `PROBE_COOKIE`).
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub(super) fn set_probe(&self, slot: u32, value: u64) -> Result<(), DatapathError> {
+        self.netns_probe
+            .lock()
+            .expect("poisoned")
+            .set(slot, value, 0)
+            .map_err(map_err(lb_common::MAP_CONNECT_NETNS_PROBE))
+    }
+
+    /// Slot `slot` of `LB_CONNECT_NETNS_PROBE`; `None` when it cannot be read.
+    pub(super) fn probe(&self, slot: u32) -> Option<u64> {
+        self.netns_probe
+            .lock()
+            .expect("poisoned")
+            .get(&slot, 0)
+            .ok()
     }
 
     /// Set balancer `id`'s scope for the connect programs.
@@ -140,6 +163,16 @@ impl ConnectMaps {
             (
                 MAP_CONNECT_CTL,
                 self.ctl
+                    .lock()
+                    .expect("poisoned")
+                    .map()
+                    .fd()
+                    .as_fd()
+                    .try_clone_to_owned()?,
+            ),
+            (
+                lb_common::MAP_CONNECT_NETNS_PROBE,
+                self.netns_probe
                     .lock()
                     .expect("poisoned")
                     .map()

@@ -133,9 +133,19 @@ impl Datapath {
         cgroup: PathBuf,
         connect_missing: Option<String>,
     ) -> Result<Datapath, DatapathError> {
-        let own_netns = super::probe::own_netns_cookie()?;
+        let own_cookie = super::probe::own_netns_cookie();
         let pins = maps.remove(PIN_LOCK).map(Pins::from_lock_fd).transpose()?;
         let (maps, ring, events) = Maps::from_fds(maps)?;
+        // Before 5.14 the old process learned the cookie through the connect program, which
+        // left it in the probe map.
+        let own_netns = match own_cookie {
+            Ok(cookie) => cookie,
+            Err(e) => maps
+                .connect
+                .probe(lb_common::PROBE_COOKIE)
+                .filter(|c| *c != 0)
+                .ok_or(e)?,
+        };
         let mut held = Vec::new();
         for (name, fd) in links {
             let program = PROG_NAMES
@@ -146,6 +156,7 @@ impl Datapath {
             held.push((program, HeldLink::Adopted(fd)));
         }
         info!(cgroup = %cgroup.display(), links = held.len(), "kernel data path taken over (maps and links of the previous lb)");
+        let spliced = held.iter().any(|(p, _)| *p == lb_common::PROG_SOCKOPS);
         Ok(Datapath {
             _ebpf: None,
             links: Mutex::new(held),
@@ -161,7 +172,7 @@ impl Datapath {
             connect_missing,
             // The programs are the old process's, loaded on this kernel by the same code: its
             // answer then is this one now.
-            splice: super::kernel_reads().is_some(),
+            splice: spliced && super::load::kernel_reads(cfg).is_some(),
             own_netns,
             pins,
         })

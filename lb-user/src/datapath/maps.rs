@@ -272,6 +272,10 @@ impl Maps {
                 ctl: Mutex::new(
                     Array::try_from(take(MAP_CONNECT_CTL)?).map_err(map_err(MAP_CONNECT_CTL))?,
                 ),
+                netns_probe: Mutex::new(
+                    Array::try_from(take(lb_common::MAP_CONNECT_NETNS_PROBE)?)
+                        .map_err(map_err(lb_common::MAP_CONNECT_NETNS_PROBE))?,
+                ),
                 failfast: super::failfast::FailFastMaps::take(&mut take)?,
             },
         };

@@ -22,7 +22,9 @@ mod fallback;
 mod handover;
 mod heartbeat;
 mod kernel_log;
+mod load;
 mod maps;
+mod netns_probe;
 mod passive;
 mod pins;
 mod probe;
@@ -37,22 +39,16 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use aya::{
-    Ebpf,
-    maps::MapError,
-    programs::{CgroupAttachMode, ProgramError, SkMsg, SockOps, links::FdLink},
-};
+use aya::{Ebpf, maps::MapError, programs::ProgramError};
 use lb_common::{
     BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
-    FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS,
-    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO,
-    GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, MAX_CONNECT_SERVERS,
-    NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, SockKey,
+    FlowState, MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, SockKey,
 };
-use tracing::{debug, info, warn};
+use tracing::debug;
 
 pub use self::failfast::{jiffies, kernel_hz};
 pub use self::fallback::FallbackReason;
+pub use self::netns_probe::netns_probe_child;
 pub use self::{
     btf::BtfError,
     credit::Pair,
@@ -60,7 +56,7 @@ pub use self::{
     maps::{TableWrite, sock_key},
     passive::{PassiveKind, PassiveSink},
     pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
-    probe::{detect_cgroup2, probe_kernel, resolve_cgroup},
+    probe::{detect_cgroup2, probe_maps, probe_splice, resolve_cgroup},
 };
 use crate::config::Namespaces;
 
@@ -243,153 +239,6 @@ impl std::fmt::Debug for Datapath {
 }
 
 impl Datapath {
-    /// Load the programs, attach sockops to `cfg.cgroup` (detected when `None`) with a link and
-    /// sk_msg to the client sockhash, and with `want_connect` the connect-time programs (a
-    /// failure there only turns connect-time forwarding off, see
-    /// [`Datapath::connect_unavailable`]); with `pins`, the connect-time programs' links and
-    /// maps are pinned there, or adopted when an earlier lb left them (see [`pins`]).
-    /// `cfg.blocking_splice` is honoured when the kernel allows it;
-    /// otherwise it is turned off alone, with a warning naming why. The programs' log level is
-    /// taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start is a
-    /// warning, never an error.
-    ///
-    /// # Errors
-    /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a program type, or the
-    /// load/attach step that failed.
-    #[expect(
-        clippy::too_many_lines,
-        reason = "the load and attach steps in kernel order, each undone by the drop of what came before"
-    )]
-    pub fn load(
-        cfg: &crate::config::DatapathConfig,
-        want_connect: bool,
-        pins: Option<Pins>,
-    ) -> Result<Datapath, DatapathError> {
-        probe::privileges()?;
-        probe::lift_memlock();
-        let own_netns = probe::own_netns_cookie()?;
-        let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
-        probe_kernel()?;
-        let offsets = kernel_reads();
-        let reads = u32::from(offsets.is_some());
-        let blocking = u32::from(offsets.is_some() && cfg.blocking_splice);
-        if offsets.is_some() && !cfg.blocking_splice {
-            info!(
-                "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
-            );
-        }
-        let offsets = offsets.unwrap_or_default();
-        let sk_err = if want_connect {
-            probe::probe_sk_err().unwrap_or_else(|why| {
-                warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
-                0
-            })
-        } else {
-            0
-        };
-        let log_level = kernel_log::level();
-        let mut loader = aya::EbpfLoader::new();
-        let pin_paths = pins.as_ref().map(Pins::map_paths).unwrap_or_default();
-        for (name, path) in &pin_paths {
-            loader.map_pin_path(name, path.as_path());
-        }
-        let mut ebpf = loader
-            .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
-            .override_global(GLOBAL_KERNEL_READS, &reads, true)
-            .override_global(GLOBAL_OFF_WRITE_SEQ, &offsets.write_seq, true)
-            .override_global(GLOBAL_OFF_ULP_OPS, &offsets.ulp_ops, true)
-            .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
-            .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
-            .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
-            .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
-            .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
-            .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
-            .load(EBPF_OBJ)
-            .map_err(DatapathError::Load)?;
-        let (mut maps, ring, mut events) = maps::Maps::take(&mut ebpf)?;
-        let adopted = pins.as_ref().is_some_and(Pins::adopted);
-        if adopted {
-            // Written by an earlier lb: its generations go on; its events are from before this
-            // lb started and count against no server now.
-            maps.connect.fresh = false;
-            let dropped = events.drain();
-            info!(
-                dropped,
-                "connect-time events from before this lb started ignored"
-            );
-        }
-        heartbeat::connect_ctl(&maps, cfg.orphan_timeout.0)?;
-
-        let prog_err =
-            |program: &'static str| move |source| DatapathError::Program { program, source };
-        let sk_msg: &mut SkMsg = ebpf
-            .program_mut(PROG_SK_MSG)
-            .ok_or(DatapathError::Missing(PROG_SK_MSG))?
-            .try_into()
-            .map_err(prog_err(PROG_SK_MSG))?;
-        sk_msg.load().map_err(prog_err(PROG_SK_MSG))?;
-        sk_msg
-            .attach(maps.clients.fd())
-            .map_err(prog_err(PROG_SK_MSG))?;
-
-        let sockops: &mut SockOps = ebpf
-            .program_mut(PROG_SOCKOPS)
-            .ok_or(DatapathError::Missing(PROG_SOCKOPS))?
-            .try_into()
-            .map_err(prog_err(PROG_SOCKOPS))?;
-        sockops.load().map_err(prog_err(PROG_SOCKOPS))?;
-        let link = sockops
-            .attach(&cgroup_file, CgroupAttachMode::Single)
-            .map_err(prog_err(PROG_SOCKOPS))?;
-        let link = sockops.take_link(link).map_err(prog_err(PROG_SOCKOPS))?;
-        let mut links = vec![(
-            PROG_SOCKOPS,
-            FdLink::try_from(link).map_err(|source| DatapathError::Link {
-                program: PROG_SOCKOPS,
-                source,
-            })?,
-        )];
-        info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
-        // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
-        let connect_missing = if want_connect {
-            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)?
-        } else {
-            Some(DatapathError::NotRequested.to_string())
-        };
-        let kernel_log = kernel_log::open(&mut ebpf, log_level);
-        // Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back
-        // so a node daemon's resident size reflects what it holds.
-        // (glibc only; musl returns memory by itself.)
-        #[cfg(target_env = "gnu")]
-        // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
-        #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
-        unsafe {
-            libc::malloc_trim(0);
-        }
-        Ok(Datapath {
-            _ebpf: Some(ebpf),
-            links: Mutex::new(
-                links
-                    .into_iter()
-                    .map(|(n, l)| (n, handover::HeldLink::Loaded(l)))
-                    .collect(),
-            ),
-            cgroup,
-            maps,
-            refresh: Mutex::new(Some(ring)),
-            events: Mutex::new(Some(events)),
-            readers: Mutex::new(Vec::new()),
-            ignored: Mutex::new(HashMap::new()),
-            kernel_log: Mutex::new(kernel_log),
-            pairs: Mutex::new(HashMap::new()),
-            max_buffered: cfg.max_buffered_bytes,
-            connect_missing,
-            splice: reads == 1,
-            own_netns,
-            pins,
-        })
-    }
-
     /// Why connect-time forwarding is unavailable (a program type, attach type or helper the
     /// kernel lacks), `None` when its programs are attached.
     pub fn connect_unavailable(&self) -> Option<&str> {
@@ -622,18 +471,6 @@ impl Datapath {
         }
         out
     }
-}
-
-/// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it
-/// (see [`probe::probe_kernel_reads`]); `None`, with a warning naming why, turns the splice off:
-/// the program could then neither count the bytes a client sent the normal way exactly nor see
-/// a kTLS socket, so redirecting would risk reordered bytes or plaintext on the wire.
-fn kernel_reads() -> Option<btf::SockOffsets> {
-    probe::probe_kernel_reads()
-        .inspect_err(|why| {
-            warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
-        })
-        .ok()
 }
 
 #[cfg(test)]

@@ -219,13 +219,30 @@ fn effective_capabilities() -> u64 {
         .unwrap_or(0)
 }
 
-/// Check every kernel feature the splice needs, naming the first one missing: program types
-/// (sockops, sk_msg), map types (sockhash, LRU hash, per-CPU array, ring buffer) and helpers
-/// (`bpf_get_netns_cookie` in sockops and sk_msg, `bpf_msg_redirect_hash`).
+/// The map types both forwarding modes need: LRU hash, per-CPU array and ring buffer (5.8).
 ///
 /// # Errors
-/// [`DatapathError::MissingFeature`] naming it; the daemon then copies in userspace.
-pub fn probe_kernel() -> Result<(), DatapathError> {
+/// [`DatapathError::MissingFeature`] naming the first one missing.
+pub fn probe_maps() -> Result<(), DatapathError> {
+    use aya::{maps::MapType, sys};
+    for (ty, name) in [
+        (MapType::LruHash, "LRU hash map"),
+        (MapType::PerCpuArray, "per-CPU array map"),
+        (MapType::RingBuf, "ring buffer map (5.8+)"),
+    ] {
+        if !sys::is_map_supported(ty).unwrap_or(false) {
+            return Err(DatapathError::MissingFeature(name));
+        }
+    }
+    Ok(())
+}
+
+/// What the splice needs beyond [`probe_maps`]: the sockops and sk_msg program types, the
+/// sockhash, and in its programs `bpf_get_netns_cookie` (5.15) and `bpf_msg_redirect_hash`.
+///
+/// # Errors
+/// [`DatapathError::MissingFeature`] naming the first thing missing.
+pub fn probe_splice() -> Result<(), DatapathError> {
     use aya::{maps::MapType, programs::ProgramType, sys};
     use sys::BpfHelper as H;
     for (ty, name) in [
@@ -236,15 +253,8 @@ pub fn probe_kernel() -> Result<(), DatapathError> {
             return Err(DatapathError::MissingFeature(name));
         }
     }
-    for (ty, name) in [
-        (MapType::SockHash, "sockhash map"),
-        (MapType::LruHash, "LRU hash map"),
-        (MapType::PerCpuArray, "per-CPU array map"),
-        (MapType::RingBuf, "ring buffer map (5.8+)"),
-    ] {
-        if !sys::is_map_supported(ty).unwrap_or(false) {
-            return Err(DatapathError::MissingFeature(name));
-        }
+    if !sys::is_map_supported(MapType::SockHash).unwrap_or(false) {
+        return Err(DatapathError::MissingFeature("sockhash map"));
     }
     for (ty, helper, name) in [
         (

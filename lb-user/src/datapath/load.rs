@@ -1,0 +1,281 @@
+//! Loading the kernel programs and attaching them, in kernel order, each step undone by the drop
+//! of what came before: the object with its globals, the maps, then the splice (sockops and
+//! sk_msg) and the connect-time programs, each on its own. A kernel with one and not the other
+//! (5.10 has the connect hooks, 5.8+, but not `bpf_get_netns_cookie` in sockops, 5.15) runs
+//! what it has; the data path fails only when it has neither.
+
+use std::{collections::HashMap, sync::Mutex};
+
+use aya::{
+    Ebpf,
+    programs::{CgroupAttachMode, SkMsg, SockOps, links::FdLink},
+};
+use lb_common::{
+    GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS, GLOBAL_OFF_F_FLAGS,
+    GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
+    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, PROG_SK_MSG, PROG_SOCKOPS,
+};
+use tracing::{info, warn};
+
+use super::{
+    Datapath, DatapathError, EBPF_OBJ, Pins, attach, btf, handover, heartbeat, kernel_log, maps,
+    netns_probe, probe,
+};
+
+/// What the splice needs and this kernel lacks, `None` when it has it all: the program and map
+/// types and helpers ([`probe::probe_splice`]) and lb's network namespace cookie, which the
+/// sockops program compares (`SO_NETNS_COOKIE`, 5.14).
+fn splice_missing(own_netns: &Result<u64, DatapathError>) -> Option<DatapathError> {
+    if let Err(e) = probe::probe_splice() {
+        return Some(e);
+    }
+    match own_netns {
+        Err(DatapathError::NetnsCookie(e)) => Some(DatapathError::NetnsCookie(
+            std::io::Error::new(e.kind(), e.to_string()),
+        )),
+        _ => None,
+    }
+}
+
+/// Load the object with the globals lb sets from the kernel and its config.
+fn load_object(
+    cfg: &crate::config::DatapathConfig,
+    offsets: Option<btf::SockOffsets>,
+    sk_err: u32,
+    log_level: u8,
+    pins: Option<&Pins>,
+) -> Result<Ebpf, DatapathError> {
+    let reads = u32::from(offsets.is_some());
+    let blocking = u32::from(offsets.is_some() && cfg.blocking_splice);
+    let offsets = offsets.unwrap_or_default();
+    let mut loader = aya::EbpfLoader::new();
+    let pin_paths = pins.map(Pins::map_paths).unwrap_or_default();
+    for (name, path) in &pin_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .override_global(GLOBAL_BLOCKING_SPLICE, &blocking, true)
+        .override_global(GLOBAL_KERNEL_READS, &reads, true)
+        .override_global(GLOBAL_OFF_WRITE_SEQ, &offsets.write_seq, true)
+        .override_global(GLOBAL_OFF_ULP_OPS, &offsets.ulp_ops, true)
+        .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
+        .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
+        .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
+        .override_global(GLOBAL_OFF_F_FLAGS, &offsets.file_f_flags, true)
+        .override_global(GLOBAL_OFF_SNDTIMEO, &offsets.sk_sndtimeo, true)
+        .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
+        .load(EBPF_OBJ)
+        .map_err(DatapathError::Load)
+}
+
+/// Load and attach the splice: sk_msg on the client sockhash, sockops on the cgroup (its link
+/// added to `links`).
+fn attach_splice(
+    ebpf: &mut Ebpf,
+    maps: &maps::Maps,
+    cgroup_file: &std::fs::File,
+    links: &mut Vec<(&'static str, FdLink)>,
+) -> Result<(), DatapathError> {
+    let prog_err = |program: &'static str| move |source| DatapathError::Program { program, source };
+    let sk_msg: &mut SkMsg = ebpf
+        .program_mut(PROG_SK_MSG)
+        .ok_or(DatapathError::Missing(PROG_SK_MSG))?
+        .try_into()
+        .map_err(prog_err(PROG_SK_MSG))?;
+    sk_msg.load().map_err(prog_err(PROG_SK_MSG))?;
+    sk_msg
+        .attach(maps.clients.fd())
+        .map_err(prog_err(PROG_SK_MSG))?;
+    let sockops: &mut SockOps = ebpf
+        .program_mut(PROG_SOCKOPS)
+        .ok_or(DatapathError::Missing(PROG_SOCKOPS))?
+        .try_into()
+        .map_err(prog_err(PROG_SOCKOPS))?;
+    sockops.load().map_err(prog_err(PROG_SOCKOPS))?;
+    let link = sockops
+        .attach(cgroup_file, CgroupAttachMode::Single)
+        .map_err(prog_err(PROG_SOCKOPS))?;
+    let link = sockops.take_link(link).map_err(prog_err(PROG_SOCKOPS))?;
+    links.push((
+        PROG_SOCKOPS,
+        FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            program: PROG_SOCKOPS,
+            source,
+        })?,
+    ));
+    Ok(())
+}
+
+/// lb's network namespace cookie: `own` when the kernel gave it, else (before 5.14) learned
+/// through the connect program when it is attached. An error there turns connect-time off
+/// (`connect_missing`), as a refused hook does.
+fn own_netns_or_learn(
+    own: Result<u64, DatapathError>,
+    maps: &maps::Maps,
+    cgroup: &std::path::Path,
+    connect_missing: &mut Option<String>,
+) -> u64 {
+    match own {
+        Ok(cookie) => cookie,
+        Err(_) if connect_missing.is_some() => 0,
+        Err(_) => match netns_probe::learn(&maps.connect, cgroup) {
+            Ok(cookie) => {
+                info!(
+                    cookie,
+                    "lb's network namespace cookie learned from the connect program (no SO_NETNS_COOKIE before 5.14)"
+                );
+                cookie
+            }
+            Err(e) => {
+                *connect_missing = Some(crate::errors::chain(&e).replace('\n', ": "));
+                0
+            }
+        },
+    }
+}
+
+impl Datapath {
+    /// Load the programs; attach the splice (sockops to `cfg.cgroup`, detected when `None`, with
+    /// a link, and sk_msg to the client sockhash) when the kernel has what it needs, and with
+    /// `want_connect` the connect-time programs. Either may be missing (the splice before 5.15:
+    /// splice balancers then copy in userspace, with a warning naming why; connect-time when a
+    /// hook is refused: see [`Datapath::connect_unavailable`]), not both. With `pins`, the
+    /// connect-time programs' links and maps are pinned there, or adopted when an earlier lb
+    /// left them (see [`super::pins`]). `cfg.blocking_splice` is honoured when the kernel allows
+    /// it; otherwise it is turned off alone, with a warning naming why. The programs' log level
+    /// is taken from the log filter now (see [`kernel_log`]); a kernel logger that cannot start
+    /// is a warning, never an error.
+    ///
+    /// # Errors
+    /// [`DatapathError`] naming what is missing: privileges, cgroup v2, a map type, the load
+    /// or attach step that failed, or, when connect-time is not asked for or not available,
+    /// what the splice lacks.
+    pub fn load(
+        cfg: &crate::config::DatapathConfig,
+        want_connect: bool,
+        pins: Option<Pins>,
+    ) -> Result<Datapath, DatapathError> {
+        probe::privileges()?;
+        probe::lift_memlock();
+        let own_netns = probe::own_netns_cookie();
+        let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
+        probe::probe_maps()?;
+        let splice_missing = splice_missing(&own_netns);
+        if let (Some(e), false) = (&splice_missing, want_connect) {
+            return Err(own_netns.err().unwrap_or_else(|| clone_missing(e)));
+        }
+        let offsets = if splice_missing.is_none() {
+            kernel_reads(cfg)
+        } else {
+            None
+        };
+        let sk_err = if want_connect {
+            probe::probe_sk_err().unwrap_or_else(|why| {
+                warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
+                0
+            })
+        } else {
+            0
+        };
+        let log_level = kernel_log::level();
+        let mut ebpf = load_object(cfg, offsets, sk_err, log_level, pins.as_ref())?;
+        let (mut maps, ring, mut events) = maps::Maps::take(&mut ebpf)?;
+        if pins.as_ref().is_some_and(Pins::adopted) {
+            // Written by an earlier lb: its generations go on; its events are from before this
+            // lb started and count against no server now.
+            maps.connect.fresh = false;
+            let dropped = events.drain();
+            info!(
+                dropped,
+                "connect-time events from before this lb started ignored"
+            );
+        }
+        heartbeat::connect_ctl(&maps, cfg.orphan_timeout.0)?;
+        let mut links = Vec::new();
+        match &splice_missing {
+            None => {
+                attach_splice(&mut ebpf, &maps, &cgroup_file, &mut links)?;
+                info!(cgroup = %cgroup.display(), "kernel data path attached (sockops + sk_msg upstream splice)");
+            }
+            Some(why) => {
+                warn!(reason = %crate::errors::chain(why), "the kernel splice is unavailable: balancers that forward through lb copy in userspace");
+            }
+        }
+        // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
+        let mut connect_missing = if want_connect {
+            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)?
+        } else {
+            Some(DatapathError::NotRequested.to_string())
+        };
+        let own_netns = own_netns_or_learn(own_netns, &maps, &cgroup, &mut connect_missing);
+        if let (Some(splice), Some(connect)) = (&splice_missing, &connect_missing) {
+            warn!(connect = %connect, "connect-time forwarding is unavailable too");
+            return Err(clone_missing(splice));
+        }
+        let kernel_log = kernel_log::open(&mut ebpf, log_level);
+        trim_heap();
+        Ok(Datapath {
+            _ebpf: Some(ebpf),
+            links: Mutex::new(
+                links
+                    .into_iter()
+                    .map(|(n, l)| (n, handover::HeldLink::Loaded(l)))
+                    .collect(),
+            ),
+            cgroup,
+            maps,
+            refresh: Mutex::new(Some(ring)),
+            events: Mutex::new(Some(events)),
+            readers: Mutex::new(Vec::new()),
+            ignored: Mutex::new(HashMap::new()),
+            kernel_log: Mutex::new(kernel_log),
+            pairs: Mutex::new(HashMap::new()),
+            max_buffered: cfg.max_buffered_bytes,
+            connect_missing,
+            splice: splice_missing.is_none() && offsets.is_some(),
+            own_netns,
+            pins,
+        })
+    }
+}
+
+/// A copy of what the splice lacks, to return (the original is logged).
+fn clone_missing(e: &DatapathError) -> DatapathError {
+    match e {
+        DatapathError::MissingFeature(what) => DatapathError::MissingFeature(what),
+        DatapathError::NetnsCookie(io) => {
+            DatapathError::NetnsCookie(std::io::Error::new(io.kind(), io.to_string()))
+        }
+        other => DatapathError::NetnsCookie(std::io::Error::other(other.to_string())),
+    }
+}
+
+/// Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back so a
+/// node daemon's resident size reflects what it holds (glibc only; musl returns memory by
+/// itself).
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
+    #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it
+/// (see [`probe::probe_kernel_reads`]); `None`, with a warning naming why, turns the splice off:
+/// the program could then neither count the bytes a client sent the normal way exactly nor see
+/// a kTLS socket, so redirecting would risk reordered bytes or plaintext on the wire.
+pub(super) fn kernel_reads(cfg: &crate::config::DatapathConfig) -> Option<btf::SockOffsets> {
+    let offsets = probe::probe_kernel_reads()
+        .inspect_err(|why| {
+            warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
+        })
+        .ok();
+    if offsets.is_some() && !cfg.blocking_splice {
+        info!(
+            "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
+        );
+    }
+    offsets
+}
