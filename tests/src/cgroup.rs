@@ -64,10 +64,10 @@ const BPF_PROG_ATTACH: libc::c_long = 8;
 const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
 const BPF_CGROUP_INET4_CONNECT: u32 = 10;
 /// Bytes of `union bpf_attr` passed (the kernel wants every byte past the fields it knows zero).
-const ATTR_BYTES: usize = 128;
+pub(crate) const ATTR_BYTES: usize = 128;
 
 /// Issue `bpf(cmd, attr)`; the returned descriptor or the errno.
-fn bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_BYTES]) -> std::io::Result<i32> {
+pub(crate) fn bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_BYTES]) -> std::io::Result<i32> {
     // SAFETY: `attr` is a zero-padded `union bpf_attr` of ATTR_BYTES bytes whose pointers
     // (instructions, license) outlive the call.
     let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), ATTR_BYTES) };
@@ -76,6 +76,16 @@ fn bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_BYTES]) -> std::io::Result<i32> {
     } else {
         Ok(i32::try_from(r).unwrap_or(-1))
     }
+}
+
+/// Lift `RLIMIT_MEMLOCK` (best effort): before 5.11 the kernel charges BPF maps and programs
+/// to it, and its 8 MiB default refuses even a one-entry map once lb's own maps count.
+fn lift_memlock() {
+    let _ = nix::sys::resource::setrlimit(
+        nix::sys::resource::Resource::RLIMIT_MEMLOCK,
+        nix::sys::resource::RLIM_INFINITY,
+        nix::sys::resource::RLIM_INFINITY,
+    );
 }
 
 impl TestCgroup {
@@ -87,6 +97,7 @@ impl TestCgroup {
     /// # Errors
     /// The kernel refused the load or the attach (errno in the message).
     pub fn occupy_connect4(&self) -> Result<()> {
+        lift_memlock();
         use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
         // BPF_ALU64 | BPF_MOV | BPF_K, dst r0, imm 1; then BPF_JMP | BPF_EXIT.
         let insns: [u8; 16] = [0xb7, 0, 0, 0, 1, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0];
@@ -154,6 +165,7 @@ impl TestCgroup {
     /// # Errors
     /// The kernel refused the map, the load or the attach (errno in the message).
     pub fn count_rtt_callbacks(&self) -> Result<RttCallbacks> {
+        lift_memlock();
         use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
         let mut attr = [0u8; ATTR_BYTES];
         for (i, v) in [BPF_MAP_TYPE_ARRAY, 4, 8, 1].iter().enumerate() {

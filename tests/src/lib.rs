@@ -7,6 +7,7 @@
 //! One module per concern; everything the tests, `lbt` and xtask use is re-exported here.
 
 mod cgroup;
+mod cgroup_programs;
 mod client;
 mod cmd;
 mod connect;
@@ -27,6 +28,7 @@ mod tmp;
 mod upgrading;
 
 pub use cgroup::{RttCallbacks, TestCgroup, cgroup2_root};
+pub use cgroup_programs::cgroup_programs;
 pub use client::{Holder, Place, client_command, placed_command, run_client};
 pub use cmd::{first_stdout_line, lb_bin, lbt_bin, output_within, set_bin_dir, sh, sibling_bin};
 pub use connect::ConnectLb;
@@ -47,7 +49,7 @@ pub use maps::lb_map_entries;
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
-    skip_unless_root, test_name,
+    skip_unless_root, splice_kernel, test_name,
 };
 pub use stream::{Digest, PatternStream};
 pub use timing::{NO_TIMING_ENV, VM_ENV, timed};

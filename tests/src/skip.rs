@@ -93,6 +93,14 @@ pub fn kernel_version() -> Option<(u32, u32)> {
     parse_kernel_release(&std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?)
 }
 
+/// Whether this kernel is one the splice runs on: 5.15 or later (the sockops program needs
+/// `bpf_get_netns_cookie`). lb itself decides by probing; the tests know the Debian kernels they
+/// run on (5.10, 6.1, 6.12, the host's), so they can say which outcome to expect on each: the
+/// splice, or the fallback with its reason.
+pub fn splice_kernel() -> bool {
+    kernel_version().is_some_and(|v| v >= (5, 15))
+}
+
 /// `(major, minor)` of a release string such as `6.1.0-57-amd64` or `6.12.117+deb12-amd64`.
 fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
     let mut parts = release.trim().split(|c: char| !c.is_ascii_digit());

@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     Holder, Host, Lb, Place, TestCgroup, client_command, free_port, http_get, http_request,
-    http_request_with, lb_bin, output_within, run_client, sh, skip_unless_root, unix_request,
+    http_request_with, lb_bin, output_within, run_client, skip_unless_root, unix_request,
     wait_until,
 };
 use serde_json::Value;
@@ -739,7 +739,7 @@ fn sighup_keeps_the_old_config_when_the_new_one_is_broken() -> Result<()> {
 }
 
 fn bpftool_cgroup(cg: &Path) -> Result<String> {
-    sh("bpftool", &["cgroup", "show", cg.to_str().context("path")?])
+    lb_tests::cgroup_programs(cg)
 }
 
 #[test]

@@ -459,10 +459,7 @@ fn connect_time_connections_outlive_lb_and_connects_fail_while_it_is_down() -> R
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
     let programs = |cg: &TestCgroup| -> Result<usize> {
-        let shown = lb_tests::sh(
-            "bpftool",
-            &["cgroup", "show", &cg.path.display().to_string()],
-        )?;
+        let shown = lb_tests::cgroup_programs(&cg.path)?;
         Ok([
             "lb_connect4",
             "lb_connect6",
@@ -562,12 +559,26 @@ fn connect_time_programs_are_attached_only_when_a_balancer_asks() -> Result<()> 
         &cg.path.display().to_string(),
         "--forwarding",
         "splice",
-    ])?;
+    ]);
+    if !lb_tests::splice_kernel() {
+        // A splice-only lb has nothing to attach before 5.15: `--datapath bpf` refuses.
+        let err = match lb {
+            Ok(lb) => bail!("lb started without the splice: {}", lb.log_text()),
+            Err(e) => format!("{e:#}"),
+        };
+        ensure!(
+            err.contains("bpf_get_netns_cookie in sockops (5.15+)"),
+            "the refusal should name what the splice lacks: {err}"
+        );
+        ensure!(
+            lb_tests::cgroup_programs(&cg.path)?.trim().is_empty(),
+            "programs left on the cgroup"
+        );
+        return Ok(());
+    }
+    let lb = lb?;
     lb.wait_ready(Duration::from_secs(10))?;
-    let shown = lb_tests::sh(
-        "bpftool",
-        &["cgroup", "show", &cg.path.display().to_string()],
-    )?;
+    let shown = lb_tests::cgroup_programs(&cg.path)?;
     ensure!(shown.contains("lb_sockops"), "{shown}");
     ensure!(
         !shown.contains("lb_connect4") && !shown.contains("lb_getpeername4"),
@@ -1219,6 +1230,25 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
         &cg.path.display().to_string(),
     ]);
     let _ = std::fs::remove_file(&config);
+    if !lb_tests::splice_kernel() {
+        // Without the splice (before 5.15) `mode = "bpf"` has nothing left to run: lb refuses
+        // to start, naming both.
+        let err = match lb {
+            Ok(lb) => bail!(
+                "lb started without the splice or connect4: {}",
+                lb.log_text()
+            ),
+            Err(e) => format!("{e:#}"),
+        };
+        eprintln!("{}", err.lines().last().unwrap_or_default());
+        ensure!(
+            err.contains("nothing to run")
+                && err.contains("sockops")
+                && err.contains("lb_connect4"),
+            "the refusal should name what the splice lacks and the refused program: {err}"
+        );
+        return Ok(());
+    }
     let lb = lb?;
     lb.wait_settled(Duration::from_secs(10))?;
     let st = lb.status()?;

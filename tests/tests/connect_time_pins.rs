@@ -75,10 +75,7 @@ fn pin_dir(s: &ConnectLb) -> Result<std::path::PathBuf> {
 /// How many times each connect-time program is attached to the test's cgroup (`bpftool
 /// cgroup show`, which names programs by their BTF names).
 fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
-    let shown = lb_tests::sh(
-        "bpftool",
-        &["cgroup", "show", &s.cg.path.display().to_string()],
-    )?;
+    let shown = lb_tests::cgroup_programs(&s.cg.path)?;
     Ok([
         "lb_connect4",
         "lb_connect6",

@@ -203,17 +203,10 @@ fn bpf_detaches_on_sigterm() -> Result<()> {
         return Ok(());
     }
     let mut s = setup("bpf", 1, &[])?;
-    let attached = lb_tests::sh(
-        "bpftool",
-        &["cgroup", "show", &s.cg.path.display().to_string()],
-    )
-    .unwrap_or_default();
+    let attached = lb_tests::cgroup_programs(&s.cg.path).unwrap_or_default();
     let code = s.lb.terminate(Duration::from_secs(35))?;
     ensure!(code == 0, "lb exit code {code}");
-    let after = lb_tests::sh(
-        "bpftool",
-        &["cgroup", "show", &s.cg.path.display().to_string()],
-    )?;
+    let after = lb_tests::cgroup_programs(&s.cg.path)?;
     ensure!(
         !after.contains("sock_ops"),
         "programs left on the cgroup after exit: {after}"

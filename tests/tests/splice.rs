@@ -393,14 +393,11 @@ fn client_in_another_namespace_and_child_cgroup() -> Result<()> {
 }
 
 fn sockops_on(cg: &TestCgroup) -> usize {
-    sh(
-        "bpftool",
-        &["cgroup", "show", &cg.path.display().to_string()],
-    )
-    .unwrap_or_default()
-    .lines()
-    .filter(|l| l.contains("sock_ops"))
-    .count()
+    lb_tests::cgroup_programs(&cg.path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("sock_ops"))
+        .count()
 }
 
 #[test]

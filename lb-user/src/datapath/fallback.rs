@@ -58,7 +58,8 @@ impl DatapathError {
             DatapathError::MissingFeature(_)
             | DatapathError::BlockingHelper { .. }
             | DatapathError::Btf(_)
-            | DatapathError::NetnsCookie(_) => FallbackReason::KernelFeature,
+            | DatapathError::NetnsCookie(_)
+            | DatapathError::NothingToRun { .. } => FallbackReason::KernelFeature,
             DatapathError::Load(_)
             | DatapathError::Missing(_)
             | DatapathError::Program { .. }

@@ -161,8 +161,8 @@ impl Datapath {
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe::probe_maps()?;
         let splice_missing = splice_missing(&own_netns);
-        if let (Some(e), false) = (&splice_missing, want_connect) {
-            return Err(own_netns.err().unwrap_or_else(|| clone_missing(e)));
+        if !want_connect && let Some(e) = splice_missing {
+            return Err(e);
         }
         let offsets = if splice_missing.is_none() {
             kernel_reads(cfg)
@@ -209,8 +209,10 @@ impl Datapath {
         };
         let own_netns = own_netns_or_learn(own_netns, &maps, &cgroup, &mut connect_missing);
         if let (Some(splice), Some(connect)) = (&splice_missing, &connect_missing) {
-            warn!(connect = %connect, "connect-time forwarding is unavailable too");
-            return Err(clone_missing(splice));
+            return Err(DatapathError::NothingToRun {
+                splice: crate::errors::chain(splice).replace('\n', ": "),
+                connect: connect.clone(),
+            });
         }
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
         trim_heap();
@@ -236,17 +238,6 @@ impl Datapath {
             own_netns,
             pins,
         })
-    }
-}
-
-/// A copy of what the splice lacks, to return (the original is logged).
-fn clone_missing(e: &DatapathError) -> DatapathError {
-    match e {
-        DatapathError::MissingFeature(what) => DatapathError::MissingFeature(what),
-        DatapathError::NetnsCookie(io) => {
-            DatapathError::NetnsCookie(std::io::Error::new(io.kind(), io.to_string()))
-        }
-        other => DatapathError::NetnsCookie(std::io::Error::other(other.to_string())),
     }
 }
 

@@ -130,6 +130,17 @@ pub enum DatapathError {
     /// namespace from others.
     #[error("cannot read lb's network namespace cookie (SO_NETNS_COOKIE, kernel 5.14+)")]
     NetnsCookie(#[source] std::io::Error),
+    /// Neither forwarding mode can run on this kernel: the splice lacks something and
+    /// connect-time was not asked for or could not attach.
+    #[error(
+        "the kernel data path has nothing to run: the splice is unavailable ({splice}); connect-time: {connect}"
+    )]
+    NothingToRun {
+        /// What the splice lacks.
+        splice: String,
+        /// Why connect-time is off.
+        connect: String,
+    },
     /// The connect-time programs were not attached because no balancer uses them.
     #[error("no balancer has forwarding = \"connect\"")]
     NotRequested,
