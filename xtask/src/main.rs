@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod musl;
 mod setup;
 mod test;
 mod util;
@@ -22,7 +23,12 @@ enum Cmd {
     /// Install what is missing: apt packages, nightly rust-src, bpf-linker (idempotent).
     Setup,
     /// Build the kernel programs and the daemon (release).
-    Build,
+    Build {
+        /// A static build for x86_64-unknown-linux-musl or aarch64-unknown-linux-musl (cross
+        /// compiled) into target/<TARGET>/release/, instead of the host's target/release/.
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// Build, then `lb run` with the given arguments.
     Run {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -63,9 +69,20 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Setup => setup::run(),
-        Cmd::Build => {
+        Cmd::Build { target: None } => {
             setup::run()?;
             util::build_release()
+        }
+        Cmd::Build {
+            target: Some(triple),
+        } => {
+            let arch = musl::arch(&triple)?;
+            setup::run()?;
+            // With the VM runs' test executables, as `dist` and `vm-test` build: one selection
+            // of packages and targets, so each finds the others' build fresh.
+            let bins = musl::build(arch, vm::TESTS)?;
+            eprintln!("xtask: built {}", bins.lb.display());
+            Ok(())
         }
         Cmd::Run { args } => {
             setup::run()?;
