@@ -1,7 +1,8 @@
-//! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench).
+//! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench, dist).
 
 mod bench;
 mod demo;
+mod dist;
 mod musl;
 mod setup;
 mod test;
@@ -63,6 +64,14 @@ enum Cmd {
         #[arg(last = true)]
         test_args: Vec<String>,
     },
+    /// Static binaries, .deb and .rpm packages for amd64 and arm64, an OCI image archive and
+    /// SHA256SUMS, in target/dist/.
+    Dist {
+        /// Then check them: install the amd64 .deb here and purge it, query the .rpm files,
+        /// read the OCI archive back (needs root).
+        #[arg(long)]
+        check: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -119,6 +128,15 @@ fn main() -> Result<()> {
             };
             let outcomes = vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args)?;
             vm::verdict(&outcomes)
+        }
+        Cmd::Dist { check } => {
+            setup::run()?;
+            let dist = dist::run()?;
+            if check {
+                dist::check::run(&dist)
+            } else {
+                Ok(())
+            }
         }
     }
 }

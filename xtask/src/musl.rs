@@ -22,6 +22,18 @@ use crate::util;
 pub struct Arch {
     /// Rust target triple.
     pub triple: &'static str,
+    /// Debian's name (`dpkg --print-architecture`), also the OCI platform's `architecture`.
+    pub deb: &'static str,
+    /// RPM's name (`rpm --eval %_arch`).
+    pub rpm: &'static str,
+    /// OCI platform `variant` (`v8` for arm64, as registries and containerd write it).
+    pub oci_variant: Option<&'static str>,
+    /// ELF `e_machine`: 62 (EM_X86_64) or 183 (EM_AARCH64).
+    pub elf_machine: u16,
+    /// What runs its binaries on an x86_64 host: nothing, or qemu's user-mode emulator.
+    pub runner: Option<&'static str>,
+    /// The binutils `strip` that reads its binaries.
+    pub strip: &'static str,
     /// Environment of a cross build: linker and C compiler (ring has C and assembly).
     cross: &'static [(&'static str, &'static str)],
     /// Programs the cross build runs that `cargo xtask setup` installs (rust-lld comes with
@@ -33,6 +45,12 @@ pub struct Arch {
 /// targets self-contained).
 pub const X86_64: Arch = Arch {
     triple: "x86_64-unknown-linux-musl",
+    deb: "amd64",
+    rpm: "x86_64",
+    oci_variant: None,
+    elf_machine: 62,
+    runner: None,
+    strip: "strip",
     cross: &[],
     tools: &[],
 };
@@ -43,6 +61,12 @@ pub const X86_64: Arch = Arch {
 /// `libc6-dev-arm64-cross`; the objects call only memcpy-like functions musl provides).
 pub const AARCH64: Arch = Arch {
     triple: "aarch64-unknown-linux-musl",
+    deb: "arm64",
+    rpm: "aarch64",
+    oci_variant: Some("v8"),
+    elf_machine: 183,
+    runner: Some("qemu-aarch64-static"),
+    strip: "aarch64-linux-gnu-strip",
     cross: &[
         ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_MUSL_LINKER", "rust-lld"),
         ("CC_aarch64_unknown_linux_musl", "aarch64-linux-gnu-gcc"),
@@ -51,7 +75,7 @@ pub const AARCH64: Arch = Arch {
     tools: &["aarch64-linux-gnu-gcc", "aarch64-linux-gnu-ar"],
 };
 
-/// Every musl target lb is built for.
+/// Every target `cargo xtask dist` packages.
 pub const ARCHES: &[&Arch] = &[&X86_64, &AARCH64];
 
 /// The target named `triple`.
@@ -181,8 +205,8 @@ mod tests {
     #[test]
     fn an_unknown_target_names_the_known_ones() {
         assert_eq!(
-            arch("aarch64-unknown-linux-musl").map(|a| a.triple).ok(),
-            Some("aarch64-unknown-linux-musl")
+            arch("aarch64-unknown-linux-musl").map(|a| a.deb).ok(),
+            Some("arm64")
         );
         let err = arch("aarch64-unknown-linux-gnu").expect_err("not a musl target lb builds");
         assert_eq!(
