@@ -38,7 +38,7 @@ enum Cmd {
     /// Test hosts in namespaces, real traffic, a failover you can watch.
     Demo,
     /// Everything CI runs: fmt, clippy, unit and privileged integration tests, the quick bench,
-    /// then the 6.1 VM run.
+    /// the 6.1 and 6.12 VM runs, then the packages (`dist --check`).
     Test,
     /// lb (splice, copy and connect-time) side by side with a direct connection, HAProxy and
     /// nginx; results in bench/results/.
