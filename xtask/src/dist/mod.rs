@@ -62,6 +62,15 @@ pub struct Dist {
     pub sums: PathBuf,
 }
 
+/// The packages' staging directory, removed on drop (also when a step fails).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Lower-case hex SHA-256 of `data`.
 pub fn sha256_hex(data: &[u8]) -> String {
     sha2::Sha256::digest(data)
@@ -97,7 +106,8 @@ pub fn run() -> Result<Dist> {
     let version = version()?;
     let root = util::root();
     let dir = root.join("target/dist");
-    let work = root.join("target/dist-work");
+    let scratch = Scratch(root.join("target/dist-work"));
+    let work = &scratch.0;
     // The same selection as the VM runs (lb, lbt, the VM tests): after `cargo xtask vm-test`
     // the x86_64 build is fresh, and the aarch64 one is what an arm64 VM run needs.
     let mut built = Vec::new();
@@ -149,7 +159,6 @@ pub fn run() -> Result<Dist> {
         .collect::<Result<Vec<_>>>()?;
     let oci = dir.join(format!("lb-{version}-oci.tar"));
     oci::write(&oci, &version, &images)?;
-    let _ = std::fs::remove_dir_all(&work);
     let sums = write_sums(&dir)?;
     let dist = Dist {
         dir,

@@ -366,9 +366,8 @@ mod tests {
 
     #[test]
     fn an_archive_reads_back_and_a_changed_byte_is_caught() -> Result<()> {
-        let dir = std::env::temp_dir().join(format!("xtask-oci-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("lb.tar");
+        let dir = lb_tests::TempDir::new("xtask-oci")?;
+        let path = dir.path().join("lb.tar");
         let images = [(&X86_64, fake_elf(62)), (&AARCH64, fake_elf(183))];
         write(&path, "9.9.9", &images)?;
         let lines = verify(&path, "9.9.9", &images)?;
@@ -387,7 +386,6 @@ mod tests {
         data[at] ^= 1;
         std::fs::write(&path, &data)?;
         let err = verify(&path, "9.9.9", &images).expect_err("a changed blob");
-        std::fs::remove_dir_all(&dir)?;
         assert!(err.to_string().contains("hashes to"), "{err:#}");
         Ok(())
     }
