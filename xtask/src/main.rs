@@ -1,7 +1,9 @@
-//! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench).
+//! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench, dist).
 
 mod bench;
 mod demo;
+mod dist;
+mod musl;
 mod setup;
 mod test;
 mod util;
@@ -22,7 +24,12 @@ enum Cmd {
     /// Install what is missing: apt packages, nightly rust-src, bpf-linker (idempotent).
     Setup,
     /// Build the kernel programs and the daemon (release).
-    Build,
+    Build {
+        /// A static build for x86_64-unknown-linux-musl or aarch64-unknown-linux-musl (cross
+        /// compiled) into target/<TARGET>/release/, instead of the host's target/release/.
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// Build, then `lb run` with the given arguments.
     Run {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -31,7 +38,7 @@ enum Cmd {
     /// Test hosts in namespaces, real traffic, a failover you can watch.
     Demo,
     /// Everything CI runs: fmt, clippy, unit and privileged integration tests, the quick bench,
-    /// then the 6.1 VM run.
+    /// the 6.1 and 6.12 VM runs, then the packages (`dist --check`).
     Test,
     /// lb (splice, copy and connect-time) side by side with a direct connection, HAProxy and
     /// nginx; results in bench/results/.
@@ -57,15 +64,34 @@ enum Cmd {
         #[arg(last = true)]
         test_args: Vec<String>,
     },
+    /// Static binaries, .deb and .rpm packages for amd64 and arm64, an OCI image archive and
+    /// SHA256SUMS, in target/dist/.
+    Dist {
+        /// Then check them: install the amd64 .deb here and purge it, query the .rpm files,
+        /// read the OCI archive back (needs root).
+        #[arg(long)]
+        check: bool,
+    },
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Setup => setup::run(),
-        Cmd::Build => {
+        Cmd::Build { target: None } => {
             setup::run()?;
             util::build_release()
+        }
+        Cmd::Build {
+            target: Some(triple),
+        } => {
+            let arch = musl::arch(&triple)?;
+            setup::run()?;
+            // With the VM runs' test executables, as `dist` and `vm-test` build: one selection
+            // of packages and targets, so each finds the others' build fresh.
+            let bins = musl::build(arch, vm::TESTS)?;
+            eprintln!("xtask: built {}", bins.lb.display());
+            Ok(())
         }
         Cmd::Run { args } => {
             setup::run()?;
@@ -102,6 +128,15 @@ fn main() -> Result<()> {
             };
             let outcomes = vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args)?;
             vm::verdict(&outcomes)
+        }
+        Cmd::Dist { check } => {
+            setup::run()?;
+            let dist = dist::run()?;
+            if check {
+                dist::check::run(&dist)
+            } else {
+                Ok(())
+            }
         }
     }
 }

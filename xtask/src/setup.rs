@@ -21,6 +21,13 @@ pub const APT_PACKAGES: &[&str] = &[
     "busybox-static",
     "cpio",
     "xz-utils",
+    // The aarch64 cross build (`cargo xtask build --target aarch64-unknown-linux-musl`): a C
+    // compiler and arm64 libc headers for ring, and qemu's user-mode emulator to run the result.
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "qemu-user-static",
+    // `cargo xtask dist`: rpmbuild and rpm (dpkg-deb comes with dpkg).
+    "rpm",
     // Benchmark contenders and load tools.
     "haproxy",
     "nginx",
@@ -310,13 +317,19 @@ pub fn run() -> Result<()> {
     }
     keep_services_off()?;
     let toolchain = bpf_toolchain()?;
-    let nightly_ok = installed_components(&toolchain).contains("rust-src");
+    rust_toolchains(&toolchain)?;
+    bpf_linker(&toolchain)
+}
+
+/// The pinned nightly with rust-src and clippy, and the musl targets of the stable toolchain.
+fn rust_toolchains(toolchain: &str) -> Result<()> {
+    let nightly_ok = installed_components(toolchain).contains("rust-src");
     if !nightly_ok {
         exec(
             Command::new("rustup").args([
                 "toolchain",
                 "install",
-                &toolchain,
+                toolchain,
                 "--profile",
                 "minimal",
                 "--component",
@@ -329,23 +342,34 @@ pub fn run() -> Result<()> {
             ),
         )?;
     }
-    if !installed_components(&toolchain).contains("clippy") {
+    if !installed_components(toolchain).contains("clippy") {
         exec(
-            Command::new("rustup").args(["component", "add", "clippy", "--toolchain", &toolchain]),
+            Command::new("rustup").args(["component", "add", "clippy", "--toolchain", toolchain]),
             &format!("rustup: clippy for {toolchain} (`cargo xtask test` lints lb-ebpf with it)"),
         )?;
     }
-    let musl_ok = Command::new("rustup")
+    let targets = Command::new("rustup")
         .args(["target", "list", "--installed"])
         .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("x86_64-unknown-linux-musl"));
-    if !musl_ok {
-        exec(
-            Command::new("rustup").args(["target", "add", "x86_64-unknown-linux-musl"]),
-            "rustup target add x86_64-unknown-linux-musl (VM test binaries)",
-        )?;
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for (target, why) in [
+        ("x86_64-unknown-linux-musl", "VM test binaries, packages"),
+        ("aarch64-unknown-linux-musl", "the arm64 build and packages"),
+    ] {
+        if !targets.lines().any(|l| l.trim() == target) {
+            exec(
+                Command::new("rustup").args(["target", "add", target]),
+                &format!("rustup target add {target} ({why})"),
+            )?;
+        }
     }
-    let llvm = nightly_llvm(&toolchain)?;
+    Ok(())
+}
+
+/// bpf-linker built against the nightly's own LLVM, unless the one on PATH already is.
+fn bpf_linker(toolchain: &str) -> Result<()> {
+    let llvm = nightly_llvm(toolchain)?;
     if !(21..=23).contains(&llvm.major) {
         bail!(
             "setup: {toolchain} uses LLVM {}, and bpf-linker {BPF_LINKER_VERSION} \

@@ -1,12 +1,13 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
 //! too), the unit and integration tests
 //! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest and the
-//! connect-time tests in the 6.12 guest; it closes with one line of counts.
+//! connect-time tests in the 6.12 guest, then `cargo xtask dist --check`; it closes with one
+//! line of counts.
 
 use anyhow::Result;
 
 use crate::{
-    bench,
+    bench, dist,
     util::{Counts, Skip, build_release, cargo, cargo_test, check_privileged_skips},
     vm,
 };
@@ -64,12 +65,26 @@ pub fn run() -> Result<()> {
             });
         }
     }
-    // The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG
-    // here, plus the musl build), and the connect-time tests on 6.12 as well (about 3 min).
-    // `LB_VM_TEST=0` leaves them out, saying so.
-    let mut vm_result = Ok(());
     // Every VM failure again at the end, where a log cut to its tail still shows it.
     let mut vm_notes: Vec<String> = Vec::new();
+    let vm_result = vm_step(&mut counts, &mut vm_notes);
+    let dist_result = dist_step(&mut counts);
+    for n in &vm_notes {
+        eprintln!("xtask: kernel {n}");
+    }
+    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
+    let privilege = close(&counts);
+    result.and(vm_result).and(dist_result).and(privilege)
+}
+
+/// The same tests on the oldest supported kernel, in a qemu guest (about 4 min under TCG here,
+/// plus the musl build), and the connect-time tests on 6.12 as well (about 3 min), counted into
+/// `counts`; each guest's failures go to `notes`. `LB_VM_TEST=0` leaves them out, saying so.
+///
+/// # Errors
+/// A kernel's run failing.
+fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
+    let mut vm_result = Ok(());
     if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
         eprintln!("xtask: LB_VM_TEST=0: the kernel 6.1 and 6.12 VM runs are left out");
     } else {
@@ -79,12 +94,12 @@ pub fn run() -> Result<()> {
             let failed_before = counts.failed;
             let r = vm::run(&[kernel], vm::DEFAULT_TIMEOUT, &args).and_then(|outcomes| {
                 for o in &outcomes {
-                    vm_notes.extend(
+                    notes.extend(
                         o.failures
                             .iter()
                             .map(|f| format!("{}: failed {f}", o.label)),
                     );
-                    vm_notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
+                    notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
                     counts.add(&o.counts);
                     // A guest that never reported still counts as a failure in the closing line.
                     if !o.ok() && o.counts.failed == 0 {
@@ -105,12 +120,44 @@ pub fn run() -> Result<()> {
             vm_result = vm_result.and(r);
         }
     }
-    for n in &vm_notes {
-        eprintln!("xtask: kernel {n}");
+    vm_result
+}
+
+/// `cargo xtask dist --check` as one test: the packages built and checked (the amd64 .deb
+/// installed here and purged). After the VM runs their x86_64 musl build is fresh, so only the
+/// aarch64 one is built. `LB_DIST_TEST=0` leaves it out, saying so.
+///
+/// # Errors
+/// The build or a check failing.
+fn dist_step(counts: &mut Counts) -> Result<()> {
+    if std::env::var("LB_DIST_TEST").is_ok_and(|v| v == "0") {
+        eprintln!("xtask: LB_DIST_TEST=0: dist --check is left out");
+        return Ok(());
     }
-    eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
-    let privilege = close(&counts);
-    result.and(vm_result).and(privilege)
+    if !lb_tests::is_root() {
+        let reason = format!("{} (dpkg -i of the .deb)", lb_tests::NEEDS_ROOT);
+        eprintln!("xtask: SKIP dist --check: {reason}");
+        counts.skipped += 1;
+        counts.skips.push(Skip {
+            test: "dist --check".into(),
+            reason,
+        });
+        return Ok(());
+    }
+    let start = std::time::Instant::now();
+    let r = dist::run().and_then(|d| dist::check::run(&d));
+    eprintln!(
+        "xtask: dist --check took {:.0} s",
+        start.elapsed().as_secs_f64()
+    );
+    match &r {
+        Ok(()) => counts.passed += 1,
+        Err(e) => {
+            eprintln!("xtask: dist --check failed: {e:#}");
+            counts.failed += 1;
+        }
+    }
+    r
 }
 
 /// List every skipped test with its reason and print the closing line. Skips count as skipped,

@@ -1,18 +1,12 @@
 //! What goes into a guest: static (musl) builds of `lb`, `lbt` and the test executables, the
 //! host's iproute2 and bpftool with their shared libraries, busybox, kernel modules and the init.
 
-use std::{
-    path::{Path, PathBuf},
-    process::{Command, Stdio},
-};
+use std::{path::Path, process::Command};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 
 use super::{cpio::Archive, fetch};
-use crate::util;
-
-/// The musl target: its binaries run on any kernel with nothing else in the initramfs.
-const TARGET: &str = "x86_64-unknown-linux-musl";
+use crate::musl::{self, Binaries};
 
 /// Integration test targets of `lb-tests` run in the guests.
 pub const TESTS: &[&str] = &[
@@ -50,78 +44,13 @@ const GUEST_LB: &str = "/opt/lb/lb";
 const GUEST_LBT: &str = "/opt/lb/lbt";
 const GUEST_TESTS: &str = "/opt/lb/tests";
 
-/// Host paths of the static binaries.
-#[derive(Debug)]
-pub struct Binaries {
-    lb: PathBuf,
-    lbt: PathBuf,
-    /// (target name, executable).
-    tests: Vec<(String, PathBuf)>,
-}
-
-/// Build `lb`, `lbt` and the test executables for the musl target in one cargo invocation (so
-/// features unify once), release because TCG runs them many times slower than the host does.
+/// Build `lb`, `lbt` and the test executables statically for x86_64 (musl), release because
+/// TCG runs them many times slower than the host does.
 ///
 /// # Errors
-/// Build failure, or cargo naming no executable for a binary or test target.
+/// See [`musl::build`].
 pub fn build_binaries() -> Result<Binaries> {
-    let mut args = vec![
-        "build",
-        "--release",
-        "--target",
-        TARGET,
-        "-p",
-        "lb-user",
-        "-p",
-        "lb-tests",
-        "--bins",
-        "--message-format=json-render-diagnostics",
-    ];
-    for t in TESTS {
-        args.extend(["--test", t]);
-    }
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let out = Command::new(env!("CARGO"))
-        .args(&args)
-        .current_dir(util::root())
-        .stderr(Stdio::inherit())
-        .output()
-        .context("cannot start cargo")?;
-    if !out.status.success() {
-        bail!("cargo {} failed ({})", args.join(" "), out.status);
-    }
-    let (mut lb, mut lbt, mut tests) = (None, None, Vec::new());
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        let target = &msg["target"];
-        let kind = |k: &str| {
-            target["kind"]
-                .as_array()
-                .is_some_and(|ks| ks.iter().any(|x| x == k))
-        };
-        let (Some(name), Some(exe)) = (target["name"].as_str(), msg["executable"].as_str()) else {
-            continue;
-        };
-        let exe = PathBuf::from(exe);
-        match name {
-            "lb" if kind("bin") => lb = Some(exe),
-            "lbt" if kind("bin") => lbt = Some(exe),
-            t if kind("test") && TESTS.contains(&t) => tests.push((t.to_string(), exe)),
-            _ => {}
-        }
-    }
-    for t in TESTS {
-        if !tests.iter().any(|(n, _)| n == t) {
-            bail!("cargo named no executable for test target {t}");
-        }
-    }
-    Ok(Binaries {
-        lb: lb.context("cargo named no lb executable")?,
-        lbt: lbt.context("cargo named no lbt executable")?,
-        tests,
-    })
+    musl::build(&musl::X86_64, TESTS)
 }
 
 /// A binary without its debug sections (smaller initramfs, faster to load under TCG); the

@@ -23,6 +23,7 @@ use anyhow::{Context as _, Result, bail};
 use crate::util;
 
 pub use fetch::SERIES;
+pub use guest::TESTS;
 
 /// How long a guest may take from boot to power-off unless `--timeout` says otherwise: the 6.1
 /// run takes 320-580 s under TCG on a 2-core machine, and a CI machine once needed more than
@@ -131,7 +132,7 @@ pub fn verdict(outcomes: &[Outcome]) -> Result<()> {
 
 fn run_one(
     series: fetch::Series,
-    bins: &guest::Binaries,
+    bins: &crate::musl::Binaries,
     timeout: Duration,
     test_args: &[String],
 ) -> Result<Outcome> {
