@@ -14,6 +14,7 @@ mod authz;
 mod check;
 pub mod client;
 mod probes;
+mod routes;
 mod scrape;
 mod servers;
 
@@ -29,9 +30,8 @@ use axum::{
     Json, Router,
     extract::{DefaultBodyLimit, Request, State},
     http::{StatusCode, header},
-    middleware::{self, Next},
+    middleware::Next,
     response::{IntoResponse, Response},
-    routing::{delete, get, post, put},
 };
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
@@ -42,6 +42,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, error, info, warn};
 
 pub use api::{BalancerStatus, ConnectTableStatus, StatusBody};
+pub use routes::{ENDPOINTS, Endpoint, Rule, SERVER_ACTIONS, Verb};
 
 use crate::daemon::Handle;
 
@@ -194,47 +195,7 @@ impl IntoResponse for ApiError {
 }
 
 fn router(state: Arc<AdminState>) -> Router {
-    let probes = Router::new()
-        .route("/livez", get(probes::livez))
-        .route("/readyz", get(probes::readyz));
-    let check = Router::new()
-        .route("/check", get(check::handler))
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(check::MAX_TIMEOUT + Duration::from_secs(5), req, next)
-        }));
-    let api = Router::new()
-        .route("/status", get(status_handler))
-        .route("/metrics", get(metrics))
-        .route(
-            "/balancers/{name}/servers",
-            put(servers::set).post(servers::add),
-        )
-        .route("/balancers/{name}/servers/{addr}", delete(servers::remove))
-        .route(
-            "/balancers/{name}/servers/{addr}/{action}",
-            post(servers::action),
-        )
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(REQUEST_TIMEOUT, req, next)
-        }));
-    let upgrade = Router::new()
-        .route("/upgrade", post(upgrade_handler))
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(
-                crate::daemon::upgrade::STEP_TIMEOUT * 3 + Duration::from_secs(10),
-                req,
-                next,
-            )
-        }));
-    let protected = check
-        .merge(api)
-        .merge(upgrade)
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            authz::authorize,
-        ));
-    probes
-        .merge(protected)
+    routes::routes(&state)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

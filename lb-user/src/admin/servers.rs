@@ -24,6 +24,9 @@ use crate::{
     balancer::{Balancer, Hold, KillReason},
 };
 
+/// The actions of `POST /balancers/NAME/servers/ADDR/ACTION`.
+pub(super) const ACTIONS: [&str; 4] = ["drain", "disable", "enable", "kill"];
+
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request("a JSON body is required"));
@@ -164,7 +167,8 @@ pub(super) async fn action(
         "kill" => b.kill_server(&addr, KillReason::Admin),
         other => {
             return Err(ApiError::not_found(format!(
-                "no action {other:?}: use drain, disable, enable or kill"
+                "no action {other:?}: use one of {}",
+                ACTIONS.join(", ")
             )));
         }
     }
