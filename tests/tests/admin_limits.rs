@@ -108,18 +108,38 @@ fn trickle(admin: SocketAddr, first: &[u8], trickle: u8, every: Duration) -> Res
 /// Connections of each kind in the slow-client test: far below the connection limit.
 const SLOW_CLIENTS: usize = 20;
 
-#[test]
-fn slow_heads_and_bodies_are_cut_off_while_the_probes_answer() -> Result<()> {
-    if skip_unless_root() {
-        return Ok(());
+/// Check one kind of trickling client's cuts against `timeout`: none before it (less 300 ms
+/// for the clock), none past it plus 3 s (when timed), each first answer as `answered` wants.
+/// Returns the shortest and the longest.
+fn check_cuts(
+    what: &str,
+    cuts: &[Cut],
+    timeout: Duration,
+    answered: impl Fn(&str) -> bool,
+) -> Result<(Duration, Duration)> {
+    let shortest = cuts.iter().map(|c| c.after).min().unwrap_or_default();
+    let longest = cuts.iter().map(|c| c.after).max().unwrap_or_default();
+    for c in cuts {
+        ensure!(answered(&c.answer), "a trickled {what} got {:?}", c.answer);
     }
-    let _g = serial();
-    let (h, lb) = start()?;
-    let server = h.addr(9000);
-    let admin = lb.admin;
+    ensure!(
+        shortest >= timeout - Duration::from_millis(300),
+        "a trickled {what} ended after {shortest:?}, before its timeout {timeout:?}"
+    );
+    if timed() {
+        ensure!(
+            longest < timeout + Duration::from_secs(3),
+            "a trickled {what} lasted {longest:?} (timeout {timeout:?})"
+        );
+    }
+    Ok((shortest, longest))
+}
+
+/// [`SLOW_CLIENTS`] heads sent one byte every 250 ms (never ending: a header value that keeps
+/// growing) and as many complete heads whose 1,000-byte body comes one byte every 250 ms,
+/// all at once; returns how each kind's connections ended.
+fn trickle_all(admin: SocketAddr, server: SocketAddr) -> Result<(Vec<Cut>, Vec<Cut>)> {
     let every = Duration::from_millis(250);
-    // Heads one byte every 250 ms (never ending: a header value that keeps growing), and
-    // complete heads whose 1,000-byte body comes one byte every 250 ms.
     let head = move || {
         trickle(
             admin,
@@ -132,74 +152,51 @@ fn slow_heads_and_bodies_are_cut_off_while_the_probes_answer() -> Result<()> {
         "PUT /balancers/default/servers HTTP/1.1\r\nHost: lb\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"servers\": [\"{server}\"]"
     );
     let body = move || trickle(admin, body_head.as_bytes(), b' ', every);
-    let done = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..SLOW_CLIENTS * 2)
-        .map(|i| {
-            let body = body.clone();
-            std::thread::spawn(move || if i % 2 == 0 { head() } else { body() })
-        })
+    let heads: Vec<_> = (0..SLOW_CLIENTS)
+        .map(|_| std::thread::spawn(head))
         .collect();
+    let bodies: Vec<_> = (0..SLOW_CLIENTS)
+        .map(|_| std::thread::spawn(body.clone()))
+        .collect();
+    let join = |v: Vec<std::thread::JoinHandle<Result<Cut>>>| -> Result<Vec<Cut>> {
+        v.into_iter()
+            .map(|t| t.join().map_err(|_| anyhow::anyhow!("client panicked"))?)
+            .collect()
+    };
+    Ok((join(heads)?, join(bodies)?))
+}
+
+#[test]
+fn slow_heads_and_bodies_are_cut_off_while_the_probes_answer() -> Result<()> {
+    if skip_unless_root() {
+        return Ok(());
+    }
+    let _g = serial();
+    let (h, lb) = start()?;
+    let (server, admin) = (h.addr(9000), lb.admin);
+    let done = Arc::new(AtomicBool::new(false));
     let prober = {
         let done = done.clone();
         std::thread::spawn(move || probe_until(admin, &done))
     };
-    let mut cuts = Vec::new();
-    for c in clients {
-        cuts.push(c.join().map_err(|_| anyhow::anyhow!("client panicked"))??);
-    }
+    let cuts = trickle_all(admin, server);
     done.store(true, Ordering::Relaxed);
     let (probes, slowest) = prober
         .join()
         .map_err(|_| anyhow::anyhow!("prober panicked"))??;
-    let (heads, bodies): (Vec<_>, Vec<_>) = cuts.iter().enumerate().partition(|(i, _)| i % 2 == 0);
-    let longest = |v: &[(usize, &Cut)]| v.iter().map(|(_, c)| c.after).max().unwrap_or_default();
-    let shortest = |v: &[(usize, &Cut)]| v.iter().map(|(_, c)| c.after).min().unwrap_or_default();
+    let (heads, bodies) = cuts?;
+    // hyper closes a connection whose head is late without an answer.
+    let (h0, h1) = check_cuts("head", &heads, HEADER_READ_TIMEOUT, str::is_empty)?;
+    let timed_out = format!("{{\"error\":\"request timed out after {REQUEST_TIMEOUT:?}\"}}");
+    let (b0, b1) = check_cuts("body", &bodies, REQUEST_TIMEOUT, |a| {
+        a.starts_with("HTTP/1.1 503 ") && a.contains(&timed_out)
+    })?;
     println!(
-        "{SLOW_CLIENTS} trickled heads cut after {:?}..{:?} (head timeout {HEADER_READ_TIMEOUT:?}); \
-         {SLOW_CLIENTS} trickled bodies answered and closed after {:?}..{:?} (request timeout \
-         {REQUEST_TIMEOUT:?}); {probes} probes answered 200 meanwhile, the slowest in {slowest:?}",
-        shortest(&heads),
-        longest(&heads),
-        shortest(&bodies),
-        longest(&bodies)
+        "{SLOW_CLIENTS} trickled heads cut after {h0:?}..{h1:?} (head timeout \
+         {HEADER_READ_TIMEOUT:?}); {SLOW_CLIENTS} trickled bodies answered 503 and closed after \
+         {b0:?}..{b1:?} (request timeout {REQUEST_TIMEOUT:?}); {probes} probes answered 200 \
+         meanwhile, the slowest in {slowest:?}"
     );
-    for (_, c) in &heads {
-        // hyper closes a connection whose head is late without an answer.
-        ensure!(c.answer.is_empty(), "a late head got {:?}", c.answer);
-        ensure!(
-            c.after >= HEADER_READ_TIMEOUT - Duration::from_millis(300),
-            "a trickled head was cut after {:?}, before the head timeout",
-            c.after
-        );
-    }
-    for (_, c) in &bodies {
-        ensure!(
-            c.answer.starts_with("HTTP/1.1 503 ")
-                && c.answer.contains(&format!(
-                    "{{\"error\":\"request timed out after {REQUEST_TIMEOUT:?}\"}}"
-                )),
-            "a trickled body got {:?}",
-            c.answer
-        );
-        ensure!(
-            c.after >= REQUEST_TIMEOUT - Duration::from_millis(300),
-            "a trickled body was answered after {:?}",
-            c.after
-        );
-    }
-    if timed() {
-        let bound = Duration::from_secs(3);
-        ensure!(
-            longest(&heads) < HEADER_READ_TIMEOUT + bound,
-            "a trickled head lasted {:?}",
-            longest(&heads)
-        );
-        ensure!(
-            longest(&bodies) < REQUEST_TIMEOUT + bound,
-            "a trickled body lasted {:?}",
-            longest(&bodies)
-        );
-    }
     ensure!(probes >= 10, "only {probes} probes ran");
     ensure!(
         lb.servers("default")? == vec![server.to_string()],
