@@ -188,6 +188,25 @@ impl Host {
         Ok(())
     }
 
+    /// A TCP listener on `port` of this host, bound inside its namespace by a thread that
+    /// enters the namespace for the bind alone (a namespace is per thread; the socket stays in
+    /// it), for a server a test writes itself with std sockets.
+    ///
+    /// # Errors
+    /// The namespace cannot be entered or the port not bound.
+    pub fn listen(&self, port: u16) -> Result<std::net::TcpListener> {
+        let (ns, addr) = (self.ns.clone(), self.addr(port));
+        std::thread::spawn(move || -> Result<std::net::TcpListener> {
+            let f = std::fs::File::open(format!("/run/netns/{ns}"))
+                .with_context(|| format!("opening /run/netns/{ns}"))?;
+            nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering network namespace {ns}"))?;
+            std::net::TcpListener::bind(addr).with_context(|| format!("binding {addr} in {ns}"))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread binding {addr} panicked"))?
+    }
+
     /// Kill every server on this host (new connections are refused with RST).
     pub fn stop_servers(&mut self) {
         for mut c in self.servers.drain(..) {

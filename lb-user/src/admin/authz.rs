@@ -1,10 +1,12 @@
 //! Who may do what on the admin API.
 //!
-//! - `/livez` and `/readyz` are open to everyone who reaches the address.
-//! - Reading endpoints (`GET /status`, `/metrics`, `/check`) are open too, unless
-//!   `[admin] token_file` is set: then they want `Authorization: Bearer TOKEN`.
-//! - Changing endpoints (every other method: server sets, drain, kill, upgrade) are taken from
-//!   root or lb's own user, or with the token. The caller's user is the peer's credentials on
+//! Each endpoint's rule is in the table of [`super::routes`]:
+//!
+//! - [`Rule::Open`] (`/livez`, `/readyz`): everyone who reaches the address.
+//! - [`Rule::Read`] (`GET /status`, `/metrics`, `/check`): open too, unless `[admin] token_file`
+//!   is set: then they want `Authorization: Bearer TOKEN`.
+//! - [`Rule::Change`] (server sets, drain, kill, upgrade): taken from root or lb's own user, or
+//!   with the token. The caller's user is the peer's credentials on
 //!   the unix socket (`SO_PEERCRED`) and, for a loopback TCP peer, the owner of the peer's own
 //!   socket, looked up through sock_diag ([`crate::sock_diag::tcp_socket_owner`]). A peer on
 //!   another host has no user here: only the token lets it change anything.
@@ -13,13 +15,22 @@ use std::{net::SocketAddr, path::Path, sync::Arc};
 
 use axum::{
     extract::{Request, State},
-    http::{HeaderValue, Method, StatusCode, header},
+    http::{HeaderValue, StatusCode, header},
     middleware::Next,
     response::{IntoResponse as _, Response},
 };
 use tracing::{error, warn};
 
-use super::{AdminState, ApiError};
+use super::{AdminState, ApiError, routes::Rule};
+
+/// What the authorization layer of one endpoint holds: the admin state and the endpoint's rule.
+#[derive(Clone)]
+pub(super) struct Guard {
+    /// The admin state (token file, daemon).
+    pub(super) state: Arc<AdminState>,
+    /// The endpoint's rule.
+    pub(super) rule: Rule,
+}
 
 /// Where a request came from, attached to each connection's requests.
 #[derive(Clone, Copy, Debug)]
@@ -69,11 +80,6 @@ fn may_change(uid: Option<u32>) -> bool {
     uid.is_some_and(|u| u == 0 || u == own)
 }
 
-/// Whether `method` reads (and changes nothing).
-fn reads(method: &Method) -> bool {
-    method == Method::GET || method == Method::HEAD
-}
-
 /// Compare without an early exit on the first differing byte.
 pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
@@ -106,12 +112,16 @@ fn unauthorized() -> Response {
     resp
 }
 
-/// The rule of the module doc, as a route layer over every endpoint but the probes.
+/// The rule of the module doc, as a route layer over each endpoint whose rule is not
+/// [`Rule::Open`].
 pub(super) async fn authorize(
-    State(s): State<Arc<AdminState>>,
+    State(Guard { state: s, rule }): State<Guard>,
     req: Request,
     next: Next,
 ) -> Response {
+    if rule == Rule::Open {
+        return next.run(req).await;
+    }
     let token_file = s.daemon.config().admin.token_file.clone();
     let token_ok = match &token_file {
         Some(path) => match token_valid(&s, &req, path) {
@@ -130,7 +140,7 @@ pub(super) async fn authorize(
     if token_ok {
         return next.run(req).await;
     }
-    if reads(req.method()) {
+    if rule == Rule::Read {
         return if token_file.is_some() {
             unauthorized()
         } else {
@@ -182,13 +192,5 @@ mod tests {
             0
         };
         assert_eq!(may_change(Some(other)), other == 0);
-    }
-
-    #[test]
-    fn get_and_head_read_everything_else_changes() {
-        assert!(reads(&Method::GET) && reads(&Method::HEAD));
-        for m in [Method::POST, Method::PUT, Method::DELETE, Method::PATCH] {
-            assert!(!reads(&m), "{m}");
-        }
     }
 }

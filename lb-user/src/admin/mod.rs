@@ -14,8 +14,10 @@ mod authz;
 mod check;
 pub mod client;
 mod probes;
+mod routes;
 mod scrape;
 mod servers;
+mod slots;
 
 use std::{
     net::SocketAddr,
@@ -29,9 +31,8 @@ use axum::{
     Json, Router,
     extract::{DefaultBodyLimit, Request, State},
     http::{StatusCode, header},
-    middleware::{self, Next},
+    middleware::Next,
     response::{IntoResponse, Response},
-    routing::{delete, get, post, put},
 };
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
@@ -42,6 +43,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, error, info, warn};
 
 pub use api::{BalancerStatus, ConnectTableStatus, StatusBody};
+pub use routes::{ENDPOINTS, Endpoint, Rule, SERVER_ACTIONS, Verb};
 
 use crate::daemon::Handle;
 
@@ -55,8 +57,14 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on one admin connection's life, keep-alive included.
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
-/// Admin connections served at once; more are closed at accept.
+/// Admin connections served at once. At the limit the oldest idle one is closed for a new one;
+/// when every one is handling a request, the new one is closed at accept ([`slots`]).
 pub const MAX_CONNECTIONS: usize = 256;
+/// Listen backlog of the admin and metrics listeners (the kernel caps it at
+/// `net.core.somaxconn`): a burst of connections waits there for accept instead of overflowing
+/// the queue, which drops new SYNs, a probe's among them (its retry comes a second later, past
+/// the kubelet's default probe timeout).
+const BACKLOG: i32 = 4096;
 /// Largest buffered request head (bytes).
 const MAX_HEAD_BYTES: usize = 16 * 1024;
 
@@ -194,47 +202,7 @@ impl IntoResponse for ApiError {
 }
 
 fn router(state: Arc<AdminState>) -> Router {
-    let probes = Router::new()
-        .route("/livez", get(probes::livez))
-        .route("/readyz", get(probes::readyz));
-    let check = Router::new()
-        .route("/check", get(check::handler))
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(check::MAX_TIMEOUT + Duration::from_secs(5), req, next)
-        }));
-    let api = Router::new()
-        .route("/status", get(status_handler))
-        .route("/metrics", get(metrics))
-        .route(
-            "/balancers/{name}/servers",
-            put(servers::set).post(servers::add),
-        )
-        .route("/balancers/{name}/servers/{addr}", delete(servers::remove))
-        .route(
-            "/balancers/{name}/servers/{addr}/{action}",
-            post(servers::action),
-        )
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(REQUEST_TIMEOUT, req, next)
-        }));
-    let upgrade = Router::new()
-        .route("/upgrade", post(upgrade_handler))
-        .layer(middleware::from_fn(|req: Request, next: Next| {
-            bounded(
-                crate::daemon::upgrade::STEP_TIMEOUT * 3 + Duration::from_secs(10),
-                req,
-                next,
-            )
-        }));
-    let protected = check
-        .merge(api)
-        .merge(upgrade)
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            authz::authorize,
-        ));
-    probes
-        .merge(protected)
+    routes::routes(&state)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -377,23 +345,26 @@ impl Listener {
     }
 }
 
-/// Serve one connection: HTTP/1.1, head read bounded, closed at shutdown or after
-/// [`CONNECTION_LIFETIME`]. A client that goes away mid-request drops the handler's future.
+/// Serve one connection: HTTP/1.1, head read bounded, closed at shutdown, after
+/// [`CONNECTION_LIFETIME`], or when an idle one makes room for a newer one ([`slots`]). A
+/// client that goes away mid-request drops the handler's future.
 async fn serve_connection(
     io: Box<dyn Io>,
     peer: authz::Peer,
     app: Router,
     shutdown: CancellationToken,
+    slot: slots::Slot,
 ) {
     let app = app.layer(axum::Extension(peer));
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_buf_size(MAX_HEAD_BYTES)
-        .serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+        .serve_connection(TokioIo::new(io), slot.track(TowerToHyperService::new(app)));
     tokio::pin!(conn);
     let result = tokio::select! {
         r = conn.as_mut() => r,
+        () = slot.replaced() => Ok(()),
         () = shutdown.cancelled() => {
             conn.as_mut().graceful_shutdown();
             tokio::time::timeout(Duration::from_secs(1), conn.as_mut()).await.unwrap_or(Ok(()))
@@ -408,15 +379,48 @@ async fn serve_connection(
     }
 }
 
+/// Logs that the connection limit was reached at most once a second, with how many
+/// connections were closed for it since the last line.
+#[derive(Debug, Default)]
+struct LimitLog {
+    last: Option<std::time::Instant>,
+    replaced: u64,
+    refused: u64,
+}
+
+impl LimitLog {
+    fn note(&mut self, admission: &slots::Admission) {
+        match admission {
+            slots::Admission::Admitted(_) => return,
+            slots::Admission::Replaced(_) => self.replaced += 1,
+            slots::Admission::Full => self.refused += 1,
+        }
+        if self
+            .last
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            warn!(
+                limit = MAX_CONNECTIONS,
+                idle_closed = self.replaced,
+                refused = self.refused,
+                "admin connections at the limit: idle ones closed for new ones, new ones refused while every one is handling a request (logged at most once a second)"
+            );
+            self.last = Some(std::time::Instant::now());
+            (self.replaced, self.refused) = (0, 0);
+        }
+    }
+}
+
 async fn accept_loop(
     listener: Listener,
     app: Router,
     shutdown: CancellationToken,
     conns: TaskTracker,
-    limit: Arc<tokio::sync::Semaphore>,
+    slots: Arc<slots::Slots>,
     mut gate: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut failed_logged: Option<std::time::Instant> = None;
+    let mut at_limit = LimitLog::default();
     loop {
         // Closed during a hand-over: connections wait in the backlog for whichever process
         // serves on.
@@ -443,22 +447,35 @@ async fn accept_loop(
                 }
             },
         };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            warn!(
-                limit = MAX_CONNECTIONS,
-                "too many admin connections; closing a new one"
-            );
-            continue;
+        let admission = slots.admit();
+        at_limit.note(&admission);
+        let (slot, replaced) = match admission {
+            slots::Admission::Admitted(slot) => (slot, false),
+            slots::Admission::Replaced(slot) => (slot, true),
+            slots::Admission::Full => continue,
         };
         let (app, shutdown) = (app.clone(), shutdown.clone());
-        conns.spawn(async move {
-            serve_connection(io, peer, app, shutdown).await;
-            drop(permit);
-        });
+        conns.spawn(serve_connection(io, peer, app, shutdown, slot));
+        if replaced {
+            // Let the replaced connection's task close its socket before the next accept, so
+            // descriptors stay within the limit during a flood.
+            tokio::task::yield_now().await;
+        }
     }
     if let Listener::Unix(_, path) = &listener {
         let _ = std::fs::remove_file(path);
     }
+}
+
+/// Bind the admin TCP listener as `std::net::TcpListener::bind` would (`SO_REUSEADDR`), with
+/// [`BACKLOG`] instead of std's 128.
+fn bind_tcp(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.bind(&addr.into())?;
+    s.listen(BACKLOG)?;
+    Ok(s.into())
 }
 
 /// Bind a unix socket at `path` with mode 0600, replacing a stale socket (never another kind of
@@ -507,7 +524,7 @@ pub async fn start(daemon: Handle) -> Result<(), AdminError> {
     let tcp_key = crate::handover::ListenerKey::AdminTcp(cfg.listen);
     let tcp = match crate::handover::take_inherited(&tcp_key) {
         Some(fd) => std::net::TcpListener::from(fd),
-        None => std::net::TcpListener::bind(cfg.listen).map_err(|source| AdminError::Bind {
+        None => bind_tcp(cfg.listen).map_err(|source| AdminError::Bind {
             addr: cfg.listen,
             source,
         })?,
@@ -582,7 +599,7 @@ async fn serve(
     let app = router(state.clone());
     let shutdown = daemon.shutdown_token();
     let conns = TaskTracker::new();
-    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = slots::Slots::new(MAX_CONNECTIONS);
     let mut loops = Vec::new();
     match tokio::net::TcpListener::from_std(tcp) {
         Ok(l) => loops.push(tokio::spawn(accept_loop(
@@ -590,7 +607,7 @@ async fn serve(
             app.clone(),
             shutdown.clone(),
             conns.clone(),
-            limit.clone(),
+            slots.clone(),
             daemon.admin_gate(),
         ))),
         Err(e) => error!(error = %e, "admin listener"),
@@ -602,7 +619,7 @@ async fn serve(
                 app.clone(),
                 shutdown.clone(),
                 conns.clone(),
-                limit.clone(),
+                slots.clone(),
                 daemon.admin_gate(),
             ))),
             Err(e) => error!(error = %e, "admin unix listener"),

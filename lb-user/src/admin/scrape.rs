@@ -4,7 +4,7 @@
 //! [`super::HEADER_READ_TIMEOUT`], each request within [`super::REQUEST_TIMEOUT`], at most
 //! [`super::MAX_CONNECTIONS`] connections, each for at most [`super::CONNECTION_LIFETIME`].
 
-use std::{net::SocketAddr, sync::Arc};
+use std::net::SocketAddr;
 
 use axum::{
     Router,
@@ -42,7 +42,7 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
         s.set_only_v6(true)?;
     }
     s.bind(&addr.into())?;
-    s.listen(128)?;
+    s.listen(super::BACKLOG)?;
     s.set_nonblocking(true)?;
     Ok(s.into())
 }
@@ -61,14 +61,14 @@ pub(super) fn spawn(
         }))
         .fallback(not_found)
         .with_state(daemon.clone());
-    let limit = Arc::new(tokio::sync::Semaphore::new(super::MAX_CONNECTIONS));
+    let slots = super::slots::Slots::new(super::MAX_CONNECTIONS);
     match tokio::net::TcpListener::from_std(tcp) {
         Ok(l) => Some(tokio::spawn(accept_loop(
             Listener::Tcp(l),
             app,
             shutdown,
             conns,
-            limit,
+            slots,
             daemon.admin_gate(),
         ))),
         Err(e) => {

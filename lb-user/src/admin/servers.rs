@@ -10,7 +10,10 @@ use std::sync::Arc;
 use axum::{
     Json,
     body::Bytes,
-    extract::{Path, State, rejection::PathRejection},
+    extract::{
+        Path, State,
+        rejection::{BytesRejection, PathRejection},
+    },
     http::StatusCode,
 };
 use serde::de::DeserializeOwned;
@@ -24,11 +27,32 @@ use crate::{
     balancer::{Balancer, Hold, KillReason},
 };
 
-fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+/// The actions of `POST /balancers/NAME/servers/ADDR/ACTION`.
+pub(super) const ACTIONS: [&str; 4] = ["drain", "disable", "enable", "kill"];
+
+/// The body as JSON of `T`. A body over [`super::MAX_BODY_BYTES`] is 413 naming the limit (as
+/// JSON, like every other error, rather than axum's plain text).
+fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                e.status(),
+                format!(
+                    "the request body is larger than {} bytes",
+                    super::MAX_BODY_BYTES
+                ),
+            )
+        } else {
+            ApiError::new(
+                e.status(),
+                format!("cannot read the request body: {}", e.body_text()),
+            )
+        }
+    })?;
     if body.is_empty() {
         return Err(ApiError::bad_request("a JSON body is required"));
     }
-    serde_json::from_slice(body)
+    serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
@@ -87,12 +111,12 @@ fn path_error(e: PathRejection) -> ApiError {
 pub(super) async fn set(
     State(s): State<Arc<AdminState>>,
     name: Result<Path<String>, PathRejection>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<ServersResponse>, ApiError> {
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     owned_by_discovery(&b)?;
-    let req: SetServersRequest = parse_body(&body)?;
+    let req: SetServersRequest = parse_body(body)?;
     let servers = addr::parse_all(&req.servers).map_err(set_error)?;
     let default = req
         .default
@@ -114,12 +138,12 @@ pub(super) async fn set(
 pub(super) async fn add(
     State(s): State<Arc<AdminState>>,
     name: Result<Path<String>, PathRejection>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<ServersResponse>, ApiError> {
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     owned_by_discovery(&b)?;
-    let req: AddServerRequest = parse_body(&body)?;
+    let req: AddServerRequest = parse_body(body)?;
     let server = addr::parse_one(&req.server).map_err(set_error)?;
     let changed = off_thread(&b, move |b| b.add_server(&server))
         .await?
@@ -164,7 +188,8 @@ pub(super) async fn action(
         "kill" => b.kill_server(&addr, KillReason::Admin),
         other => {
             return Err(ApiError::not_found(format!(
-                "no action {other:?}: use drain, disable, enable or kill"
+                "no action {other:?}: use one of {}",
+                ACTIONS.join(", ")
             )));
         }
     }

@@ -29,6 +29,8 @@ use clap::{Parser, Subcommand};
 
 #[path = "lbt/edge.rs"]
 mod edge;
+#[path = "lbt/http_client.rs"]
+mod http_client;
 #[path = "lbt/tls_supervisor.rs"]
 mod tls_supervisor;
 use lb_tests::{Digest, PatternStream};
@@ -174,6 +176,9 @@ enum Action {
     /// Clients at the splice's edges (tuple reuse, kTLS, partial sends): see `lbt/edge.rs`.
     #[command(flatten)]
     Edge(edge::EdgeAction),
+    /// One HTTP request (to lb's admin API): see `lbt/http_client.rs`.
+    #[command(flatten)]
+    Http(http_client::HttpAction),
     /// Open `conns` idle connections (each learns the server's name), print a `ready` event,
     /// then wait until every one is closed or reset and print `all_closed` (or `timeout` after
     /// `max_ms`); each time some end, a `closed` event says how many are still open. Raises its
@@ -648,6 +653,7 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
         Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
         Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
         Action::Edge(edge) => edge::run(addr, edge),
+        Action::Http(http) => http_client::run(addr, http),
         Action::Peer => {
             let mut s = connect(addr)?;
             let local = s.local_addr()?;
