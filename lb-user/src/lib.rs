@@ -1,7 +1,8 @@
 //! lb: a client-side TCP load balancer whose kernel programs splice client sockets to server
 //! sockets. The binary (`main.rs`) parses the command line and calls into these modules.
 //!
-//! Minimum kernel for the `bpf` data path: 5.15; the userspace path runs anywhere Linux runs.
+//! Minimum kernel for the `bpf` data path: 5.8 for connect-time, 5.15 for the splice; the
+//! userspace path runs anywhere Linux runs.
 
 // Every `unsafe` block carries an `#[expect(unsafe_code, reason = ...)]` and a `// SAFETY:`
 // comment; a new one without them does not compile (clippy).

@@ -5,10 +5,12 @@
 //! server), [`passive`] (connect-time sockets' failures as passive health), [`btf`] (kernel
 //! struct offsets), [`kernel_log`] (the programs' aya-log events
 //! in lb's log, target `lb::kernel`), [`attach`] (the connect-time programs' links),
-//! [`tables`] (the slot a connect-time table is written into, and when) and [`rings`] (the
-//! ring reader threads).
+//! [`tables`] (the slot a connect-time table is written into, and when), [`rings`] (the
+//! ring reader threads), [`load`] (loading and attaching, each forwarding mode on its own) and
+//! [`netns_probe`] (lb's namespace cookie before 5.14).
 //!
-//! Minimum kernel: 5.15 (`bpf_get_netns_cookie` in sockops and sk_msg). The splice's programs
+//! Minimum kernel: 5.8 for connect-time (the getpeername hooks), 5.15 for the splice
+//! (`bpf_get_netns_cookie` in sockops and sk_msg); either runs without the other. The splice's programs
 //! and links are held by this process only, so they are detached when lb exits, however it
 //! exits; the connect-time ones are pinned when a bpffs is mounted ([`pins`], [`heartbeat`]) and
 //! serve on until lb's heartbeat is older than `datapath.orphan_timeout`.
