@@ -12,14 +12,40 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{cmd::lb_bin, http::http_get};
 
-/// A free TCP port on 127.0.0.1 (bound and released).
+/// A TCP port no socket of this network namespace uses: one the kernel gives a wildcard bind
+/// (`0.0.0.0:0`) without `SO_REUSEADDR`, which conflicts with every socket on the port (also the
+/// client sockets the kernel still holds after their process closed them, in `FIN_WAIT2` or
+/// `TIME_WAIT`, which a `127.0.0.1:0` bind with `SO_REUSEADDR` may hand out again), and that
+/// `[::]` can take too (IPv6 only); bound and released. Tries at most 20 ports.
 ///
 /// # Errors
-/// Bind failure.
+/// No such port in 20 tries, or a bind failing for another reason.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    use socket2::{Domain, Socket, Type};
+    let bind = |domain: Domain, addr: SocketAddr, v6_only: bool| -> std::io::Result<Socket> {
+        let s = Socket::new(domain, Type::STREAM, None)?;
+        if v6_only {
+            s.set_only_v6(true)?;
+        }
+        s.bind(&addr.into())?;
+        Ok(s)
+    };
+    for _ in 0..20 {
+        let v4 = bind(Domain::IPV4, "0.0.0.0:0".parse()?, false)?;
+        let port = v4
+            .local_addr()?
+            .as_socket()
+            .map(|a| a.port())
+            .ok_or_else(|| anyhow::anyhow!("no port"))?;
+        let v6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+        match bind(Domain::IPV6, v6, true) {
+            Ok(_) => return Ok(port),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {}
+            // No IPv6 on this host: the IPv4 port is what the tests use.
+            Err(_) => return Ok(port),
+        }
+    }
+    bail!("no TCP port free on both 0.0.0.0 and [::] in 20 tries")
 }
 
 /// A running `lb run`, killed (SIGTERM, then SIGKILL) on drop. Where a bpffs is mounted, each
