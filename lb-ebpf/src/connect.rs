@@ -219,10 +219,14 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
 /// the connect alone (it is refused: nothing listens there). Returns whether it was the probe.
 #[inline(always)]
 fn netns_probe(ctx: &SockAddrContext, ip_be: u32, port: u32) -> bool {
+    // The address first: most connects end here without a map lookup.
+    if ip_be != u32::from_ne_bytes([127, 0, 0, 1]) {
+        return false;
+    }
     let Some(&probe) = LB_CONNECT_NETNS_PROBE.get(PROBE_PORT) else {
         return false;
     };
-    if probe == 0 || u64::from(port) != probe || ip_be != u32::from_ne_bytes([127, 0, 0, 1]) {
+    if probe == 0 || u64::from(port) != probe {
         return false;
     }
     // SAFETY: the program's own context.

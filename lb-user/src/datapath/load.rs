@@ -22,21 +22,6 @@ use super::{
     netns_probe, probe,
 };
 
-/// What the splice needs and this kernel lacks, `None` when it has it all: the program and map
-/// types and helpers ([`probe::probe_splice`]) and lb's network namespace cookie, which the
-/// sockops program compares (`SO_NETNS_COOKIE`, 5.14).
-fn splice_missing(own_netns: &Result<u64, DatapathError>) -> Option<DatapathError> {
-    if let Err(e) = probe::probe_splice() {
-        return Some(e);
-    }
-    match own_netns {
-        Err(DatapathError::NetnsCookie(e)) => Some(DatapathError::NetnsCookie(
-            std::io::Error::new(e.kind(), e.to_string()),
-        )),
-        _ => None,
-    }
-}
-
 /// Load the object with the globals lb sets from the kernel and its config.
 fn load_object(
     cfg: &crate::config::DatapathConfig,
@@ -110,15 +95,15 @@ fn attach_splice(
 /// through the connect program when it is attached. An error there turns connect-time off
 /// (`connect_missing`), as a refused hook does.
 fn own_netns_or_learn(
-    own: Result<u64, DatapathError>,
+    own: Option<u64>,
     maps: &maps::Maps,
     cgroup: &std::path::Path,
     connect_missing: &mut Option<String>,
 ) -> u64 {
     match own {
-        Ok(cookie) => cookie,
-        Err(_) if connect_missing.is_some() => 0,
-        Err(_) => match netns_probe::learn(&maps.connect, cgroup) {
+        Some(cookie) => cookie,
+        None if connect_missing.is_some() => 0,
+        None => match netns_probe::learn(&maps.connect, cgroup) {
             Ok(cookie) => {
                 info!(
                     cookie,
@@ -158,9 +143,11 @@ impl Datapath {
         probe::privileges()?;
         probe::lift_memlock();
         let own_netns = probe::own_netns_cookie();
+        let own_cookie = own_netns.as_ref().ok().copied();
         let (cgroup, cgroup_file) = probe::open_cgroup(cfg.cgroup.as_deref())?;
         probe::probe_maps()?;
-        let splice_missing = splice_missing(&own_netns);
+        // What the splice lacks: a program/map type or helper, else lb's netns cookie (5.14).
+        let splice_missing = probe::probe_splice().err().or(own_netns.err());
         if !want_connect && let Some(e) = splice_missing {
             return Err(e);
         }
@@ -169,14 +156,7 @@ impl Datapath {
         } else {
             None
         };
-        let sk_err = if want_connect {
-            probe::probe_sk_err().unwrap_or_else(|why| {
-                warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
-                0
-            })
-        } else {
-            0
-        };
+        let sk_err = if want_connect { sk_err_offset() } else { 0 };
         let log_level = kernel_log::level();
         let mut ebpf = load_object(cfg, offsets, sk_err, log_level, pins.as_ref())?;
         let (mut maps, ring, mut events) = maps::Maps::take(&mut ebpf)?;
@@ -207,7 +187,7 @@ impl Datapath {
         } else {
             Some(DatapathError::NotRequested.to_string())
         };
-        let own_netns = own_netns_or_learn(own_netns, &maps, &cgroup, &mut connect_missing);
+        let own_netns = own_netns_or_learn(own_cookie, &maps, &cgroup, &mut connect_missing);
         if let (Some(splice), Some(connect)) = (&splice_missing, &connect_missing) {
             return Err(DatapathError::NothingToRun {
                 splice: crate::errors::chain(splice).replace('\n', ": "),
@@ -239,6 +219,15 @@ impl Datapath {
             pins,
         })
     }
+}
+
+/// The offset of `sk_err` connect-time's sockops program reads a failed connect's error at; 0,
+/// with a warning naming why, when the kernel does not allow the read.
+fn sk_err_offset() -> u32 {
+    probe::probe_sk_err().unwrap_or_else(|why| {
+        warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
+        0
+    })
 }
 
 /// Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back so a
