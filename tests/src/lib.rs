@@ -14,6 +14,7 @@ mod connect;
 mod deploy;
 mod dns;
 mod etcd;
+mod fallback;
 mod fixture;
 mod fleet;
 mod host;
@@ -41,6 +42,7 @@ pub use etcd::{
     ETCD_CLIENT_PORT, ETCD_PEER_PORT, EtcdCluster, EtcdMember, EtcdWatch, MemberInfo,
     SUPERVISOR_PORT, WatchEvent, etcdctl, etcdctl_output,
 };
+pub use fallback::{NO_SPLICE_REASON, splice_fallback_asserted};
 pub use fixture::{Fixture, Toml};
 pub use fleet::{LAYOUT_SERVERS, Layout, Supervisor, TestPki, https_ping, layout, layout_from};
 pub use host::{ClientNs, Host, serving_hosts, toml_addrs};

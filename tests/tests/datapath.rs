@@ -75,7 +75,7 @@ fn bulk_256mib_each_way_userspace() -> Result<()> {
 
 #[test]
 fn bulk_256mib_each_way_bpf() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     bulk_both_directions("bpf")
@@ -91,7 +91,7 @@ fn early_sends_in_order(mode: &str) -> Result<()> {
 
 #[test]
 fn early_sends_in_order_bpf() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     early_sends_in_order("bpf")
@@ -113,7 +113,7 @@ fn concurrent_1000(mode: &str) -> Result<()> {
 
 #[test]
 fn concurrent_1000_bpf() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     concurrent_1000("bpf")
@@ -140,7 +140,7 @@ fn server_reset_reaches_client(mode: &str) -> Result<()> {
 
 #[test]
 fn server_reset_reaches_client_bpf() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     server_reset_reaches_client("bpf")
@@ -166,7 +166,7 @@ fn dead_servers_skipped(mode: &str) -> Result<()> {
 
 #[test]
 fn refused_and_blackholed_servers_skipped_bpf() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     dead_servers_skipped("bpf")
@@ -182,7 +182,7 @@ fn refused_and_blackholed_servers_skipped_userspace() -> Result<()> {
 
 #[test]
 fn no_server_answers_closes_client() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup("bpf", 1, &[])?;
@@ -199,7 +199,7 @@ fn no_server_answers_closes_client() -> Result<()> {
 
 #[test]
 fn bpf_detaches_on_sigterm() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup("bpf", 1, &[])?;

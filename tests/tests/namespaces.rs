@@ -12,14 +12,10 @@ use std::{net::SocketAddr, time::Duration};
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     Holder, Host, Lb, Place, TempDir, TestCgroup, Toml, UpLb, free_port, run_client,
-    skip_unless_kernel, skip_unless_root,
+    skip_unless_root,
 };
 
 const T: Duration = Duration::from_secs(60);
-
-fn skip() -> bool {
-    skip_unless_root() || skip_unless_kernel((5, 15), "the kernel data path")
-}
 
 /// The pod (`host`'s namespace, serving `s0` on its veth address and `pod` on its own
 /// `127.0.0.1:P`), the cgroup, and the configs of an lb listening on `127.0.0.1:P` in front of
@@ -120,7 +116,7 @@ fn skipped(lb: &Lb, program: &str) -> f64 {
 
 #[test]
 fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
-    if skip() {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Pod::new()?;
@@ -164,7 +160,7 @@ fn connect_time_leaves_a_pod_to_its_own_server() -> Result<()> {
 
 #[test]
 fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
-    if skip() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let s = Pod::new()?;
@@ -211,7 +207,7 @@ fn splice_leaves_a_pod_socket_unregistered() -> Result<()> {
 
 #[test]
 fn an_upgrade_keeps_the_scope_or_applies_a_new_one() -> Result<()> {
-    if skip() {
+    if skip_unless_root() {
         return Ok(());
     }
     let s = Pod::new()?;

@@ -113,7 +113,7 @@ fn wait_accepted(lb: &UpLb, n: f64) -> Result<()> {
 /// on from where they were.
 #[test]
 fn upgrade_keeps_every_connection() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup(&[], &[])?;
@@ -235,7 +235,7 @@ fn upgrade_keeps_every_connection() -> Result<()> {
 /// or reset connection across two upgrades.
 #[test]
 fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup(&[], &[])?;
@@ -273,7 +273,7 @@ fn upgrade_connect_loop_sees_no_refusal() -> Result<()> {
 /// then takes over.
 #[test]
 fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup(&[], &[])?;
@@ -320,7 +320,7 @@ fn upgrade_failed_takeover_keeps_the_old_lb() -> Result<()> {
 /// new process does, and the old lb serves on.
 #[test]
 fn upgrade_second_request_is_refused_while_one_runs() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup(&[], &[])?;
@@ -453,7 +453,7 @@ fn upgrade_signals_while_starting_do_not_end_lb() -> Result<()> {
 /// serves them again, every byte of a bulk transfer each way and of a stalled upload arrives.
 #[test]
 fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let mut s = setup(&[], &[("LB_UPGRADE_FAULT", "before_done")])?;
@@ -507,7 +507,7 @@ fn upgrade_takeover_dying_midway_gives_everything_back() -> Result<()> {
 /// address and the process that has it; the running lb is untouched.
 #[test]
 fn upgrade_second_lb_run_exits_2() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let s = setup(&[], &[])?;
@@ -665,7 +665,7 @@ fn upgrade_keeps_connect_time_forwarding() -> Result<()> {
 /// and the running lb serves on.
 #[test]
 fn upgrade_back_to_back_admin_follows_and_forwarding_is_kept() -> Result<()> {
-    if skip_unless_root() {
+    if skip_unless_root() || lb_tests::splice_fallback_asserted()? {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
