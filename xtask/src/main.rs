@@ -48,8 +48,11 @@ enum Cmd {
         quick: bool,
         /// Run one scenario only (its table goes to bench/results/raw/<name>/, never latest):
         /// `upgrade` (8), `crash` (9, kill -9 and restart), `kill` (5 and 7, idle connections
-        /// and their kill) or `bulk` (1 and 4, with 15 runs per contender instead of 5).
-        #[arg(long, value_parser = ["upgrade", "crash", "kill", "bulk"])]
+        /// and their kill), `bulk` (1 and 4, with 15 runs per contender instead of 5) or `soak`
+        /// (the churn soak, about 10 minutes: lb alone, its memory, descriptors, tasks and map
+        /// entries back at their baseline after a million short connections and thousands of
+        /// long streams while the server set changes every second).
+        #[arg(long, value_parser = ["upgrade", "crash", "kill", "bulk", "soak"])]
         only: Option<String>,
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.

@@ -86,6 +86,11 @@ pub struct Metrics {
     pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
     /// `lb_inflight_checks`.
     pub inflight_checks: Gauge,
+    /// `lb_runtime_alive_tasks`: tasks alive in lb's runtime, read at each scrape.
+    pub runtime_tasks: Gauge,
+    /// The runtime [`Metrics::with_compat`] was called on (the daemon's), whose tasks
+    /// `lb_runtime_alive_tasks` counts; `None` outside a runtime.
+    runtime: Option<tokio::runtime::Handle>,
     /// `lb_connect_heartbeat_age_seconds`: how old the heartbeat the connect programs see is.
     pub connect_heartbeat_age: Gauge<f64, AtomicU64>,
     /// `lb_connect_pins_adopted{dir}`: 1 when this lb adopted pins an earlier lb left, 0 when it
@@ -189,6 +194,8 @@ impl Metrics {
             datapath_fallback: Family::<ReasonLabel, Gauge>::default(),
             balancer_forwarding: Family::<ForwardingLabels, Gauge>::default(),
             inflight_checks: Gauge::default(),
+            runtime_tasks: Gauge::default(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
             connect_heartbeat_age: Gauge::<f64, AtomicU64>::default(),
             connect_pins_adopted: Family::<PinsLabel, Gauge>::default(),
             connections_total: Family::<BalancerLabel, Counter>::default(),
@@ -335,6 +342,11 @@ impl Metrics {
             self.balancer_forwarding.clone(),
         );
         r.register(
+            "runtime_alive_tasks",
+            "Tasks alive in lb's runtime: one per connection lb carries, one per health-check loop and discovery source, and lb's own (admin connections run on a runtime of their own)",
+            self.runtime_tasks.clone(),
+        );
+        r.register(
             "inflight_checks",
             "Health checks running now, on-demand ones included",
             self.inflight_checks.clone(),
@@ -461,6 +473,11 @@ impl Metrics {
         }
         if let Some(dp) = datapath {
             self.refresh_pins(dp);
+        }
+        if let Some(h) = &self.runtime {
+            let alive = h.metrics().num_alive_tasks();
+            self.runtime_tasks
+                .set(i64::try_from(alive).unwrap_or(i64::MAX));
         }
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {

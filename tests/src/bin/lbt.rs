@@ -31,6 +31,8 @@ use clap::{Parser, Subcommand};
 mod edge;
 #[path = "lbt/http_client.rs"]
 mod http_client;
+#[path = "lbt/streams.rs"]
+mod streams;
 #[path = "lbt/tls_supervisor.rs"]
 mod tls_supervisor;
 use lb_tests::{Digest, PatternStream};
@@ -179,6 +181,14 @@ enum Action {
     /// One HTTP request (to lb's admin API): see `lbt/http_client.rs`.
     #[command(flatten)]
     Http(http_client::HttpAction),
+    /// `conns` long byte-exact echo streams for `ms` milliseconds: see `lbt/streams.rs`.
+    Streams {
+        conns: u32,
+        ms: u64,
+        /// Start a round (a chunk each way on every connection) every this many milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        every_ms: u64,
+    },
     /// Open `conns` idle connections (each learns the server's name), print a `ready` event,
     /// then wait until every one is closed or reset and print `all_closed` (or `timeout` after
     /// `max_ms`); each time some end, a `closed` event says how many are still open. Raises its
@@ -652,6 +662,11 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
         Action::Bulk { dir, conns, n } => bulk(addr, &dir, conns, n),
         Action::Cps { ms, workers, size } => cps(addr, ms, workers, size),
         Action::Idle { conns, max_ms } => idle(addr, conns, max_ms),
+        Action::Streams {
+            conns,
+            ms,
+            every_ms,
+        } => streams::run(addr, conns, ms, every_ms),
         Action::Edge(edge) => edge::run(addr, edge),
         Action::Http(http) => http_client::run(addr, http),
         Action::Peer => {

@@ -1,12 +1,13 @@
-//! `cargo xtask bench [--quick]`: every scenario of issue 8 run side by side for a direct
-//! connection, lb with each data path, lb with connect-time forwarding, HAProxy and nginx,
-//! alternating run by run; medians and ranges go to `bench/results/` as markdown, JSON and SVG
-//! charts.
+//! `cargo xtask bench [--quick]`: every scenario run side by side for a direct connection, lb
+//! with each data path, lb with connect-time forwarding, HAProxy and nginx, alternating run by
+//! run; medians and ranges go to `bench/results/` as markdown, JSON and SVG charts.
+//! `--only soak` runs the churn soak instead ([`soak`]).
 
 mod contenders;
 mod procfs;
 mod report;
 mod scenarios;
+mod soak;
 
 use std::{
     fmt::Write as _,
@@ -182,6 +183,9 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
             !first_line(tool, &["-v"]).is_empty(),
             "{tool} is not installed (cargo xtask setup installs it)"
         );
+    }
+    if only == Some("soak") {
+        return soak::run(&root().join("bench/results/raw/soak"));
     }
     let mut opts = Options::new(quick);
     let files = raise_nofile()?;

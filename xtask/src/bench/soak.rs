@@ -1,0 +1,467 @@
+//! `cargo xtask bench --only soak`: the churn soak. For each forwarding mode (splice and
+//! connect-time) one lb carries two balancers: `streams`, in front of one server nobody touches,
+//! with long byte-exact echo streams (as many as the open-files limit allows, at most
+//! [`MAX_STREAMS`]), and `churn`, in front of four servers whose set changes every second (a
+//! server removed and added back, drained and enabled, its connections killed, blackholed and
+//! back), with a million or more short connections through it. lb's RSS, open descriptors,
+//! runtime tasks and BPF map entries, and the kernel's TCP socket memory, are sampled every
+//! second. The baseline is taken after a full-scale warm-up (every stream open, churn at full
+//! rate) has ended and settled, so the allocator's and the kernel's high-water marks are in it;
+//! the end value is taken [`DRAIN`] after the soak, once TIME_WAIT has drained. Each must be
+//! within [`TOLERANCE`] of its baseline (a drop is fine), and the streams must end with every
+//! byte checked, or the run fails. Results and a chart go to `bench/results/raw/soak/`.
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::SocketAddr,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{Holder, Host, Lb, Place, TestCgroup, Toml, free_port, http_request, run_client};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::procfs::kernel_socket_bytes;
+
+/// The most long streams (today's open-files limits allow about 9,000 with lb holding two
+/// descriptors for each in the splice mode).
+const MAX_STREAMS: u64 = 9_000;
+/// Short connections per mode the soak aims at.
+const SHORT_TARGET: u64 = 1_000_000;
+/// Bounds of one mode's soak (it is sized from the warm-up's connection rate to reach
+/// [`SHORT_TARGET`]).
+const SOAK_MIN: Duration = Duration::from_secs(120);
+const SOAK_MAX: Duration = Duration::from_secs(300);
+/// How long after the soak the end values are read: TIME_WAIT lasts 60 s on Linux
+/// (`TCP_TIMEWAIT_LEN`, include/net/tcp.h).
+const DRAIN: Duration = Duration::from_secs(60);
+/// How far above its baseline an end value may be.
+const TOLERANCE: f64 = 0.05;
+/// Length of one `lbt cps` run of the churn, in milliseconds.
+const CHURN_CHUNK_MS: u64 = 10_000;
+/// Server port of every host.
+const PORT: u16 = 9000;
+
+/// One reading of everything the soak watches.
+#[derive(Clone, Debug, Default, Serialize)]
+struct Sample {
+    /// Seconds since the mode's soak started (negative: before).
+    t: f64,
+    rss_kib: u64,
+    fds: u64,
+    tasks: u64,
+    /// Entries of lb's hash and sockhash maps, summed.
+    map_entries: u64,
+    /// The kernel's TCP socket memory (`/proc/net/sockstat` pages and the socket slabs).
+    socket_bytes: u64,
+}
+
+impl Sample {
+    fn read(lb: &Lb, t: f64) -> Result<Sample> {
+        let pid = lb.pid();
+        Ok(Sample {
+            t,
+            rss_kib: lb_tests::rss_kib(pid)?,
+            fds: lb_tests::open_fds(pid)? as u64,
+            tasks: lb.metric("lb_runtime_alive_tasks", "") as u64,
+            map_entries: map_entries(pid)?.values().sum::<usize>() as u64,
+            socket_bytes: kernel_socket_bytes(),
+        })
+    }
+
+    /// The named values, in report order.
+    fn values(&self) -> [(&'static str, u64); 5] {
+        [
+            ("rss_kib", self.rss_kib),
+            ("fds", self.fds),
+            ("tasks", self.tasks),
+            ("map_entries", self.map_entries),
+            ("socket_bytes", self.socket_bytes),
+        ]
+    }
+}
+
+/// The smallest of each value over `n` readings a second apart (a health check's socket or a
+/// scrape's task that happens to be open is not a leak).
+fn settled(lb: &Lb, t: f64, n: usize) -> Result<Sample> {
+    let mut min: Option<Sample> = None;
+    for i in 0..n {
+        if i > 0 {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let s = Sample::read(lb, t)?;
+        min = Some(match min {
+            None => s,
+            Some(m) => Sample {
+                t,
+                rss_kib: m.rss_kib.min(s.rss_kib),
+                fds: m.fds.min(s.fds),
+                tasks: m.tasks.min(s.tasks),
+                map_entries: m.map_entries.min(s.map_entries),
+                socket_bytes: m.socket_bytes.min(s.socket_bytes),
+            },
+        });
+    }
+    min.context("no reading")
+}
+
+/// Entries of each hash-type map lb holds (found through its map descriptors), by name.
+/// Arrays (fixed size) and ring buffers are left out.
+fn map_entries(pid: u32) -> Result<BTreeMap<String, usize>> {
+    let mut out = BTreeMap::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))? {
+        let info = std::fs::read_to_string(fd?.path()).unwrap_or_default();
+        let field = |k: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.trim().to_string())
+        };
+        let (Some(id), Some(ty)) = (field("map_id:"), field("map_type:")) else {
+            continue;
+        };
+        // BPF_MAP_TYPE_HASH 1, LRU_HASH 9, SOCKHASH 18 (include/uapi/linux/bpf.h).
+        if !matches!(ty.as_str(), "1" | "9" | "18") {
+            continue;
+        }
+        let show: Value =
+            serde_json::from_str(&lb_tests::sh("bpftool", &["-j", "map", "show", "id", &id])?)?;
+        let name = show["name"].as_str().unwrap_or("?").to_string();
+        let n = if ty == "18" {
+            // A sockhash's values are sockets; bpftool lists its keys.
+            lb_tests::sh("bpftool", &["map", "dump", "id", &id])?
+                .lines()
+                .filter(|l| l.starts_with("key:"))
+                .count()
+        } else {
+            let dump: Value =
+                serde_json::from_str(&lb_tests::sh("bpftool", &["-j", "map", "dump", "id", &id])?)?;
+            dump.as_array().map_or(0, Vec::len)
+        };
+        *out.entry(name).or_default() += n;
+    }
+    Ok(out)
+}
+
+/// The hosts: one for the streams, four for the churn.
+struct Hosts {
+    streams: Host,
+    churn: Vec<Host>,
+}
+
+/// One mode's outcome.
+#[derive(Debug, Serialize)]
+struct ModeResult {
+    mode: &'static str,
+    streams: u64,
+    stream_bytes: u64,
+    short_connections: u64,
+    short_failed: u64,
+    soak_s: f64,
+    set_changes: u64,
+    refused_changes: u64,
+    baseline: Sample,
+    end: Sample,
+    series: Vec<Sample>,
+    /// Values more than [`TOLERANCE`] above their baseline.
+    over: Vec<String>,
+}
+
+/// Run the soak in both modes and write `bench/results/raw/soak/`.
+///
+/// # Errors
+/// A host, lb or client that does not start, streams that lose a byte, or an end value over
+/// its baseline by more than [`TOLERANCE`].
+pub fn run(out_dir: &Path) -> Result<()> {
+    let files = lb_tests::raise_nofile(1 << 20)?;
+    // The streams client holds one descriptor per stream, the streams server one, lb two.
+    let streams = MAX_STREAMS.min(files.saturating_sub(2_000) / 2 / 500 * 500);
+    let hosts = Hosts {
+        streams: Host::serving(PORT, "streams")?,
+        churn: lb_tests::serving_hosts(4, PORT, |i| format!("c{i}"))?,
+    };
+    let mut results = Vec::new();
+    for mode in ["splice", "connect"] {
+        let r = soak_mode(mode, &hosts, streams).with_context(|| format!("soak, {mode}"))?;
+        results.push(r);
+    }
+    std::fs::create_dir_all(out_dir)?;
+    let md = markdown(&results);
+    std::fs::write(out_dir.join("latest.md"), &md)?;
+    std::fs::write(
+        out_dir.join("latest.json"),
+        serde_json::to_string_pretty(&json!({ "modes": results }))? + "\n",
+    )?;
+    chart(&results, &out_dir.join("soak.svg"))?;
+    println!("{md}");
+    let over: Vec<String> = results
+        .iter()
+        .flat_map(|r| r.over.iter().map(move |o| format!("{}: {o}", r.mode)))
+        .collect();
+    ensure!(
+        over.is_empty(),
+        "soak: above the baseline by more than {:.0} %: {}",
+        TOLERANCE * 100.0,
+        over.join("; ")
+    );
+    Ok(())
+}
+
+fn config(mode: &str, cg: &TestCgroup, hosts: &Hosts, listen: [SocketAddr; 2]) -> Toml {
+    let churn: Vec<String> = hosts
+        .churn
+        .iter()
+        .map(|h| format!("\"{}\"", h.addr(PORT)))
+        .collect();
+    Toml::new()
+        .table("datapath")
+        .string("mode", "bpf")
+        .string("cgroup", &cg.path.display().to_string())
+        .array_table("balancer")
+        .string("name", "streams")
+        .value("listen", format!("[\"{}\"]", listen[0]))
+        .value("servers", format!("[\"{}\"]", hosts.streams.addr(PORT)))
+        .string("forwarding", mode)
+        .array_table("balancer")
+        .string("name", "churn")
+        .value("listen", format!("[\"{}\"]", listen[1]))
+        .value("servers", format!("[{}]", churn.join(", ")))
+        .string("forwarding", mode)
+        .table("balancer.health")
+        .string("kind", "tcp")
+        .string("interval", "200ms")
+        .string("timeout", "200ms")
+        .value("rise", 1)
+        .value("fall", 1)
+}
+
+/// Short connections through `addr` for `ms`: (made, failed, per second).
+fn churn(place: &Place<'_>, addr: SocketAddr, ms: u64) -> Result<(u64, u64, f64)> {
+    let v = run_client(
+        place,
+        addr,
+        &["cps", &ms.to_string(), "--workers", "2"],
+        Duration::from_millis(ms) + Duration::from_secs(60),
+    )?;
+    let n = v["conns"].as_u64().unwrap_or(0);
+    let failed = v["failed"].as_u64().unwrap_or(0);
+    Ok((n, failed, n as f64 * 1000.0 / ms as f64))
+}
+
+fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResult> {
+    let cg = TestCgroup::new()?;
+    let listen = [
+        format!("127.0.0.1:{}", free_port()?).parse()?,
+        format!("127.0.0.1:{}", free_port()?).parse()?,
+    ];
+    let dir = lb_tests::TempDir::new("lb-soak")?;
+    let file = dir.join("lb.toml");
+    std::fs::write(&file, config(mode, &cg, hosts, listen).text())?;
+    let lb = Lb::start(&["--config", &file.display().to_string()])?;
+    lb.wait_settled(Duration::from_secs(15))?;
+    let place = Place::cgroup(&cg.path);
+    let n = streams.to_string();
+
+    // Warm-up at full scale, then the baseline.
+    let warm = Holder::spawn(&place, listen[0], &["streams", &n, "10000"])?;
+    warm.wait_for("ready", Duration::from_secs(120))?;
+    let (_, _, rate) = churn(&place, listen[1], CHURN_CHUNK_MS)?;
+    let end = warm.next(Duration::from_secs(60))?;
+    ensure!(end["ok"] == true, "warm-up streams: {end}");
+    std::thread::sleep(Duration::from_secs(5));
+    let baseline = settled(&lb, 0.0, 5)?;
+    let soak = Duration::from_secs_f64((SHORT_TARGET as f64 / rate.max(1.0)) * 1.1)
+        .clamp(SOAK_MIN, SOAK_MAX);
+    eprintln!(
+        "soak {mode}: {streams} streams, churn {rate:.0}/s in the warm-up, soaking {:.0} s",
+        soak.as_secs_f64()
+    );
+
+    let long = Holder::spawn(
+        &place,
+        listen[0],
+        &["streams", &n, &soak.as_millis().to_string()],
+    )?;
+    long.wait_for("ready", Duration::from_secs(120))?;
+    let start = Instant::now();
+    let churner = {
+        let cg = cg.path.clone();
+        let addr = listen[1];
+        std::thread::spawn(move || -> Result<(u64, u64)> {
+            let (mut made, mut failed) = (0, 0);
+            while start.elapsed() < soak {
+                let left = soak.saturating_sub(start.elapsed()).as_millis() as u64;
+                let (m, f, _) =
+                    churn(&Place::cgroup(&cg), addr, left.clamp(1_000, CHURN_CHUNK_MS))?;
+                made += m;
+                failed += f;
+            }
+            Ok((made, failed))
+        })
+    };
+    let mut series = vec![baseline.clone()];
+    let (mut changes, mut refused) = (0u64, 0u64);
+    let mut next = start;
+    while start.elapsed() < soak {
+        match change(&lb, hosts, changes) {
+            Ok(true) => {}
+            Ok(false) => refused += 1,
+            Err(e) => bail!("set change {changes}: {e:#}"),
+        }
+        changes += 1;
+        series.push(Sample::read(&lb, start.elapsed().as_secs_f64())?);
+        next += Duration::from_secs(1);
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+    hosts.churn[0].blackhole(false)?;
+    let (made, failed) = churner
+        .join()
+        .map_err(|_| anyhow::anyhow!("the churn thread panicked"))??;
+    let soak_s = start.elapsed().as_secs_f64();
+    let done = long.next(Duration::from_secs(120))?;
+    ensure!(
+        done["ok"] == true,
+        "long streams lost or reordered bytes: {done}"
+    );
+    let drained = Instant::now() + DRAIN;
+    while Instant::now() < drained {
+        std::thread::sleep(Duration::from_secs(5));
+        series.push(Sample::read(&lb, start.elapsed().as_secs_f64())?);
+    }
+    let end = settled(&lb, start.elapsed().as_secs_f64(), 5)?;
+    series.push(end.clone());
+    let over = baseline
+        .values()
+        .iter()
+        .zip(end.values())
+        .filter(|((_, b), (_, e))| (*e as f64) > *b as f64 * (1.0 + TOLERANCE))
+        .map(|((name, b), (_, e))| format!("{name} {b} -> {e}"))
+        .collect();
+    Ok(ModeResult {
+        mode,
+        streams,
+        stream_bytes: done["bytes"].as_u64().unwrap_or(0),
+        short_connections: made,
+        short_failed: failed,
+        soak_s,
+        set_changes: changes,
+        refused_changes: refused,
+        baseline,
+        end,
+        series,
+        over,
+    })
+}
+
+/// The `i`-th change of the churn balancer's set, in a cycle of eight seconds: remove `c3`,
+/// add it back, drain `c1`, enable it, kill `c2`'s connections, blackhole `c0`, (wait), lift
+/// the blackhole. Ok(false) when the API refused the change.
+fn change(lb: &Lb, hosts: &Hosts, i: u64) -> Result<bool> {
+    let addr = |k: usize| hosts.churn[k].addr(PORT).to_string();
+    let base = "/balancers/churn/servers";
+    let (method, path, body) = match i % 8 {
+        0 => ("DELETE", format!("{base}/{}", addr(3)), None),
+        1 => (
+            "POST",
+            base.to_string(),
+            Some(json!({ "server": addr(3) }).to_string()),
+        ),
+        2 => ("POST", format!("{base}/{}/drain", addr(1)), None),
+        3 => ("POST", format!("{base}/{}/enable", addr(1)), None),
+        4 => ("POST", format!("{base}/{}/kill", addr(2)), None),
+        5 => {
+            hosts.churn[0].blackhole(true)?;
+            return Ok(true);
+        }
+        7 => {
+            hosts.churn[0].blackhole(false)?;
+            return Ok(true);
+        }
+        _ => return Ok(true),
+    };
+    let (code, answer) = http_request(lb.admin, method, &path, body.as_deref())?;
+    if !(200..300).contains(&code) {
+        eprintln!("soak: {method} {path}: {code} {answer}");
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+fn markdown(results: &[ModeResult]) -> String {
+    let mut md = String::from(
+        "## Churn soak\n\n`cargo xtask bench --only soak`: per forwarding mode, long byte-exact \
+         streams through one balancer and short connections through another whose server set \
+         changes every second. Baseline after a full-scale warm-up; end 60 s after the soak \
+         (the smaller of 5 readings a second apart for each).\n\n\
+         | mode | streams | bytes checked | short connections | failed | soak s | set changes | value | baseline | end | change |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in results {
+        for ((name, b), (_, e)) in r.baseline.values().iter().zip(r.end.values()) {
+            let pct = if *b == 0 {
+                if e == 0 { 0.0 } else { f64::INFINITY }
+            } else {
+                (e as f64 / *b as f64 - 1.0) * 100.0
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {:.0} | {} ({} refused) | {name} | {b} | {e} | {pct:+.1} % |",
+                r.mode,
+                r.streams,
+                r.stream_bytes,
+                r.short_connections,
+                r.short_failed,
+                r.soak_s,
+                r.set_changes,
+                r.refused_changes
+            );
+        }
+    }
+    md
+}
+
+/// RSS and map entries over time, one line per mode.
+fn chart(results: &[ModeResult], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (920, 360)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((1, 2));
+    let t_max = results
+        .iter()
+        .flat_map(|r| r.series.iter().map(|s| s.t))
+        .fold(1.0, f64::max);
+    for (area, (title, get)) in panels.iter().zip([
+        (
+            "lb RSS (MiB)",
+            (|s: &Sample| s.rss_kib as f64 / 1024.0) as fn(&Sample) -> f64,
+        ),
+        ("BPF map entries", |s: &Sample| s.map_entries as f64),
+    ]) {
+        let y_max = results
+            .iter()
+            .flat_map(|r| r.series.iter().map(get))
+            .fold(1.0, f64::max)
+            * 1.1;
+        let mut c = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0.0..t_max, 0.0..y_max)?;
+        c.configure_mesh().x_desc("s").draw()?;
+        for (i, r) in results.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            c.draw_series(LineSeries::new(
+                r.series.iter().map(|s| (s.t, get(s))),
+                color,
+            ))?
+            .label(r.mode)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
+        }
+        c.configure_series_labels().border_style(BLACK).draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
