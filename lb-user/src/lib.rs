@@ -23,6 +23,7 @@ pub mod handover;
 pub mod health;
 pub mod http1;
 pub mod kill;
+pub mod memory;
 pub mod metrics;
 pub mod net;
 pub mod netns;

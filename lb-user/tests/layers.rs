@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("sock_diag", 0),
     ("http1", 0),
     ("server_state", 0),
+    ("memory", 0),
     ("kill", 1),
     ("config", 1),
     ("handover", 1),

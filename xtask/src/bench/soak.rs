@@ -31,8 +31,8 @@ use super::procfs::kernel_socket_bytes;
 const MAX_STREAMS: u64 = 9_000;
 /// Short connections per mode the soak aims at.
 const SHORT_TARGET: u64 = 1_000_000;
-/// Bounds of one mode's soak (it is sized from the warm-up's connection rate to reach
-/// [`SHORT_TARGET`]).
+/// Bounds of one mode's soak (it is sized from the warm-up's connection rate, with a margin for
+/// the slower rate under the set changes, to reach [`SHORT_TARGET`]).
 const SOAK_MIN: Duration = Duration::from_secs(120);
 const SOAK_MAX: Duration = Duration::from_secs(300);
 /// How long after the soak the end values are read: TIME_WAIT lasts 60 s on Linux
@@ -164,6 +164,9 @@ struct ModeResult {
     refused_changes: u64,
     baseline: Sample,
     end: Sample,
+    /// Entries of each map at the baseline and at the end.
+    baseline_maps: BTreeMap<String, usize>,
+    end_maps: BTreeMap<String, usize>,
     series: Vec<Sample>,
     /// Values more than [`TOLERANCE`] above their baseline.
     over: Vec<String>,
@@ -175,7 +178,7 @@ struct ModeResult {
 /// A host, lb or client that does not start, streams that lose a byte, or an end value over
 /// its baseline by more than [`TOLERANCE`].
 pub fn run(out_dir: &Path) -> Result<()> {
-    let files = lb_tests::raise_nofile(1 << 20)?;
+    let files = super::raise_nofile()?;
     // The streams client holds one descriptor per stream, the streams server one, lb two.
     let streams = MAX_STREAMS.min(files.saturating_sub(2_000) / 2 / 500 * 500);
     let hosts = Hosts {
@@ -270,9 +273,11 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     let (_, _, rate) = churn(&place, listen[1], CHURN_CHUNK_MS)?;
     let end = warm.next(Duration::from_secs(60))?;
     ensure!(end["ok"] == true, "warm-up streams: {end}");
-    std::thread::sleep(Duration::from_secs(5));
+    // lb gives freed memory back every 30 s (`lb::memory::TRIM_INTERVAL`): one such round.
+    std::thread::sleep(Duration::from_secs(35));
     let baseline = settled(&lb, 0.0, 5)?;
-    let soak = Duration::from_secs_f64((SHORT_TARGET as f64 / rate.max(1.0)) * 1.1)
+    let baseline_maps = map_entries(lb.pid())?;
+    let soak = Duration::from_secs_f64((SHORT_TARGET as f64 / rate.max(1.0)) * 1.5)
         .clamp(SOAK_MIN, SOAK_MAX);
     eprintln!(
         "soak {mode}: {streams} streams, churn {rate:.0}/s in the warm-up, soaking {:.0} s",
@@ -331,6 +336,7 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
         series.push(Sample::read(&lb, start.elapsed().as_secs_f64())?);
     }
     let end = settled(&lb, start.elapsed().as_secs_f64(), 5)?;
+    let end_maps = map_entries(lb.pid())?;
     series.push(end.clone());
     let over = baseline
         .values()
@@ -350,6 +356,8 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
         refused_changes: refused,
         baseline,
         end,
+        baseline_maps,
+        end_maps,
         series,
         over,
     })
@@ -393,7 +401,7 @@ fn markdown(results: &[ModeResult]) -> String {
     let mut md = String::from(
         "## Churn soak\n\n`cargo xtask bench --only soak`: per forwarding mode, long byte-exact \
          streams through one balancer and short connections through another whose server set \
-         changes every second. Baseline after a full-scale warm-up; end 60 s after the soak \
+         changes every second. Baseline 35 s after a full-scale warm-up; end 60 s after the soak \
          (the smaller of 5 readings a second apart for each).\n\n\
          | mode | streams | bytes checked | short connections | failed | soak s | set changes | value | baseline | end | change |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
@@ -418,6 +426,28 @@ fn markdown(results: &[ModeResult]) -> String {
                 r.refused_changes
             );
         }
+    }
+    for r in results {
+        let maps: Vec<String> = r
+            .baseline_maps
+            .keys()
+            .chain(r.end_maps.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|m| {
+                let (b, e) = (
+                    r.baseline_maps.get(m).copied().unwrap_or(0),
+                    r.end_maps.get(m).copied().unwrap_or(0),
+                );
+                format!("`{m}` {b} → {e}")
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "\n{} map entries, baseline → end: {}",
+            r.mode,
+            maps.join(", ")
+        );
     }
     md
 }
