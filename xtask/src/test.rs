@@ -97,22 +97,24 @@ fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
             let vm_start = std::time::Instant::now();
             let args: Vec<String> = filter.into_iter().map(str::to_string).collect();
             let failed_before = counts.failed;
-            let r = vm::run(&[kernel], vm::DEFAULT_TIMEOUT, &args).and_then(|outcomes| {
-                for o in &outcomes {
-                    notes.extend(
-                        o.failures
-                            .iter()
-                            .map(|f| format!("{}: failed {f}", o.label)),
-                    );
-                    notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
-                    counts.add(&o.counts);
-                    // A guest that never reported still counts as a failure in the closing line.
-                    if !o.ok() && o.counts.failed == 0 {
-                        counts.failed += 1;
+            let tests = vm::Tests::All(&args);
+            let r =
+                vm::run(&vm::AMD64, &[kernel], vm::DEFAULT_TIMEOUT, tests).and_then(|outcomes| {
+                    for o in &outcomes {
+                        notes.extend(
+                            o.failures
+                                .iter()
+                                .map(|f| format!("{}: failed {f}", o.label)),
+                        );
+                        notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
+                        counts.add(&o.counts);
+                        // A guest that never reported still counts as a failure in the closing line.
+                        if !o.ok() && o.counts.failed == 0 {
+                            counts.failed += 1;
+                        }
                     }
-                }
-                vm::verdict(&outcomes)
-            });
+                    vm::verdict(&outcomes)
+                });
             eprintln!(
                 "xtask: kernel {kernel} VM run{} took {:.0} s",
                 filter.map(|f| format!(" ({f} tests)")).unwrap_or_default(),
