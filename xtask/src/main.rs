@@ -57,13 +57,21 @@ enum Cmd {
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.
     VmTest {
-        /// Which kernel: 5.10, 6.1, 6.12 or all.
-        #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "6.12", "all"])]
-        kernel: String,
+        /// Guest architecture: amd64 (KVM when it boots, else TCG) or arm64 (TCG).
+        #[arg(long, default_value = "amd64", value_parser = ["amd64", "arm64"])]
+        arch: String,
+        /// Which kernel: 5.10, 6.1, 6.12 or all [default: all on amd64, 6.1 on arm64].
+        #[arg(long, value_parser = ["5.10", "6.1", "6.12", "all"])]
+        kernel: Option<String>,
+        /// Which tests: all (every VM test target) or smoke (one test per part a new
+        /// architecture could break) [default: all on amd64, smoke on arm64].
+        #[arg(long, value_parser = ["all", "smoke"])]
+        tests: Option<String>,
         /// Hard limit for one guest, boot to power-off, in seconds.
         #[arg(long, default_value_t = vm::DEFAULT_TIMEOUT.as_secs())]
         timeout: u64,
-        /// Passed to each test executable in the guest, e.g. a test name filter.
+        /// Passed to each test executable in the guest, e.g. a test name filter (with
+        /// `--tests all`).
         #[arg(last = true)]
         test_args: Vec<String>,
     },
@@ -120,16 +128,29 @@ fn main() -> Result<()> {
             bench::run(quick, only.as_deref())
         }
         Cmd::VmTest {
+            arch,
             kernel,
+            tests,
             timeout,
             test_args,
         } => {
-            setup::run()?;
-            let labels: Vec<&str> = match kernel.as_str() {
-                "all" => vm::SERIES.iter().map(|s| s.label).collect(),
-                one => vec![one],
+            let arch = vm::arch(&arch)?;
+            let labels: Vec<&str> = match kernel.as_deref() {
+                None => arch.default_kernels.to_vec(),
+                Some("all") => vm::SERIES.iter().map(|s| s.label).collect(),
+                Some(one) => vec![one],
             };
-            let outcomes = vm::run(&labels, std::time::Duration::from_secs(timeout), &test_args)?;
+            let tests = match tests.as_deref() {
+                None if test_args.is_empty() => arch.default_tests,
+                None | Some("all") => vm::Tests::All(&test_args),
+                Some(_) if test_args.is_empty() => vm::Tests::Smoke,
+                Some(_) => anyhow::bail!(
+                    "--tests smoke runs its own test names: arguments after -- go with --tests all"
+                ),
+            };
+            setup::run()?;
+            let timeout = std::time::Duration::from_secs(timeout);
+            let outcomes = vm::run(arch, &labels, timeout, tests)?;
             vm::verdict(&outcomes)
         }
         Cmd::Dist { check } => {

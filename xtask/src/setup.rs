@@ -26,6 +26,8 @@ pub const APT_PACKAGES: &[&str] = &[
     "gcc-aarch64-linux-gnu",
     "libc6-dev-arm64-cross",
     "qemu-user-static",
+    // `cargo xtask vm-test --arch arm64`: an arm64 guest under TCG (qemu-system-aarch64).
+    "qemu-system-arm",
     // `cargo xtask dist`: rpmbuild and rpm (dpkg-deb comes with dpkg).
     "rpm",
     // Benchmark contenders and load tools.

@@ -1,8 +1,8 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
 //! too), the unit and integration tests
-//! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest and the
-//! connect-time tests in the 6.12 guest, then `cargo xtask dist --check`; it closes with one
-//! line of counts.
+//! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest, the
+//! connect-time tests in the 5.10 and 6.12 guests and the smoke subset in the arm64 6.1 guest,
+//! then `cargo xtask dist --check`; it closes with one line of counts.
 
 use anyhow::Result;
 
@@ -79,58 +79,69 @@ pub fn run() -> Result<()> {
 
 /// The same tests on kernel 6.1, in a qemu guest (about 6 min under TCG here, plus the musl
 /// build), the same tests on 5.10 (connect-time runs; every splice test asserts lb's fallback
-/// there, about 4 min) and the connect-time tests on 6.12 (about 3 min), counted into `counts`; each guest's failures go to `notes`.
-/// `LB_VM_TEST=0` leaves them out, saying so.
+/// there; about 4 min), the connect-time tests on 6.12 (about 3 min), and the smoke subset in an arm64 6.1 guest (under a minute; its
+/// aarch64 build is the one `dist --check` packages next), counted into `counts`; each guest's
+/// failures go to `notes`. `LB_VM_TEST=0` leaves them out, saying so.
 ///
 /// # Errors
 /// A kernel's run failing.
 fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
-    let mut vm_result = Ok(());
     if std::env::var("LB_VM_TEST").is_ok_and(|v| v == "0") {
-        eprintln!("xtask: LB_VM_TEST=0: the kernel 5.10, 6.1 and 6.12 VM runs are left out");
-    } else {
-        for (kernel, filter) in [
-            ("6.1", None),
-            ("5.10", None),
-            ("6.12", Some("connect_time")),
-        ] {
-            let vm_start = std::time::Instant::now();
-            let args: Vec<String> = filter.into_iter().map(str::to_string).collect();
-            let failed_before = counts.failed;
-            let r = vm::run(&[kernel], vm::DEFAULT_TIMEOUT, &args).and_then(|outcomes| {
-                for o in &outcomes {
-                    notes.extend(
-                        o.failures
-                            .iter()
-                            .map(|f| format!("{}: failed {f}", o.label)),
-                    );
-                    notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
-                    counts.add(&o.counts);
-                    // A guest that never reported still counts as a failure in the closing line.
-                    if !o.ok() && o.counts.failed == 0 {
-                        counts.failed += 1;
-                    }
+        eprintln!(
+            "xtask: LB_VM_TEST=0: the kernel 5.10, 6.1 and 6.12 VM runs and the arm64 smoke run \
+             are left out"
+        );
+        return Ok(());
+    }
+    let connect_time = ["connect_time".to_string()];
+    let runs = [
+        (&vm::AMD64, "6.1", vm::Tests::All(&[])),
+        (&vm::AMD64, "5.10", vm::Tests::All(&[])),
+        (&vm::AMD64, "6.12", vm::Tests::All(&connect_time)),
+        (&vm::ARM64, "6.1", vm::Tests::Smoke),
+    ];
+    let mut vm_result = Ok(());
+    for (arch, kernel, tests) in runs {
+        let vm_start = std::time::Instant::now();
+        let failed_before = counts.failed;
+        let r = vm::run(arch, &[kernel], vm::DEFAULT_TIMEOUT, tests).and_then(|outcomes| {
+            for o in &outcomes {
+                notes.extend(
+                    o.failures
+                        .iter()
+                        .map(|f| format!("{}: failed {f}", o.label)),
+                );
+                notes.extend(o.error.iter().map(|e| format!("{}: {e}", o.label)));
+                counts.add(&o.counts);
+                // A guest that never reported still counts as a failure in the closing line.
+                if !o.ok() && o.counts.failed == 0 {
+                    counts.failed += 1;
                 }
-                vm::verdict(&outcomes)
-            });
-            eprintln!(
-                "xtask: kernel {kernel} VM run{} took {:.0} s",
-                filter.map(|f| format!(" ({f} tests)")).unwrap_or_default(),
-                vm_start.elapsed().as_secs_f64()
-            );
-            if r.is_err() && counts.failed == failed_before {
-                // The build or the run itself failed before any count.
-                counts.failed += 1;
             }
-            vm_result = vm_result.and(r);
+            vm::verdict(&outcomes)
+        });
+        let what = match tests {
+            vm::Tests::All([]) => String::new(),
+            vm::Tests::All(args) => format!(" ({} tests)", args.join(" ")),
+            vm::Tests::Smoke => " (smoke subset)".to_string(),
+        };
+        eprintln!(
+            "xtask: kernel {kernel} {} VM run{what} took {:.0} s",
+            arch.musl.deb,
+            vm_start.elapsed().as_secs_f64()
+        );
+        if r.is_err() && counts.failed == failed_before {
+            // The build or the run itself failed before any count.
+            counts.failed += 1;
         }
+        vm_result = vm_result.and(r);
     }
     vm_result
 }
 
 /// `cargo xtask dist --check` as one test: the packages built and checked (the amd64 .deb
-/// installed here and purged). After the VM runs their x86_64 musl build is fresh, so only the
-/// aarch64 one is built. `LB_DIST_TEST=0` leaves it out, saying so.
+/// installed here and purged). After the VM runs their x86_64 and aarch64 musl builds are
+/// fresh, so only the packaging is left. `LB_DIST_TEST=0` leaves it out, saying so.
 ///
 /// # Errors
 /// The build or a check failing.

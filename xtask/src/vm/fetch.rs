@@ -10,6 +10,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+/// The machine's Debian architecture: the one its apt fetches without a configuration of ours.
+pub const NATIVE_ARCH: &str = "amd64";
+
 /// A kernel series and how its package names look.
 #[derive(Clone, Copy, Debug)]
 pub struct Series {
@@ -25,11 +28,15 @@ pub struct Series {
 
 impl Series {
     /// The ordering key of a package name of this series (the ABI number or patch level), or
-    /// `None` when the name is not a plain amd64 image of it (dbg, unsigned, cloud, rt...).
+    /// `None` when the name is not a plain image of it for Debian architecture `arch` (`amd64`,
+    /// `arm64`; not dbg, unsigned, cloud, rt...).
     ///
-    /// `linux-image-6.1.0-57-amd64` → 57; `linux-image-6.12.117+deb12-amd64` → 117.
-    pub fn key(&self, name: &str) -> Option<u64> {
-        let rest = name.strip_prefix(self.prefix)?.strip_suffix("-amd64")?;
+    /// `linux-image-6.1.0-57-amd64` → 57; `linux-image-6.12.117+deb12-arm64` → 117.
+    pub fn key(&self, name: &str, arch: &str) -> Option<u64> {
+        let rest = name
+            .strip_prefix(self.prefix)?
+            .strip_suffix(arch)?
+            .strip_suffix('-')?;
         let num = rest.split_once("+deb").map_or(rest, |(n, d)| {
             if d.chars().all(|c| c.is_ascii_digit()) {
                 n
@@ -60,12 +67,14 @@ pub const SERIES: &[Series] = &[
     },
 ];
 
-/// How apt is asked: the machine's configuration, or one of a suite's own (its sources list,
-/// package lists and archive cache under `target/vm-cache/apt/SUITE`).
+/// How apt is asked: the machine's configuration, or one of its own (package lists and archive
+/// cache under `target/vm-cache/apt/NAME`) for a suite the machine does not list, an
+/// architecture other than the machine's, or both.
 #[derive(Clone, Debug, Default)]
 pub struct Apt {
     opts: Vec<String>,
-    suite: Option<&'static str>,
+    /// What the configuration is for, in messages (`bullseye`, `arm64`).
+    what: Option<String>,
 }
 
 impl Apt {
@@ -74,41 +83,63 @@ impl Apt {
         Apt::default()
     }
 
-    /// apt for `series`: the machine's, or for a suite of its own a configuration under
-    /// `cache` (written once; Debian's archive keyring signs every suite).
+    /// apt for `series` and the Debian architecture `arch`; see [`Apt::new`].
     ///
     /// # Errors
     /// The files cannot be written.
-    pub fn for_series(series: &Series, cache: &Path) -> Result<Apt> {
-        let Some(suite) = series.suite else {
-            return Ok(Apt::system());
+    pub fn for_series(series: &Series, arch: &str, cache: &Path) -> Result<Apt> {
+        Apt::new(series.suite, arch, cache)
+    }
+
+    /// apt for the packages of `suite` (the machine's suites when `None`) built for the Debian
+    /// architecture `arch`: the machine's own apt for its suites on amd64; otherwise a
+    /// configuration under `cache/apt/NAME` (written once, never touching the machine's) with a
+    /// sources list of its own for `suite` (Debian's archive keyring signs every suite) or the
+    /// machine's sources, and `APT::Architecture` set to `arch` so apt fetches that
+    /// architecture's package lists and downloads its packages.
+    ///
+    /// # Errors
+    /// The files cannot be written.
+    pub fn new(suite: Option<&'static str>, arch: &str, cache: &Path) -> Result<Apt> {
+        let native = arch == NATIVE_ARCH;
+        let name = match (suite, native) {
+            (None, true) => return Ok(Apt::system()),
+            (Some(s), true) => s.to_string(),
+            (Some(s), false) => format!("{s}-{arch}"),
+            (None, false) => arch.to_string(),
         };
-        let dir = cache.join("apt").join(suite);
+        let dir = cache.join("apt").join(&name);
         let lists = dir.join("lists");
         std::fs::create_dir_all(lists.join("partial"))?;
         std::fs::create_dir_all(dir.join("archives/partial"))?;
-        let sources = dir.join("sources.list");
-        std::fs::write(
-            &sources,
-            format!(
-                "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian {suite} main\n"
-            ),
-        )?;
         let opt = |k: &str, v: &Path| format!("{k}={}", v.display());
-        let opts = [
-            opt("Dir::Etc::SourceList", &sources),
-            opt("Dir::Etc::SourceParts", &dir.join("sources.list.d")),
+        let mut opts = vec![
             opt("Dir::State::Lists", &lists),
             opt("Dir::Cache", &dir),
             opt("Dir::Cache::pkgcache", &dir.join("pkgcache.bin")),
             opt("Dir::Cache::srcpkgcache", &dir.join("srcpkgcache.bin")),
-        ]
-        .into_iter()
-        .flat_map(|o| ["-o".to_string(), o])
-        .collect();
+        ];
+        if let Some(suite) = suite {
+            let sources = dir.join("sources.list");
+            std::fs::write(
+                &sources,
+                format!(
+                    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian {suite} main\n"
+                ),
+            )?;
+            opts.push(opt("Dir::Etc::SourceList", &sources));
+            opts.push(opt("Dir::Etc::SourceParts", &dir.join("sources.list.d")));
+        }
+        if !native {
+            opts.push(format!("APT::Architecture={arch}"));
+            opts.push(format!("APT::Architectures={arch}"));
+        }
         Ok(Apt {
-            opts,
-            suite: Some(suite),
+            opts: opts
+                .into_iter()
+                .flat_map(|o| ["-o".to_string(), o])
+                .collect(),
+            what: Some(name),
         })
     }
 
@@ -211,12 +242,84 @@ pub fn deb(
             return download(apt, debs, name);
         }
         if attempt == 0 {
-            let of = apt.suite.map(|s| format!(" ({s})")).unwrap_or_default();
+            let of = apt
+                .what
+                .as_ref()
+                .map(|s| format!(" ({s})"))
+                .unwrap_or_default();
             eprintln!("vm: apt knows no {prefix}* package; apt-get update{of}");
             output(apt.command("apt-get").args(["update", "-qq"]))?;
         }
     }
     bail!("no package {prefix}* available from apt")
+}
+
+/// `roots` and every package they depend on (`Depends` and `Pre-Depends`, recursively; no
+/// recommends or suggests), as apt resolves them for this configuration, sorted; virtual
+/// package names are left out (apt lists what provides them too).
+///
+/// # Errors
+/// apt-cache fails (after one `apt-get update` when its lists are missing).
+pub fn package_depends(apt: &Apt, roots: &[&str]) -> Result<Vec<String>> {
+    let mut cmd = apt.command("apt-cache");
+    cmd.args(["depends", "--recurse", "--no-recommends", "--no-suggests"])
+        .args([
+            "--no-conflicts",
+            "--no-breaks",
+            "--no-replaces",
+            "--no-enhances",
+        ])
+        .args(roots);
+    let text = match output(&mut cmd) {
+        Ok(t) => t,
+        Err(_) => {
+            output(apt.command("apt-get").args(["update", "-qq"]))?;
+            output(&mut cmd)?
+        }
+    };
+    let mut names: Vec<String> = text
+        .lines()
+        .filter(|l| !l.starts_with(' ') && !l.starts_with('<') && !l.is_empty())
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+/// The `.deb` of each of `names` in `debs`: from the cache when there, the rest downloaded in
+/// one `apt-get download`.
+///
+/// # Errors
+/// The download fails or leaves a package's file missing.
+pub fn debs(apt: &Apt, debs: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(debs)?;
+    let have = |n: &str| cached(debs, |p| (p == n).then_some(0));
+    let missing: Vec<&str> = names
+        .iter()
+        .map(String::as_str)
+        .filter(|n| have(n).is_none())
+        .collect();
+    if !missing.is_empty() {
+        eprintln!("vm: apt-get download {}", missing.join(" "));
+        let status = apt
+            .command("apt-get")
+            .args(["download", "-q", "-o", "APT::Sandbox::User=root"])
+            .args(&missing)
+            .current_dir(debs)
+            .status()
+            .context("cannot start apt-get")?;
+        if !status.success() {
+            bail!("apt-get download {} failed ({status})", missing.join(" "));
+        }
+    }
+    names
+        .iter()
+        .map(|n| {
+            have(n)
+                .with_context(|| format!("apt-get download {n} left no .deb in {}", debs.display()))
+        })
+        .collect()
 }
 
 /// Unpack a `.deb` under `into/<file stem>` once; returns that directory.
@@ -418,16 +521,25 @@ mod tests {
     #[test]
     fn series_keys() {
         let [oldest, old, new] = [SERIES[0], SERIES[1], SERIES[2]];
-        assert_eq!(oldest.key("linux-image-5.10.0-35-amd64"), Some(35));
-        assert_eq!(oldest.key("linux-image-5.10.0-35-rt-amd64"), None);
-        assert_eq!(old.key("linux-image-6.1.0-57-amd64"), Some(57));
-        assert_eq!(old.key("linux-image-6.1.0-57-amd64-dbg"), None);
-        assert_eq!(old.key("linux-image-6.1.0-57-cloud-amd64"), None);
-        assert_eq!(old.key("linux-image-6.1.0-57-rt-amd64"), None);
-        assert_eq!(new.key("linux-image-6.12.117+deb12-amd64"), Some(117));
-        assert_eq!(new.key("linux-image-6.12.117+deb12-cloud-amd64"), None);
-        assert_eq!(new.key("linux-image-6.12-amd64"), None);
-        assert_eq!(new.key("linux-image-6.1.0-57-amd64"), None);
+        let amd = |s: Series, n: &str| s.key(n, "amd64");
+        assert_eq!(amd(oldest, "linux-image-5.10.0-35-amd64"), Some(35));
+        assert_eq!(amd(oldest, "linux-image-5.10.0-35-rt-amd64"), None);
+        assert_eq!(amd(old, "linux-image-6.1.0-57-amd64"), Some(57));
+        assert_eq!(amd(old, "linux-image-6.1.0-57-amd64-dbg"), None);
+        assert_eq!(amd(old, "linux-image-6.1.0-57-cloud-amd64"), None);
+        assert_eq!(amd(old, "linux-image-6.1.0-57-rt-amd64"), None);
+        assert_eq!(amd(new, "linux-image-6.12.117+deb12-amd64"), Some(117));
+        assert_eq!(amd(new, "linux-image-6.12.117+deb12-cloud-amd64"), None);
+        assert_eq!(amd(new, "linux-image-6.12-amd64"), None);
+        assert_eq!(amd(new, "linux-image-6.1.0-57-amd64"), None);
+        assert_eq!(amd(old, "linux-image-6.1.0-57-arm64"), None);
+        assert_eq!(old.key("linux-image-6.1.0-57-arm64", "arm64"), Some(57));
+        assert_eq!(old.key("linux-image-6.1.0-57-cloud-arm64", "arm64"), None);
+        assert_eq!(old.key("linux-image-6.1.0-57-amd64", "arm64"), None);
+        assert_eq!(
+            new.key("linux-image-6.12.118+deb12-arm64", "arm64"),
+            Some(118)
+        );
     }
 
     #[test]

@@ -1,11 +1,13 @@
-//! What goes into a guest: static (musl) builds of `lb`, `lbt` and the test executables, the
-//! host's iproute2 and bpftool with their shared libraries, busybox, kernel modules and the init.
+//! What goes into a guest: static (musl) builds of `lb`, `lbt` and the test executables,
+//! iproute2 and bpftool with their shared libraries (the machine's own for an amd64 guest, the
+//! architecture's Debian packages otherwise, see `userland.rs`), busybox, kernel modules and the
+//! init.
 
 use std::{path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
 
-use super::{cpio::Archive, fetch};
+use super::{Arch, cpio::Archive, fetch, userland};
 use crate::musl::{self, Binaries};
 
 /// Integration test targets of `lb-tests` run in the guests.
@@ -22,6 +24,61 @@ pub const TESTS: &[&str] = &[
     "upgrade",
 ];
 
+/// The smoke subset: one test for each thing a new architecture could break, as (test target,
+/// test name). `cargo xtask vm-test --arch arm64` runs these by default (`--tests smoke`).
+pub const SMOKE: &[(&str, &str)] = &[
+    // The programs load and attach: bpftool shows lb's sockops program on the test cgroup.
+    (
+        "connect_time",
+        "connect_time_programs_are_attached_only_when_a_balancer_asks",
+    ),
+    // A spliced connection is byte-exact: 256 MiB each way, every byte checked, and the kernel
+    // carried part of them (lb_spliced_bytes_total > 0).
+    ("datapath", "bulk_256mib_each_way_bpf"),
+    // A connect-time connect is rewritten: the server sees the client's own socket, getpeername
+    // names the listener, 64 MiB each way arrive byte-exact and none of it crosses lb.
+    ("connect_time", "connect_time_goes_straight_to_the_server"),
+    // A kill resets a client: `lb servers kill` destroys a connect-time client's socket (netlink
+    // SOCK_DESTROY), the client sees a reset and reconnects.
+    (
+        "connect_time",
+        "connect_time_servers_kill_resets_direct_clients",
+    ),
+    // The userspace fallback works: `--datapath auto` without a usable cgroup falls back to the
+    // userspace proxy with one warning, and a client's upload arrives byte-exact through it.
+    ("datapath", "auto_falls_back_to_userspace_with_one_warning"),
+];
+
+/// Which tests a guest runs.
+#[derive(Clone, Copy, Debug)]
+pub enum Tests<'a> {
+    /// Every target of [`TESTS`], each given these arguments (a name filter, say; none runs
+    /// every test).
+    All(&'a [String]),
+    /// [`SMOKE`]: only its targets, with its test names as exact filters.
+    Smoke,
+}
+
+impl Tests<'_> {
+    /// The test targets the guest holds, in the order it runs them, and the arguments each gets.
+    pub fn plan(&self) -> (Vec<&'static str>, Vec<String>) {
+        match self {
+            Tests::All(args) => (TESTS.to_vec(), args.to_vec()),
+            Tests::Smoke => {
+                let mut targets: Vec<&'static str> = Vec::new();
+                let mut args = vec!["--exact".to_string()];
+                for (target, name) in SMOKE {
+                    if !targets.contains(target) {
+                        targets.push(target);
+                    }
+                    args.push((*name).to_string());
+                }
+                (targets, args)
+            }
+        }
+    }
+}
+
 /// Modules the tests need (with their dependencies; those built in are skipped).
 const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag"];
 
@@ -31,7 +88,7 @@ const MODULES: &[&str] = &["veth", "dummy", "inet_diag", "tcp_diag"];
 /// `CONFIG_TLS`; the kTLS test then skips with its reason, as on a host without it.
 const OPTIONAL_MODULES: &[&str] = &["tls", "ctr", "ghash-generic", "gcm"];
 
-/// Host programs copied in with their shared libraries, at the same paths.
+/// Host programs copied into an amd64 guest with their shared libraries, at the same paths.
 const HOST_TOOLS: &[&str] = &["/usr/sbin/ip", "/usr/sbin/bpftool"];
 
 /// Busybox applets not linked: iproute2 stands in for them.
@@ -44,24 +101,26 @@ const GUEST_LB: &str = "/opt/lb/lb";
 const GUEST_LBT: &str = "/opt/lb/lbt";
 const GUEST_TESTS: &str = "/opt/lb/tests";
 
-/// Build `lb`, `lbt` and the test executables statically for x86_64 (musl), release because
-/// TCG runs them many times slower than the host does.
+/// Build `lb`, `lbt` and the test executables statically for the guest's architecture (musl),
+/// release because TCG runs them many times slower than the host does. Always every target of
+/// [`TESTS`], as `cargo xtask dist` and `build --target` build them, so each finds the others'
+/// build fresh.
 ///
 /// # Errors
 /// See [`musl::build`].
-pub fn build_binaries() -> Result<Binaries> {
-    musl::build(&musl::X86_64, TESTS)
+pub fn build_binaries(arch: &Arch) -> Result<Binaries> {
+    musl::build(arch.musl, TESTS)
 }
 
-/// A binary without its debug sections (smaller initramfs, faster to load under TCG); the
-/// original when `strip` is missing.
-fn stripped(path: &Path) -> Result<Vec<u8>> {
+/// A binary without its debug sections (smaller initramfs, faster to load under TCG), by the
+/// binutils `strip` of its architecture; the original when that `strip` is missing.
+fn stripped(path: &Path, strip: &str) -> Result<Vec<u8>> {
     let tmp = std::env::temp_dir().join(format!(
         "lb-vm-strip-{}-{}",
         std::process::id(),
         path.file_name().unwrap_or_default().to_string_lossy()
     ));
-    let ok = Command::new("strip")
+    let ok = Command::new(strip)
         .arg("--strip-debug")
         .arg("-o")
         .arg(&tmp)
@@ -109,15 +168,16 @@ fn add_host_file(a: &mut Archive, path: &str) -> Result<()> {
     a.file(path, 0o755, &data)
 }
 
-/// Write the initramfs for `kernel` to `out`; `test_args` go to every test executable (a
-/// filter, say).
+/// Write the initramfs of an `arch` guest for `kernel` to `out`, holding the test targets and
+/// arguments `tests` plans.
 ///
 /// # Errors
 /// A missing package, tool or module.
 pub fn initramfs(
+    arch: &Arch,
     kernel: &fetch::Kernel,
     bins: &Binaries,
-    test_args: &[String],
+    tests: Tests<'_>,
     out: &Path,
 ) -> Result<()> {
     let cache = out.parent().context("initramfs path without a parent")?;
@@ -126,48 +186,25 @@ pub fn initramfs(
         a.dir(d)?;
     }
     a.file("init", 0o755, INIT.as_bytes())?;
-
-    // busybox from Debian's busybox-static, every applet but those iproute2 provides.
-    let bb_deb = fetch::deb(
-        &fetch::Apt::system(),
-        &cache.join("debs"),
-        "busybox-static",
-        |n| (n == "busybox-static").then_some(0),
-    )?;
-    let bb_root = fetch::unpack(&bb_deb, &cache.join("x"))?;
-    let busybox = bb_root.join("bin/busybox");
-    a.file("bin/busybox", 0o755, &std::fs::read(&busybox)?)?;
-    let list = Command::new(&busybox)
-        .arg("--list-full")
-        .output()
-        .context("running busybox --list-full")?;
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        let name = applet.rsplit('/').next().unwrap_or(applet);
-        if !applet.contains('/') || SHADOWED_APPLETS.contains(&name) || a.has(applet) {
-            continue;
-        }
-        a.symlink(applet, "/bin/busybox")?;
+    add_programs(arch, cache, &mut a)?;
+    let strip = arch.musl.strip;
+    a.file(GUEST_LB, 0o755, &stripped(&bins.lb, strip)?)?;
+    a.file(GUEST_LBT, 0o755, &stripped(&bins.lbt, strip)?)?;
+    let (targets, args) = tests.plan();
+    let mut list = String::new();
+    for target in targets {
+        let (_, exe) = bins
+            .tests
+            .iter()
+            .find(|(n, _)| n == target)
+            .with_context(|| format!("no executable of test target {target} was built"))?;
+        let path = format!("{GUEST_TESTS}/{target}");
+        a.file(&path, 0o755, &stripped(exe, strip)?)?;
+        list.push_str(&path);
+        list.push('\n');
     }
-
-    for tool in HOST_TOOLS {
-        add_host_file(&mut a, tool)
-            .with_context(|| format!("{tool} is needed in the guest (cargo xtask setup)"))?;
-        for lib in libraries(tool)? {
-            add_host_file(&mut a, &lib)?;
-        }
-    }
-
-    a.file(GUEST_LB, 0o755, &stripped(&bins.lb)?)?;
-    a.file(GUEST_LBT, 0o755, &stripped(&bins.lbt)?)?;
-    let mut tests = String::new();
-    for (name, exe) in &bins.tests {
-        let path = format!("{GUEST_TESTS}/{name}");
-        a.file(&path, 0o755, &stripped(exe)?)?;
-        tests.push_str(&path);
-        tests.push('\n');
-    }
-    a.file("etc/lb-vm/tests", 0o644, tests.as_bytes())?;
-    a.file("etc/lb-vm/args", 0o644, test_args.join(" ").as_bytes())?;
+    a.file("etc/lb-vm/tests", 0o644, list.as_bytes())?;
+    a.file("etc/lb-vm/args", 0o644, args.join(" ").as_bytes())?;
     a.file(
         "etc/lb-vm/env",
         0o644,
@@ -191,4 +228,97 @@ pub fn initramfs(
         names.trim().replace('\n', " ")
     );
     Ok(())
+}
+
+/// busybox (every applet but those iproute2 provides), iproute2 and bpftool with their
+/// libraries: the machine's own programs in an amd64 guest, the architecture's packages in
+/// another.
+fn add_programs(arch: &Arch, cache: &Path, a: &mut Archive) -> Result<()> {
+    let busybox = if arch.host_tools {
+        // From Debian's busybox-static: the machine's own may be a dynamic build.
+        let bb_deb = fetch::deb(
+            &fetch::Apt::system(),
+            &cache.join("debs"),
+            "busybox-static",
+            |n| (n == "busybox-static").then_some(0),
+        )?;
+        let busybox = fetch::unpack(&bb_deb, &cache.join("x"))?.join("bin/busybox");
+        for tool in HOST_TOOLS {
+            add_host_file(a, tool)
+                .with_context(|| format!("{tool} is needed in the guest (cargo xtask setup)"))?;
+            for lib in libraries(tool)? {
+                add_host_file(a, &lib)?;
+            }
+        }
+        busybox
+    } else {
+        let land = userland::fetch(arch.musl.deb, cache)?;
+        for (path, bytes) in &land.files {
+            a.file(path, 0o755, bytes)?;
+        }
+        land.busybox
+    };
+    a.file("bin/busybox", 0o755, &std::fs::read(&busybox)?)?;
+    // A foreign busybox runs under qemu's user-mode emulator to list its applets.
+    let mut list = match arch.musl.runner {
+        Some(runner) => {
+            let mut c = Command::new(runner);
+            c.arg(&busybox);
+            c
+        }
+        None => Command::new(&busybox),
+    };
+    let list = list
+        .arg("--list-full")
+        .output()
+        .with_context(|| format!("running {} --list-full", busybox.display()))?;
+    anyhow::ensure!(
+        list.status.success(),
+        "{} --list-full failed ({}){}",
+        busybox.display(),
+        list.status,
+        arch.musl
+            .runner
+            .map(|r| format!(": is {r} installed (cargo xtask setup)?"))
+            .unwrap_or_default()
+    );
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        let name = applet.rsplit('/').next().unwrap_or(applet);
+        if !applet.contains('/') || SHADOWED_APPLETS.contains(&name) || a.has(applet) {
+            continue;
+        }
+        a.symlink(applet, "/bin/busybox")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_smoke_plan_names_existing_tests_exactly() -> Result<()> {
+        let (targets, args) = Tests::Smoke.plan();
+        assert_eq!(targets, ["connect_time", "datapath"]);
+        assert_eq!(args[0], "--exact");
+        assert_eq!(args.len(), SMOKE.len() + 1);
+        for (target, name) in SMOKE {
+            assert!(
+                TESTS.contains(target),
+                "{target} is not built for the guests"
+            );
+            // A renamed test would match nothing, and the smoke run would pass without it.
+            let file = crate::util::root().join(format!("tests/tests/{target}.rs"));
+            let source = std::fs::read_to_string(&file)?;
+            assert!(
+                source.contains(&format!("#[test]\nfn {name}()")),
+                "{} has no test {name}",
+                file.display()
+            );
+        }
+        let filter = ["x".to_string()];
+        let (targets, args) = Tests::All(&filter).plan();
+        assert_eq!((targets, args), (TESTS.to_vec(), filter.to_vec()));
+        Ok(())
+    }
 }

@@ -1,14 +1,17 @@
 //! `cargo xtask vm-test`: the privileged integration tests inside qemu guests booted on Debian
-//! kernels (6.1, the oldest supported, and 6.12), so lb is proven on more than the host's kernel.
+//! kernels (5.10, 6.1 and 6.12), so lb is proven on more than the host's kernel, and a smoke
+//! subset of them in an arm64 guest (`--arch arm64`, emulated by TCG).
 //!
 //! Per kernel: fetch the packages (cached under `target/vm-cache`), build an initramfs holding
 //! static test binaries, `lb`, `lbt`, busybox, iproute2, bpftool and the modules the tests need,
 //! boot it (KVM when it boots, otherwise TCG) inside a hard timeout and read one result line
 //! from the serial console.
 
+mod arch;
 mod cpio;
 mod fetch;
 mod guest;
+mod userland;
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -22,8 +25,9 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::util;
 
+pub use arch::{AMD64, ARM64, Arch, arch};
 pub use fetch::SERIES;
-pub use guest::TESTS;
+pub use guest::{TESTS, Tests};
 
 /// How long a guest may take from boot to power-off unless `--timeout` says otherwise: the 6.1
 /// run takes 320-580 s under TCG on a 2-core machine, and a CI machine once needed more than
@@ -45,7 +49,7 @@ fn cache() -> PathBuf {
 /// The result of one kernel's run.
 #[derive(Debug, Default)]
 pub struct Outcome {
-    /// Series label (`6.1`).
+    /// Series label (`6.1`), with the architecture after it when not the machine's (`6.1-arm64`).
     pub label: String,
     /// `uname -r` of the guest kernel.
     pub release: String,
@@ -73,13 +77,18 @@ impl Outcome {
     }
 }
 
-/// Run the tests on each series in `labels` (`6.1`, `6.12`), print a summary, and return every
-/// outcome (a kernel that could not be fetched or booted is an outcome with an error; see
-/// [`verdict`]). `test_args` go to each test executable (e.g. a name filter).
+/// Run `tests` in `arch` guests on each series in `labels` (`6.1`, `6.12`), print a summary,
+/// and return every outcome (a kernel that could not be fetched or booted is an outcome with
+/// an error; see [`verdict`]).
 ///
 /// # Errors
 /// An unknown label, or building the binaries failing.
-pub fn run(labels: &[&str], timeout: Duration, test_args: &[String]) -> Result<Vec<Outcome>> {
+pub fn run(
+    arch: &Arch,
+    labels: &[&str],
+    timeout: Duration,
+    tests: Tests<'_>,
+) -> Result<Vec<Outcome>> {
     let series: Vec<fetch::Series> = labels
         .iter()
         .map(|l| {
@@ -91,7 +100,7 @@ pub fn run(labels: &[&str], timeout: Duration, test_args: &[String]) -> Result<V
         })
         .collect::<Result<_>>()?;
     let start = Instant::now();
-    let bins = guest::build_binaries()?;
+    let bins = guest::build_binaries(arch)?;
     eprintln!(
         "vm: built static binaries in {:.0} s",
         start.elapsed().as_secs_f64()
@@ -99,10 +108,10 @@ pub fn run(labels: &[&str], timeout: Duration, test_args: &[String]) -> Result<V
     let mut outcomes = Vec::new();
     for s in series {
         let t0 = Instant::now();
-        let mut outcome = match run_one(s, &bins, timeout, test_args) {
+        let mut outcome = match run_one(arch, s, &bins, timeout, tests) {
             Ok(o) => o,
             Err(e) => Outcome {
-                label: s.label.to_string(),
+                label: label(arch, s.label),
                 error: Some(format!("{e:#}")),
                 ..Outcome::default()
             },
@@ -112,6 +121,16 @@ pub fn run(labels: &[&str], timeout: Duration, test_args: &[String]) -> Result<V
     }
     print_summary(&outcomes);
     Ok(outcomes)
+}
+
+/// A run's name in summaries and file names: the series (`6.1`), with the architecture after
+/// it when that is not the machine's (`6.1-arm64`).
+fn label(arch: &Arch, series: &str) -> String {
+    if arch.musl.deb == fetch::NATIVE_ARCH {
+        series.to_string()
+    } else {
+        format!("{series}-{}", arch.musl.deb)
+    }
 }
 
 /// Fail when any kernel's run did not pass.
@@ -131,30 +150,44 @@ pub fn verdict(outcomes: &[Outcome]) -> Result<()> {
 }
 
 fn run_one(
+    arch: &Arch,
     series: fetch::Series,
     bins: &crate::musl::Binaries,
     timeout: Duration,
-    test_args: &[String],
+    tests: Tests<'_>,
 ) -> Result<Outcome> {
     let cache = cache();
-    let debs = cache.join("debs");
-    let apt = fetch::Apt::for_series(&series, &cache)?;
-    let deb = fetch::deb(&apt, &debs, series.prefix, |n| series.key(n))?;
+    let deb_arch = arch.musl.deb;
+    // The machine's architecture keeps the cache it always had.
+    let debs = if deb_arch == fetch::NATIVE_ARCH {
+        cache.join("debs")
+    } else {
+        cache.join(format!("debs-{deb_arch}"))
+    };
+    let apt = fetch::Apt::for_series(&series, deb_arch, &cache)?;
+    let deb = fetch::deb(&apt, &debs, series.prefix, |n| series.key(n, deb_arch))?;
     let root = fetch::unpack(&deb, &cache.join("x"))?;
     let kernel = fetch::Kernel::find(&root)?;
-    eprintln!("vm: kernel {} ({})", series.label, kernel.release);
-    let initrd = cache.join(format!("initramfs-{}.cpio", series.label));
-    guest::initramfs(&kernel, bins, test_args, &initrd)?;
+    let label = label(arch, series.label);
+    eprintln!("vm: kernel {label} ({})", kernel.release);
+    let initrd = cache.join(format!("initramfs-{label}.cpio"));
+    guest::initramfs(arch, &kernel, bins, tests, &initrd)?;
 
     let mut outcome = Outcome {
-        label: series.label.to_string(),
+        label: label.clone(),
         release: kernel.release.clone(),
         ..Outcome::default()
     };
     let t0 = Instant::now();
     let mut run = None;
-    if !KVM_BROKEN.load(Ordering::Relaxed) && kvm_present() {
-        match boot(series.label, Accel::Kvm, &kernel.image, &initrd, timeout)? {
+    let guest = Guest {
+        arch,
+        label: &label,
+        image: &kernel.image,
+        initrd: &initrd,
+    };
+    if arch.kvm && !KVM_BROKEN.load(Ordering::Relaxed) && kvm_present() {
+        match boot(&guest, Accel::Kvm, timeout)? {
             Boot::Done(log) => {
                 outcome.accel = "kvm";
                 run = Some(log);
@@ -169,7 +202,7 @@ fn run_one(
         Some(log) => log,
         None => {
             outcome.accel = "tcg";
-            match boot(series.label, Accel::Tcg, &kernel.image, &initrd, timeout)? {
+            match boot(&guest, Accel::Tcg, timeout)? {
                 Boot::Done(log) => log,
                 Boot::NoStart(why) => bail!("guest did not boot under TCG: {why}"),
             }
@@ -177,7 +210,24 @@ fn run_one(
     };
     outcome.guest_secs = t0.elapsed().as_secs_f64();
     read_log(&log, &mut outcome);
+    if matches!(tests, Tests::Smoke) {
+        check_smoke(&mut outcome);
+    }
     Ok(outcome)
+}
+
+/// A smoke run passes only when every test of [`guest::SMOKE`] passed: one that matched no
+/// test (renamed) or skipped (a kernel without what it needs) proved nothing.
+fn check_smoke(outcome: &mut Outcome) {
+    let c = &outcome.counts;
+    if outcome.error.is_none() && (c.passed as usize != guest::SMOKE.len() || c.skipped > 0) {
+        outcome.error = Some(format!(
+            "the smoke subset has {} tests: {} passed, {} skipped",
+            guest::SMOKE.len(),
+            c.passed,
+            c.skipped
+        ));
+    }
 }
 
 /// Pull the result line, skips and failures out of the serial log.
@@ -254,12 +304,12 @@ fn print_summary(outcomes: &[Outcome]) {
     println!();
     println!("vm-test summary");
     println!(
-        "{:<6} {:<24} {:<5} {:<6} {:>6} {:>6} {:>7} {:>8} {:>8}",
+        "{:<9} {:<24} {:<5} {:<6} {:>6} {:>6} {:>7} {:>8} {:>8}",
         "kernel", "release", "accel", "result", "passed", "failed", "skipped", "guest s", "total s"
     );
     for o in outcomes {
         println!(
-            "{:<6} {:<24} {:<5} {:<6} {:>6} {:>6} {:>7} {:>8.0} {:>8.0}",
+            "{:<9} {:<24} {:<5} {:<6} {:>6} {:>6} {:>7} {:>8.0} {:>8.0}",
             o.label,
             o.release,
             o.accel,
@@ -319,26 +369,42 @@ enum Boot {
     NoStart(String),
 }
 
+/// What one boot runs.
+struct Guest<'a> {
+    arch: &'a Arch,
+    /// Its name in the log ([`label`]).
+    label: &'a str,
+    /// The kernel image (Debian's `vmlinuz`: a bzImage on amd64, a gzip'd Image on arm64, both
+    /// of which qemu's `-kernel` loads).
+    image: &'a Path,
+    initrd: &'a Path,
+}
+
 /// Boot one guest, echo its console, and stop it at `timeout` at the latest.
-fn boot(label: &str, accel: Accel, image: &Path, initrd: &Path, timeout: Duration) -> Result<Boot> {
-    let mut cmd = Command::new("qemu-system-x86_64");
+fn boot(guest: &Guest<'_>, accel: Accel, timeout: Duration) -> Result<Boot> {
+    let label = guest.label;
+    let (qemu, package) = guest.arch.qemu;
+    let mut cmd = Command::new(qemu);
     match accel {
         Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-        Accel::Tcg => cmd.args(["-accel", "tcg", "-cpu", "max"]),
+        Accel::Tcg => cmd.args(["-accel", "tcg"]).args(guest.arch.tcg),
     };
     // No network device: the guest's only links are the veth pairs the tests make inside it.
     cmd.args(["-smp", "2", "-m", "1G", "-nodefaults", "-display", "none"])
         .args(["-serial", "stdio", "-no-reboot"])
         .arg("-kernel")
-        .arg(image)
+        .arg(guest.image)
         .arg("-initrd")
-        .arg(initrd)
-        .args(["-append", "console=ttyS0 panic=-1 quiet"])
+        .arg(guest.initrd)
+        .arg("-append")
+        .arg(format!("console={} panic=-1 quiet", guest.arch.console))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     eprintln!("vm: booting {label} with {accel:?}");
-    let mut child = cmd.spawn().context("cannot start qemu-system-x86_64")?;
+    let mut child = cmd.spawn().with_context(|| {
+        format!("cannot start {qemu} (Debian package {package}; cargo xtask setup installs it)")
+    })?;
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     let mut readers = Vec::new();
     if let Some(out) = child.stdout.take() {
@@ -549,5 +615,24 @@ mod tests {
             &mut o,
         );
         assert!(!o.ok(), "a crash without a failed test still fails");
+    }
+
+    #[test]
+    fn a_smoke_run_needs_every_smoke_test_passed() {
+        let n = guest::SMOKE.len();
+        for (passed, skipped, ok) in [(n, 0, true), (n - 1, 0, false), (n - 1, 1, false)] {
+            let mut o = Outcome::default();
+            read_log(
+                &log(
+                    &[&format!(
+                        "LB_VM_RESULT status=0 passed={passed} failed=0 skipped={skipped}"
+                    )],
+                    End::Exited,
+                ),
+                &mut o,
+            );
+            check_smoke(&mut o);
+            assert_eq!(o.ok(), ok, "{passed} passed, {skipped} skipped: {o:?}");
+        }
     }
 }
