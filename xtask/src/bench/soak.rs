@@ -5,11 +5,12 @@
 //! server removed and added back, drained and enabled, its connections killed, blackholed and
 //! back), with a million or more short connections through it. lb's RSS, open descriptors,
 //! runtime tasks and BPF map entries, and the kernel's TCP socket memory, are sampled every
-//! second. The baseline is taken after a full-scale warm-up (every stream open, churn at full
-//! rate) has ended and settled, so the allocator's and the kernel's high-water marks are in it;
-//! the end value is taken [`DRAIN`] after the soak, once TIME_WAIT has drained. Each must be
-//! within [`TOLERANCE`] of its baseline (a drop is fine), and the streams must end with every
-//! byte checked, or the run fails. Results and a chart go to `bench/results/raw/soak/`.
+//! second. The baseline is read after a warm-up of the same workload ([`WARM_UP`]) has ended and
+//! lb has given its freed memory back once, so what lb sizes to its peak is in it; the end value
+//! is read [`DRAIN`] after the soak, once TIME_WAIT has drained. Each must be within
+//! [`TOLERANCE`] of its baseline (a drop is fine; the maps keyed by server, balancer or listener
+//! may gain one entry per server), and the streams must end with every byte checked, or the run
+//! fails. Results and a chart go to `bench/results/raw/soak/`.
 
 use std::{
     collections::BTreeMap,
@@ -35,6 +36,8 @@ const SHORT_TARGET: u64 = 1_000_000;
 /// the slower rate under the set changes, to reach [`SHORT_TARGET`]).
 const SOAK_MIN: Duration = Duration::from_secs(120);
 const SOAK_MAX: Duration = Duration::from_secs(300);
+/// Length of the warm-up, the same workload as the soak.
+const WARM_UP: Duration = Duration::from_secs(30);
 /// How long after the soak the end values are read: TIME_WAIT lasts 60 s on Linux
 /// (`TCP_TIMEWAIT_LEN`, include/net/tcp.h).
 const DRAIN: Duration = Duration::from_secs(60);
@@ -53,8 +56,10 @@ struct Sample {
     rss_kib: u64,
     fds: u64,
     tasks: u64,
-    /// Entries of lb's hash and sockhash maps, summed.
+    /// Entries of lb's per-connection maps ([`PER_CONNECTION_MAPS`]), summed.
     map_entries: u64,
+    /// Entries of lb's other hash maps (keyed by server, balancer or listener), summed.
+    table_entries: u64,
     /// The kernel's TCP socket memory (`/proc/net/sockstat` pages and the socket slabs).
     socket_bytes: u64,
 }
@@ -62,12 +67,14 @@ struct Sample {
 impl Sample {
     fn read(lb: &Lb, t: f64) -> Result<Sample> {
         let pid = lb.pid();
+        let maps = map_entries(pid)?;
         Ok(Sample {
             t,
             rss_kib: lb_tests::rss_kib(pid)?,
             fds: lb_tests::open_fds(pid)? as u64,
             tasks: lb.metric("lb_runtime_alive_tasks", "") as u64,
-            map_entries: map_entries(pid)?.values().sum::<usize>() as u64,
+            map_entries: per_connection(&maps),
+            table_entries: maps.values().sum::<usize>() as u64 - per_connection(&maps),
             socket_bytes: kernel_socket_bytes(),
         })
     }
@@ -101,11 +108,35 @@ fn settled(lb: &Lb, t: f64, n: usize) -> Result<Sample> {
                 fds: m.fds.min(s.fds),
                 tasks: m.tasks.min(s.tasks),
                 map_entries: m.map_entries.min(s.map_entries),
+                table_entries: m.table_entries.min(s.table_entries),
                 socket_bytes: m.socket_bytes.min(s.socket_bytes),
             },
         });
     }
     min.context("no reading")
+}
+
+/// lb's maps with an entry per connection (as `bpftool` names them: the kernel keeps 15
+/// characters of a map's name). Its other hash maps hold an entry per server, balancer or
+/// listener of the configuration.
+const PER_CONNECTION_MAPS: [&str; 6] = [
+    "LB_CLIENTS",
+    "LB_SERVERS",
+    "LB_NETNS",
+    "LB_FLOWS",
+    "LB_PAIRS",
+    "LB_CONNECT_SOCK",
+];
+
+/// The servers of the soak's configuration (one for the streams, four for the churn): each may
+/// hold an entry in each server-keyed map once a connection went to it.
+const SERVERS: u64 = 5;
+
+fn per_connection(maps: &BTreeMap<String, usize>) -> u64 {
+    maps.iter()
+        .filter(|(name, _)| PER_CONNECTION_MAPS.contains(&name.as_str()))
+        .map(|(_, n)| *n as u64)
+        .sum()
 }
 
 /// Entries of each hash-type map lb holds (found through its map descriptors), by name.
@@ -253,6 +284,115 @@ fn churn(place: &Place<'_>, addr: SocketAddr, ms: u64) -> Result<(u64, u64, f64)
     Ok((n, failed, n as f64 * 1000.0 / ms as f64))
 }
 
+/// The soak's workload for `length`: the long streams through `listen[0]`, short connections
+/// through `listen[1]`, a change of the churn balancer's set every second, and a reading every
+/// second (its time counted from `t0`).
+struct Phase {
+    short_made: u64,
+    short_failed: u64,
+    /// Bytes the long streams checked.
+    stream_bytes: u64,
+    changes: u64,
+    refused: u64,
+    secs: f64,
+}
+
+/// One mode's lb and where its clients go.
+struct Rig<'a> {
+    lb: &'a Lb,
+    hosts: &'a Hosts,
+    cg: &'a Path,
+    /// The `streams` and `churn` listeners.
+    listen: [SocketAddr; 2],
+    streams: u64,
+}
+
+fn phase(rig: &Rig<'_>, length: Duration, series: &mut Vec<Sample>, t0: Instant) -> Result<Phase> {
+    let Rig {
+        lb,
+        hosts,
+        cg,
+        listen,
+        streams,
+    } = *rig;
+    let place = Place::cgroup(cg);
+    let long = Holder::spawn(
+        &place,
+        listen[0],
+        &[
+            "streams",
+            &streams.to_string(),
+            &length.as_millis().to_string(),
+        ],
+    )?;
+    long.wait_for("ready", Duration::from_secs(120))?;
+    let start = Instant::now();
+    let churner = {
+        let cg = cg.to_path_buf();
+        let addr = listen[1];
+        std::thread::spawn(move || -> Result<(u64, u64)> {
+            let (mut made, mut failed) = (0, 0);
+            while start.elapsed() < length {
+                let left = length.saturating_sub(start.elapsed()).as_millis() as u64;
+                let (m, f, _) =
+                    churn(&Place::cgroup(&cg), addr, left.clamp(1_000, CHURN_CHUNK_MS))?;
+                made += m;
+                failed += f;
+            }
+            Ok((made, failed))
+        })
+    };
+    let (mut changes, mut refused) = (0u64, 0u64);
+    let mut next = start;
+    while start.elapsed() < length {
+        match change(lb, hosts, changes) {
+            Ok(true) => {}
+            Ok(false) => refused += 1,
+            Err(e) => bail!("set change {changes}: {e:#}"),
+        }
+        changes += 1;
+        series.push(Sample::read(lb, t0.elapsed().as_secs_f64())?);
+        next += Duration::from_secs(1);
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+    // Whatever the cycle was at, the set ends as it began.
+    hosts.churn[0].blackhole(false)?;
+    for (method, path, body) in [
+        (
+            "POST",
+            "/balancers/churn/servers",
+            Some(json!({ "server": hosts.churn[3].addr(PORT).to_string() }).to_string()),
+        ),
+        (
+            "POST",
+            &format!(
+                "/balancers/churn/servers/{}/enable",
+                hosts.churn[1].addr(PORT)
+            ),
+            None,
+        ),
+    ] {
+        let _ = http_request(lb.admin, method, path, body.as_deref());
+    }
+    let (short_made, short_failed) = churner
+        .join()
+        .map_err(|_| anyhow::anyhow!("the churn thread panicked"))??;
+    let secs = start.elapsed().as_secs_f64();
+    let done = long.next(Duration::from_secs(120))?;
+    ensure!(
+        done["ok"] == true,
+        "long streams lost or reordered bytes: {done}"
+    );
+    Ok(Phase {
+        short_made,
+        short_failed,
+        stream_bytes: done["bytes"].as_u64().unwrap_or(0),
+        changes,
+        refused,
+        secs,
+    })
+}
+
 fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResult> {
     let cg = TestCgroup::new()?;
     let listen = [
@@ -264,72 +404,34 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     std::fs::write(&file, config(mode, &cg, hosts, listen).text())?;
     let lb = Lb::start(&["--config", &file.display().to_string()])?;
     lb.wait_settled(Duration::from_secs(15))?;
-    let place = Place::cgroup(&cg.path);
-    let n = streams.to_string();
 
-    // Warm-up at full scale, then the baseline.
-    let warm = Holder::spawn(&place, listen[0], &["streams", &n, "10000"])?;
-    warm.wait_for("ready", Duration::from_secs(120))?;
-    let (_, _, rate) = churn(&place, listen[1], CHURN_CHUNK_MS)?;
-    let end = warm.next(Duration::from_secs(60))?;
-    ensure!(end["ok"] == true, "warm-up streams: {end}");
-    // lb gives freed memory back every 30 s (`lb::memory::TRIM_INTERVAL`): one such round.
+    // The warm-up: the same workload for WARM_UP, so every structure lb sizes to its peak (a
+    // map's capacity, the runtime's slabs) is already at it; then one memory trim round
+    // (`lb::memory::TRIM_INTERVAL`, 30 s) and the baseline. What the soak adds beyond it grows
+    // with the work: a leak.
+    let t0 = Instant::now();
+    let mut series = Vec::new();
+    let rig = Rig {
+        lb: &lb,
+        hosts,
+        cg: &cg.path,
+        listen,
+        streams,
+    };
+    let warm = phase(&rig, WARM_UP, &mut series, t0)?;
     std::thread::sleep(Duration::from_secs(35));
-    let baseline = settled(&lb, 0.0, 5)?;
+    let baseline = settled(&lb, t0.elapsed().as_secs_f64(), 5)?;
     let baseline_maps = map_entries(lb.pid())?;
-    let soak = Duration::from_secs_f64((SHORT_TARGET as f64 / rate.max(1.0)) * 1.5)
+    series.push(baseline.clone());
+    let rate = warm.short_made as f64 / warm.secs.max(1.0);
+    let soak = Duration::from_secs_f64((SHORT_TARGET as f64 / rate.max(1.0)) * 1.1)
         .clamp(SOAK_MIN, SOAK_MAX);
     eprintln!(
-        "soak {mode}: {streams} streams, churn {rate:.0}/s in the warm-up, soaking {:.0} s",
+        "soak {mode}: {streams} streams, {rate:.0} short connections/s in the warm-up, soaking {:.0} s",
         soak.as_secs_f64()
     );
-
-    let long = Holder::spawn(
-        &place,
-        listen[0],
-        &["streams", &n, &soak.as_millis().to_string()],
-    )?;
-    long.wait_for("ready", Duration::from_secs(120))?;
-    let start = Instant::now();
-    let churner = {
-        let cg = cg.path.clone();
-        let addr = listen[1];
-        std::thread::spawn(move || -> Result<(u64, u64)> {
-            let (mut made, mut failed) = (0, 0);
-            while start.elapsed() < soak {
-                let left = soak.saturating_sub(start.elapsed()).as_millis() as u64;
-                let (m, f, _) =
-                    churn(&Place::cgroup(&cg), addr, left.clamp(1_000, CHURN_CHUNK_MS))?;
-                made += m;
-                failed += f;
-            }
-            Ok((made, failed))
-        })
-    };
-    let mut series = vec![baseline.clone()];
-    let (mut changes, mut refused) = (0u64, 0u64);
-    let mut next = start;
-    while start.elapsed() < soak {
-        match change(&lb, hosts, changes) {
-            Ok(true) => {}
-            Ok(false) => refused += 1,
-            Err(e) => bail!("set change {changes}: {e:#}"),
-        }
-        changes += 1;
-        series.push(Sample::read(&lb, start.elapsed().as_secs_f64())?);
-        next += Duration::from_secs(1);
-        std::thread::sleep(next.saturating_duration_since(Instant::now()));
-    }
-    hosts.churn[0].blackhole(false)?;
-    let (made, failed) = churner
-        .join()
-        .map_err(|_| anyhow::anyhow!("the churn thread panicked"))??;
-    let soak_s = start.elapsed().as_secs_f64();
-    let done = long.next(Duration::from_secs(120))?;
-    ensure!(
-        done["ok"] == true,
-        "long streams lost or reordered bytes: {done}"
-    );
+    let run = phase(&rig, soak, &mut series, t0)?;
+    let start = t0;
     let drained = Instant::now() + DRAIN;
     while Instant::now() < drained {
         std::thread::sleep(Duration::from_secs(5));
@@ -338,22 +440,28 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     let end = settled(&lb, start.elapsed().as_secs_f64(), 5)?;
     let end_maps = map_entries(lb.pid())?;
     series.push(end.clone());
-    let over = baseline
+    let mut over: Vec<String> = baseline
         .values()
         .iter()
         .zip(end.values())
         .filter(|((_, b), (_, e))| (*e as f64) > *b as f64 * (1.0 + TOLERANCE))
         .map(|((name, b), (_, e))| format!("{name} {b} -> {e}"))
         .collect();
+    if end.table_entries > baseline.table_entries + SERVERS {
+        over.push(format!(
+            "table_entries {} -> {} (more than one more per server)",
+            baseline.table_entries, end.table_entries
+        ));
+    }
     Ok(ModeResult {
         mode,
         streams,
-        stream_bytes: done["bytes"].as_u64().unwrap_or(0),
-        short_connections: made,
-        short_failed: failed,
-        soak_s,
-        set_changes: changes,
-        refused_changes: refused,
+        stream_bytes: run.stream_bytes,
+        short_connections: run.short_made,
+        short_failed: run.short_failed,
+        soak_s: run.secs,
+        set_changes: run.changes,
+        refused_changes: run.refused,
         baseline,
         end,
         baseline_maps,
@@ -401,7 +509,7 @@ fn markdown(results: &[ModeResult]) -> String {
     let mut md = String::from(
         "## Churn soak\n\n`cargo xtask bench --only soak`: per forwarding mode, long byte-exact \
          streams through one balancer and short connections through another whose server set \
-         changes every second. Baseline 35 s after a full-scale warm-up; end 60 s after the soak \
+         changes every second. Baseline 35 s after a 30 s warm-up of the same workload; end 60 s after the soak \
          (the smaller of 5 readings a second apart for each).\n\n\
          | mode | streams | bytes checked | short connections | failed | soak s | set changes | value | baseline | end | change |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
