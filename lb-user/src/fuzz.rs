@@ -239,11 +239,21 @@ mod tests {
         );
         assert!(answer.contains("invalid JSON body"), "{answer}");
         let answer = String::from_utf8(admin_request(
-            b"POST /balancers/k3s/servers/198.18.0.2%3A1/explode HTTP/1.1\r\n\r\n",
+            // The action is checked before the address, as the real handler does.
+            b"POST /balancers/k3s/servers/nonsense/explode HTTP/1.1\r\n\r\n",
         ))
         .unwrap();
         assert!(answer.starts_with("HTTP/1.1 404 Not Found\r\n"), "{answer}");
         assert!(answer.contains("no action \\\"explode\\\""), "{answer}");
+        let answer = String::from_utf8(admin_request(
+            b"POST /balancers/k3s/servers/nonsense/drain HTTP/1.1\r\n\r\n",
+        ))
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 404 Not Found\r\n"), "{answer}");
+        assert!(
+            answer.contains("server nonsense is not in the set"),
+            "{answer}"
+        );
         let answer =
             String::from_utf8(admin_request(b"GET /check?timeout=soon HTTP/1.1\r\n\r\n")).unwrap();
         assert!(

@@ -284,8 +284,8 @@ pub(super) mod parsed {
         path: Result<Path<(String, String, String)>, PathRejection>,
     ) -> Result<String, ApiError> {
         let Path((name, addr, action)) = path.map_err(path_error)?;
-        let server = as_balancer_parses(addr)?;
-        Ok(format!("{name}: {server} {:?}", action_of(&action)?))
+        let action = action_of(&action)?;
+        Ok(format!("{name}: {} {action:?}", as_balancer_parses(addr)?))
     }
 
     /// A server named in a path as the balancer parses it to look it up; one that does not
