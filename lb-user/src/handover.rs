@@ -347,11 +347,8 @@ pub fn recv(sock: &UnixStream) -> Result<Frame, HandoverError> {
             fds.len()
         )));
     }
-    let mut json = vec![0; json_len as usize];
-    let mut raw = vec![0; raw_len as usize];
-    let mut r = sock;
-    r.read_exact(&mut json).map_err(eof_closed)?;
-    r.read_exact(&mut raw).map_err(eof_closed)?;
+    let json = read_part(sock, json_len)?;
+    let raw = read_part(sock, raw_len)?;
     Ok(Frame {
         message: serde_json::from_slice(&json)?,
         fds,
@@ -359,12 +356,18 @@ pub fn recv(sock: &UnixStream) -> Result<Frame, HandoverError> {
     })
 }
 
-fn eof_closed(e: io::Error) -> HandoverError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        HandoverError::Closed
-    } else {
-        HandoverError::Io(e)
+/// The next `len` bytes of `sock`, in memory that grows with what arrives: a header announcing
+/// more than the peer sends costs only what it sent, not `len` bytes up front.
+///
+/// # Errors
+/// [`HandoverError::Closed`] when the stream ends first; [`HandoverError::Io`].
+fn read_part(sock: &UnixStream, len: u32) -> Result<Vec<u8>, HandoverError> {
+    let mut part = Vec::new();
+    sock.take(u64::from(len)).read_to_end(&mut part)?;
+    if part.len() < len as usize {
+        return Err(HandoverError::Closed);
     }
+    Ok(part)
 }
 
 /// Take ownership of a descriptor the kernel just installed in this process (`SCM_RIGHTS`).

@@ -4,7 +4,7 @@
 //! passive signals. Results go to [`Balancer::record_check`], which applies `rise`/`fall` and
 //! `on_unhealthy`.
 
-mod http;
+pub(crate) mod http;
 mod tls;
 mod tunnel;
 
@@ -188,7 +188,20 @@ async fn tls_check(
     route: &Route,
 ) -> Result<(), CheckError> {
     let tcp = connect_tcp(check_target(cfg, server)?.as_str(), route).await?;
-    let stream = tls::handshake(cfg, &server.host_str(), tcp, None).await?;
+    tls_verdict(cfg, &server.host_str(), tcp).await
+}
+
+/// The `tls` check's verdict on a connected stream: the handshake with `cfg`'s settings
+/// (verified against `host` unless `sni` or `host` say otherwise) and, with `alpn` set, a
+/// protocol the server picked.
+///
+/// # Errors
+/// As [`tls::handshake`], or [`CheckError::NoAlpn`].
+pub(crate) async fn tls_verdict<S>(cfg: &HealthConfig, host: &str, io: S) -> Result<(), CheckError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let stream = tls::handshake(cfg, host, io, None).await?;
     if !cfg.alpn.is_empty() && stream.get_ref().1.alpn_protocol().is_none() {
         return Err(CheckError::NoAlpn(cfg.alpn.clone()));
     }

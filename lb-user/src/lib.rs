@@ -19,6 +19,8 @@ pub mod datapath;
 pub mod discovery;
 pub mod errors;
 pub mod files;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod handover;
 pub mod health;
 pub mod http1;

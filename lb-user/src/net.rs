@@ -104,6 +104,21 @@ pub async fn connect_to(
         .map_or_else(|| server.authority(), |sa| sa.to_string());
     s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
+    read_connect_answer(&mut s).await?;
+    Ok((s, peer))
+}
+
+/// Read a CONNECT proxy's answer head from `s`, byte by byte up to its blank line (so not one
+/// byte of the tunnel is taken from the stream), at most [`MAX_PROXY_HEAD`] bytes; the answer
+/// must be status 200.
+///
+/// # Errors
+/// `InvalidData` when the proxy closes or the head grows past [`MAX_PROXY_HEAD`] bytes;
+/// `ConnectionRefused` with the status line for any status but 200.
+pub(crate) async fn read_connect_answer<R>(s: &mut R) -> io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
     let mut head = Vec::with_capacity(256);
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -126,7 +141,7 @@ pub async fn connect_to(
             ),
         ));
     }
-    Ok((s, peer))
+    Ok(())
 }
 
 /// Resolve `server` and connect to the first address that accepts, with `TCP_NODELAY`;

@@ -1,8 +1,9 @@
-//! `cargo xtask`: setup, build, run, demo, test (and vm-test, bench, dist).
+//! `cargo xtask`: setup, build, run, demo, test (and fuzz, vm-test, bench, dist).
 
 mod bench;
 mod demo;
 mod dist;
+mod fuzz;
 mod musl;
 mod setup;
 mod test;
@@ -37,9 +38,20 @@ enum Cmd {
     },
     /// Test hosts in namespaces, real traffic, a failover you can watch.
     Demo,
-    /// Everything CI runs: fmt, clippy, unit and privileged integration tests, the quick bench,
+    /// Everything CI runs: fmt, clippy, unit and privileged integration tests, each fuzz target
+    /// for 20 s, the quick bench,
     /// the 6.1 and 6.12 VM runs, then the packages (`dist --check`).
     Test,
+    /// Build the fuzz targets of `fuzz/` (pinned nightly, cargo-fuzz) and run each on its seed
+    /// corpus; fails naming the target and the input of a crash, hang or unbounded allocation.
+    Fuzz {
+        /// How long each target runs, in seconds.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Run this target only (`fuzz/Cargo.toml` lists them).
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// lb (splice, copy and connect-time) side by side with a direct connection, HAProxy and
     /// nginx; results in bench/results/.
     Bench {
@@ -121,6 +133,10 @@ fn main() -> Result<()> {
         Cmd::Test => {
             setup::run()?;
             test::run()
+        }
+        Cmd::Fuzz { seconds, target } => {
+            setup::run()?;
+            fuzz::run(seconds, target.as_deref())
         }
         Cmd::Bench { quick, only } => {
             setup::run()?;

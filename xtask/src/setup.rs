@@ -1,4 +1,5 @@
-//! `cargo xtask setup`: install only what is missing, say what is done, and name the missing
+//! `cargo xtask setup`: install only what is missing (apt packages, the pinned nightly,
+//! bpf-linker, cargo-fuzz), say what is done, and name the missing
 //! piece when it cannot be installed.
 
 use std::{
@@ -54,6 +55,9 @@ const POLICY_RC_D: &str = "/usr/sbin/policy-rc.d";
 
 /// bpf-linker version installed; it has features for LLVM 21, 22 and 23.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// cargo-fuzz version installed: `cargo xtask fuzz` (and `test`) build the fuzz targets with it.
+pub const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
 /// The components rustup lists as installed for `toolchain`, one per line; empty when the
 /// toolchain is not installed.
@@ -320,7 +324,33 @@ pub fn run() -> Result<()> {
     keep_services_off()?;
     let toolchain = bpf_toolchain()?;
     rust_toolchains(&toolchain)?;
-    bpf_linker(&toolchain)
+    bpf_linker(&toolchain)?;
+    cargo_fuzz()
+}
+
+/// cargo-fuzz at [`CARGO_FUZZ_VERSION`], unless `cargo fuzz --version` already names it.
+fn cargo_fuzz() -> Result<()> {
+    let want = format!("cargo-fuzz {CARGO_FUZZ_VERSION}");
+    let have = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if have.as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    exec(
+        Command::new("cargo").args([
+            "install",
+            "--force",
+            "--locked",
+            "cargo-fuzz",
+            "--version",
+            CARGO_FUZZ_VERSION,
+        ]),
+        &format!("cargo install cargo-fuzz {CARGO_FUZZ_VERSION} (the fuzz targets' builder)"),
+    )
 }
 
 /// The pinned nightly with rust-src and clippy, and the musl targets of the stable toolchain.

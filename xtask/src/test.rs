@@ -1,13 +1,14 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
 //! too), the unit and integration tests
-//! on the host kernel, the quick bench, the integration tests in the kernel 6.1 guest, the
-//! connect-time tests in the 5.10 and 6.12 guests and the smoke subset in the arm64 6.1 guest,
-//! then `cargo xtask dist --check`; it closes with one line of counts.
+//! on the host kernel, every fuzz target for a share of [`FUZZ_BUDGET_S`], the quick bench, the
+//! integration tests in the kernel 6.1 and 5.10 guests, the connect-time tests in the 6.12 guest
+//! and the smoke subset in the arm64 6.1 guest, then `cargo xtask dist --check`; it closes with
+//! one line of counts.
 
 use anyhow::Result;
 
 use crate::{
-    bench, dist,
+    bench, dist, fuzz,
     util::{Counts, Skip, build_release, cargo, cargo_test, check_privileged_skips},
     vm,
 };
@@ -46,6 +47,7 @@ pub fn run() -> Result<()> {
         "xtask: host tests took {:.0} s",
         start.elapsed().as_secs_f64()
     );
+    let fuzz_result = fuzz_step(&mut counts);
     // Smoke check of the bench: every contender runs every scenario (the numbers are not checked).
     if result.is_ok() {
         if lb_tests::is_root() {
@@ -74,7 +76,60 @@ pub fn run() -> Result<()> {
     }
     eprintln!("xtask: test took {:.0} s", start.elapsed().as_secs_f64());
     let privilege = close(&counts);
-    result.and(vm_result).and(dist_result).and(privilege)
+    result
+        .and(fuzz_result)
+        .and(vm_result)
+        .and(dist_result)
+        .and(privilege)
+}
+
+/// Seconds of fuzzing in `cargo xtask test`, shared equally by the targets (the build and
+/// each run's start come on top).
+pub const FUZZ_BUDGET_S: u64 = 160;
+
+/// Every fuzz target for its share of [`FUZZ_BUDGET_S`], each one test: passed when it found
+/// nothing. `LB_FUZZ_TEST=0` leaves them out, saying so.
+///
+/// # Errors
+/// The build failing, or a target finding something (named with its input).
+fn fuzz_step(counts: &mut Counts) -> Result<()> {
+    if std::env::var("LB_FUZZ_TEST").is_ok_and(|v| v == "0") {
+        eprintln!("xtask: LB_FUZZ_TEST=0: the fuzz targets are left out");
+        return Ok(());
+    }
+    let start = std::time::Instant::now();
+    let targets = fuzz::targets()?;
+    let seconds = FUZZ_BUDGET_S / u64::try_from(targets.len()).unwrap_or(1).max(1);
+    if let Err(e) = fuzz::build() {
+        counts.failed += 1;
+        return Err(e);
+    }
+    let built = start.elapsed().as_secs_f64();
+    let mut found = Vec::new();
+    for t in &targets {
+        match fuzz::run_one(t, seconds) {
+            Ok(o) if o.finding.is_none() => {
+                eprintln!("xtask: {}", o.line());
+                counts.passed += 1;
+            }
+            Ok(o) => {
+                eprintln!("xtask: {}", o.line());
+                counts.failed += 1;
+                found.push(o.line());
+            }
+            Err(e) => {
+                eprintln!("xtask: fuzz {t}: {e:#}");
+                counts.failed += 1;
+                found.push(format!("fuzz {t}: {e:#}"));
+            }
+        }
+    }
+    eprintln!(
+        "xtask: fuzzing took {:.0} s ({built:.0} s of it the build)",
+        start.elapsed().as_secs_f64()
+    );
+    anyhow::ensure!(found.is_empty(), "fuzzing found:\n  {}", found.join("\n  "));
+    Ok(())
 }
 
 /// The same tests on kernel 6.1, in a qemu guest (about 6 min under TCG here, plus the musl

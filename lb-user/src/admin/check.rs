@@ -92,19 +92,36 @@ fn parse_timeout(raw: Option<&str>) -> Result<Duration, String> {
     Ok(d.clamp(MIN_TIMEOUT, MAX_TIMEOUT))
 }
 
+/// The query of `/check`: the balancer asked for (all when `None`) and the timeout, clamped.
+///
+/// # Errors
+/// 400 naming an unknown parameter or a timeout that is not a duration.
+fn request(
+    query: Result<Query<CheckQuery>, QueryRejection>,
+) -> Result<(Option<String>, Duration), ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let timeout = parse_timeout(q.timeout.as_deref()).map_err(ApiError::bad_request)?;
+    Ok((q.balancer, timeout))
+}
+
+/// `/check`'s query as [`handler`] parses it, before it looks a balancer up: what
+/// [`super::routes::parsing_router`] answers with (the admin API's fuzz target).
+pub(super) async fn parsed(
+    query: Result<Query<CheckQuery>, QueryRejection>,
+) -> Result<String, ApiError> {
+    let (scope, timeout) = request(query)?;
+    Ok(format!("{scope:?} within {timeout:?}"))
+}
+
 pub(super) async fn handler(
     State(s): State<Arc<AdminState>>,
     query: Result<Query<CheckQuery>, QueryRejection>,
 ) -> Response {
-    let Query(q) = match query {
-        Ok(q) => q,
-        Err(e) => return ApiError::bad_request(e.body_text()).into_response(),
+    let (scope, timeout) = match request(query) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
     };
-    let timeout = match parse_timeout(q.timeout.as_deref()) {
-        Ok(t) => t,
-        Err(e) => return ApiError::bad_request(e).into_response(),
-    };
-    let balancers: Vec<Arc<Balancer>> = match &q.balancer {
+    let balancers: Vec<Arc<Balancer>> = match &scope {
         Some(name) => match s.daemon.balancer(name) {
             Some(b) => vec![b],
             None => {
@@ -114,9 +131,7 @@ pub(super) async fn handler(
         None => s.daemon.balancers().iter().cloned().collect(),
     };
     let waited = Instant::now();
-    let (started, shared, run) = s
-        .checks
-        .join(&s.daemon, q.balancer.clone(), balancers.clone());
+    let (started, shared, run) = s.checks.join(&s.daemon, scope.clone(), balancers.clone());
     let timed_out = tokio::time::timeout(timeout, run).await.is_err();
     let report = report(
         &balancers,
@@ -126,7 +141,7 @@ pub(super) async fn handler(
         shared,
         timed_out,
     );
-    debug!(balancer = ?q.balancer, healthy = report.healthy, timed_out, shared, "/check");
+    debug!(balancer = ?scope, healthy = report.healthy, timed_out, shared, "/check");
     let code = if report.healthy {
         StatusCode::OK
     } else {

@@ -202,10 +202,51 @@ impl IntoResponse for ApiError {
 }
 
 fn router(state: Arc<AdminState>) -> Router {
-    routes::routes(&state)
+    outer(routes::routes(&state)).with_state(state)
+}
+
+/// What every admin router has around its routes: the 404 answer and the body limit.
+fn outer<S: Clone + Send + Sync + 'static>(routes: Router<S>) -> Router<S> {
+    routes
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(state)
+}
+
+/// hyper's HTTP/1.1 server as the admin API runs it: the head read bounded in time and size.
+fn http1() -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES);
+    b
+}
+
+/// Serve one connection whose client side sends `request` (raw bytes, one or more HTTP/1.1
+/// requests) and then closes its write side, with the admin API's HTTP server and routes but
+/// the parsing handlers of [`routes::parsing_router`]; returns the raw bytes answered. The
+/// admin API's fuzz target.
+pub(crate) async fn parse_exchange(request: &[u8]) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (client, server) = tokio::io::duplex(64 * 1024);
+    let app = outer(routes::parsing_router());
+    let serve = tokio::spawn(async move {
+        let mut b = http1();
+        // The client's write side closes after its last request: answer that request still.
+        b.half_close(true);
+        let _ = b
+            .serve_connection(TokioIo::new(server), TowerToHyperService::new(app))
+            .await;
+    });
+    let (mut rx, mut tx) = tokio::io::split(client);
+    let mut answer = Vec::new();
+    let write = async {
+        let _ = tx.write_all(request).await;
+        let _ = tx.shutdown().await;
+    };
+    let (_, read) = tokio::join!(write, rx.read_to_end(&mut answer));
+    drop(read);
+    let _ = serve.await;
+    answer
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -356,11 +397,8 @@ async fn serve_connection(
     slot: slots::Slot,
 ) {
     let app = app.layer(axum::Extension(peer));
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(MAX_HEAD_BYTES)
-        .serve_connection(TokioIo::new(io), slot.track(TowerToHyperService::new(app)));
+    let conn =
+        http1().serve_connection(TokioIo::new(io), slot.track(TowerToHyperService::new(app)));
     tokio::pin!(conn);
     let result = tokio::select! {
         r = conn.as_mut() => r,

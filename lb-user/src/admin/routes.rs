@@ -185,6 +185,29 @@ pub(super) fn routes(state: &Arc<AdminState>) -> Router<Arc<AdminState>> {
     })
 }
 
+/// The routes of [`ENDPOINTS`] without a daemon: each handler parses its request (path, query,
+/// body) with the very functions the real one does, in the same order, and answers `200` with
+/// what it parsed, or the error the real one would answer before it looks a balancer up. No
+/// rule is applied. The admin API's fuzz target serves this.
+pub(super) fn parsing_router() -> Router {
+    ENDPOINTS.iter().fold(Router::new(), |app, e| {
+        let f = e.method.filter();
+        let route: MethodRouter = match e.handler {
+            Handler::Livez
+            | Handler::Readyz
+            | Handler::Status
+            | Handler::Metrics
+            | Handler::Upgrade => on(f, || async { "no input to parse" }),
+            Handler::Check => on(f, check::parsed),
+            Handler::SetServers => on(f, servers::parsed::set),
+            Handler::AddServer => on(f, servers::parsed::add),
+            Handler::RemoveServer => on(f, servers::parsed::remove),
+            Handler::ServerAction => on(f, servers::parsed::action),
+        };
+        app.route(e.path, route)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,7 +23,7 @@ use super::{
     api::{ActionResponse, AddServerRequest, ServersResponse, SetServersRequest},
 };
 use crate::{
-    addr::{self, SetError},
+    addr::{self, ServerAddr, SetError},
     balancer::{Balancer, Hold, KillReason},
 };
 
@@ -54,6 +54,60 @@ fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Resul
     }
     serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// The body of `PUT /balancers/NAME/servers`: the servers in order and the default.
+///
+/// # Errors
+/// 400 (413 past [`super::MAX_BODY_BYTES`]) naming what is wrong with the body or which entry
+/// is not `host:port`.
+fn set_request(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Vec<ServerAddr>, Option<ServerAddr>), ApiError> {
+    let req: SetServersRequest = parse_body(body)?;
+    let servers = addr::parse_all(&req.servers).map_err(set_error)?;
+    let default = req
+        .default
+        .as_deref()
+        .map(addr::parse_one)
+        .transpose()
+        .map_err(set_error)?;
+    Ok((servers, default))
+}
+
+/// The body of `POST /balancers/NAME/servers`: the server to add.
+///
+/// # Errors
+/// As [`set_request`].
+fn add_request(body: Result<Bytes, BytesRejection>) -> Result<ServerAddr, ApiError> {
+    let req: AddServerRequest = parse_body(body)?;
+    addr::parse_one(&req.server).map_err(set_error)
+}
+
+/// One of [`ACTIONS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Drain,
+    Disable,
+    Enable,
+    Kill,
+}
+
+/// The `{action}` of `POST /balancers/NAME/servers/ADDR/{action}`.
+///
+/// # Errors
+/// 404 naming the actions there are.
+fn action_of(action: &str) -> Result<Action, ApiError> {
+    match action {
+        "drain" => Ok(Action::Drain),
+        "disable" => Ok(Action::Disable),
+        "enable" => Ok(Action::Enable),
+        "kill" => Ok(Action::Kill),
+        other => Err(ApiError::not_found(format!(
+            "no action {other:?}: use one of {}",
+            ACTIONS.join(", ")
+        ))),
+    }
 }
 
 fn find(s: &AdminState, name: &str) -> Result<Arc<Balancer>, ApiError> {
@@ -116,14 +170,7 @@ pub(super) async fn set(
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     owned_by_discovery(&b)?;
-    let req: SetServersRequest = parse_body(body)?;
-    let servers = addr::parse_all(&req.servers).map_err(set_error)?;
-    let default = req
-        .default
-        .as_deref()
-        .map(addr::parse_one)
-        .transpose()
-        .map_err(set_error)?;
+    let (servers, default) = set_request(body)?;
     let changed = off_thread(&b, move |b| b.set_servers(&servers, default.as_ref()))
         .await?
         .map_err(set_error)?;
@@ -143,8 +190,7 @@ pub(super) async fn add(
     let Path(name) = name.map_err(path_error)?;
     let b = find(&s, &name)?;
     owned_by_discovery(&b)?;
-    let req: AddServerRequest = parse_body(body)?;
-    let server = addr::parse_one(&req.server).map_err(set_error)?;
+    let server = add_request(body)?;
     let changed = off_thread(&b, move |b| b.add_server(&server))
         .await?
         .map_err(|e| match e {
@@ -181,17 +227,11 @@ pub(super) async fn action(
 ) -> Result<Json<ActionResponse>, ApiError> {
     let Path((name, addr, action)) = path.map_err(path_error)?;
     let b = find(&s, &name)?;
-    let killed = match action.as_str() {
-        "drain" => b.set_hold(&addr, Hold::Drain),
-        "disable" => b.set_hold(&addr, Hold::Disabled),
-        "enable" => b.set_hold(&addr, Hold::None),
-        "kill" => b.kill_server(&addr, KillReason::Admin),
-        other => {
-            return Err(ApiError::not_found(format!(
-                "no action {other:?}: use one of {}",
-                ACTIONS.join(", ")
-            )));
-        }
+    let killed = match action_of(&action)? {
+        Action::Drain => b.set_hold(&addr, Hold::Drain),
+        Action::Disable => b.set_hold(&addr, Hold::Disabled),
+        Action::Enable => b.set_hold(&addr, Hold::None),
+        Action::Kill => b.kill_server(&addr, KillReason::Admin),
     }
     .map_err(set_error)?;
     Ok(Json(ActionResponse {
@@ -201,4 +241,56 @@ pub(super) async fn action(
         killed,
         servers: b.status(),
     }))
+}
+
+/// The server set changes' input as the handlers above parse it, before they look a balancer
+/// up or change anything: what [`super::routes::parsing_router`] answers with (the admin API's
+/// fuzz target).
+pub(super) mod parsed {
+    use super::{
+        ApiError, Bytes, BytesRejection, Path, PathRejection, ServerAddr, SetError, action_of,
+        add_request, path_error, set_error, set_request,
+    };
+
+    /// `PUT /balancers/NAME/servers`.
+    pub(in super::super) async fn set(
+        name: Result<Path<String>, PathRejection>,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Result<String, ApiError> {
+        let Path(name) = name.map_err(path_error)?;
+        let (servers, default) = set_request(body)?;
+        Ok(format!("{name}: {servers:?} default {default:?}"))
+    }
+
+    /// `POST /balancers/NAME/servers`.
+    pub(in super::super) async fn add(
+        name: Result<Path<String>, PathRejection>,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Result<String, ApiError> {
+        let Path(name) = name.map_err(path_error)?;
+        Ok(format!("{name}: {}", add_request(body)?))
+    }
+
+    /// `DELETE /balancers/NAME/servers/ADDR`.
+    pub(in super::super) async fn remove(
+        path: Result<Path<(String, String)>, PathRejection>,
+    ) -> Result<String, ApiError> {
+        let Path((name, addr)) = path.map_err(path_error)?;
+        Ok(format!("{name}: {}", as_balancer_parses(addr)?))
+    }
+
+    /// `POST /balancers/NAME/servers/ADDR/{action}`.
+    pub(in super::super) async fn action(
+        path: Result<Path<(String, String, String)>, PathRejection>,
+    ) -> Result<String, ApiError> {
+        let Path((name, addr, action)) = path.map_err(path_error)?;
+        let action = action_of(&action)?;
+        Ok(format!("{name}: {} {action:?}", as_balancer_parses(addr)?))
+    }
+
+    /// A server named in a path as the balancer parses it to look it up; one that does not
+    /// parse is a server it does not have (404).
+    fn as_balancer_parses(addr: String) -> Result<ServerAddr, ApiError> {
+        ServerAddr::parse(&addr).map_err(|_| set_error(SetError::UnknownServer(addr)))
+    }
 }

@@ -46,7 +46,7 @@ struct Member {
 ///
 /// # Errors
 /// A message when the body is not a member list or a URL is not `scheme://host:port`.
-fn servers_of(body: &[u8]) -> Result<Vec<ServerAddr>, String> {
+pub(crate) fn servers_of(body: &[u8]) -> Result<Vec<ServerAddr>, String> {
     let list: MemberList =
         serde_json::from_slice(body).map_err(|e| format!("not a member list: {e}"))?;
     let mut out: Vec<ServerAddr> = Vec::new();

@@ -32,7 +32,7 @@ struct Listed {
 /// # Errors
 /// A message naming what is wrong: not one of the three shapes, or an entry that is not
 /// `host:port`.
-fn parse(text: &str) -> Result<(Vec<ServerAddr>, Option<ServerAddr>), String> {
+pub(crate) fn parse(text: &str) -> Result<(Vec<ServerAddr>, Option<ServerAddr>), String> {
     let trimmed = text.trim_start();
     let listed = if trimmed.starts_with('[') {
         Listed {

@@ -6,8 +6,8 @@
 //! error in `/status`.
 
 mod dns;
-mod etcd;
-mod file;
+pub(crate) mod etcd;
+pub(crate) mod file;
 pub mod names;
 
 use std::{

@@ -19,7 +19,7 @@ const USER_AGENT_VALUE: &str = concat!("lb-health/", env!("CARGO_PKG_VERSION"));
 
 /// A parsed check target: where to connect and what to send.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Target {
+pub(crate) struct Target {
     /// `https` / `wss`.
     pub(super) tls: bool,
     /// Host as in the URL (brackets removed from IPv6).
@@ -38,7 +38,7 @@ pub(super) struct Target {
 ///
 /// # Errors
 /// [`CheckError::Url`] for a missing URL, another scheme or an unparsable one.
-pub(super) fn target(
+pub(crate) fn target(
     template: Option<&str>,
     server: &ServerAddr,
     plain: &str,
@@ -128,7 +128,13 @@ pub(super) async fn check(
     }
 }
 
-async fn exchange<S>(cfg: &HealthConfig, t: &Target, io: S) -> Result<(), CheckError>
+/// The http check's request to `t` on a connected stream and the verdict on its answer: the
+/// status must match `expect_status`, the body (at most `max_response_bytes`, the head bounded
+/// likewise) must contain `expect_body`.
+///
+/// # Errors
+/// Why the answer makes the server unhealthy ([`CheckError`]).
+pub(crate) async fn exchange<S>(cfg: &HealthConfig, t: &Target, io: S) -> Result<(), CheckError>
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {

@@ -15,7 +15,7 @@ use rustls::{
     crypto::{CryptoProvider, WebPkiSupportedAlgorithms},
     pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject as _},
 };
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::{TlsConnector, client::TlsStream};
 
 use super::CheckError;
@@ -225,18 +225,21 @@ fn strip_port(host: &str) -> &str {
     }
 }
 
-/// TLS handshake over `tcp` with `cfg`'s settings, offering `alpn` (the config's list when
-/// `None`).
+/// TLS handshake over `tcp` (a TCP stream, or any byte stream) with `cfg`'s settings, offering
+/// `alpn` (the config's list when `None`).
 ///
 /// # Errors
 /// [`CheckError::TlsConfig`], [`CheckError::BadName`] or [`CheckError::Tls`] (handshake refused,
 /// certificate not trusted, wrong name).
-pub(super) async fn handshake(
+pub(super) async fn handshake<S>(
     cfg: &HealthConfig,
     host: &str,
-    tcp: TcpStream,
+    tcp: S,
     alpn: Option<&[&str]>,
-) -> Result<TlsStream<TcpStream>, CheckError> {
+) -> Result<TlsStream<S>, CheckError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let config = client_config(cfg, alpn)?;
     let name = server_name(cfg, host)?;
     TlsConnector::from(config)
