@@ -271,8 +271,8 @@ fn config(mode: &str, cg: &TestCgroup, hosts: &Hosts, listen: [SocketAddr; 2]) -
         .value("fall", 1)
 }
 
-/// Short connections through `addr` for `ms`: (made, failed, per second).
-fn churn(place: &Place<'_>, addr: SocketAddr, ms: u64) -> Result<(u64, u64, f64)> {
+/// Short connections through `addr` for `ms`: (made, failed).
+fn churn(place: &Place<'_>, addr: SocketAddr, ms: u64) -> Result<(u64, u64)> {
     let v = run_client(
         place,
         addr,
@@ -281,7 +281,7 @@ fn churn(place: &Place<'_>, addr: SocketAddr, ms: u64) -> Result<(u64, u64, f64)
     )?;
     let n = v["conns"].as_u64().unwrap_or(0);
     let failed = v["failed"].as_u64().unwrap_or(0);
-    Ok((n, failed, n as f64 * 1000.0 / ms as f64))
+    Ok((n, failed))
 }
 
 /// The soak's workload for `length`: the long streams through `listen[0]`, short connections
@@ -334,8 +334,7 @@ fn phase(rig: &Rig<'_>, length: Duration, series: &mut Vec<Sample>, t0: Instant)
             let (mut made, mut failed) = (0, 0);
             while start.elapsed() < length {
                 let left = length.saturating_sub(start.elapsed()).as_millis() as u64;
-                let (m, f, _) =
-                    churn(&Place::cgroup(&cg), addr, left.clamp(1_000, CHURN_CHUNK_MS))?;
+                let (m, f) = churn(&Place::cgroup(&cg), addr, left.clamp(1_000, CHURN_CHUNK_MS))?;
                 made += m;
                 failed += f;
             }
@@ -431,13 +430,12 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
         soak.as_secs_f64()
     );
     let run = phase(&rig, soak, &mut series, t0)?;
-    let start = t0;
     let drained = Instant::now() + DRAIN;
     while Instant::now() < drained {
         std::thread::sleep(Duration::from_secs(5));
-        series.push(Sample::read(&lb, start.elapsed().as_secs_f64())?);
+        series.push(Sample::read(&lb, t0.elapsed().as_secs_f64())?);
     }
-    let end = settled(&lb, start.elapsed().as_secs_f64(), 5)?;
+    let end = settled(&lb, t0.elapsed().as_secs_f64(), 5)?;
     let end_maps = map_entries(lb.pid())?;
     series.push(end.clone());
     let mut over: Vec<String> = baseline
