@@ -401,6 +401,15 @@ fn connect_time_with_the_userspace_datapath_falls_back_to_the_proxy() -> Result<
     ensure!(b["forwarding"] == "splice", "{st}");
     let why = b["forwarding_fallback"].as_str().unwrap_or("");
     ensure!(why.contains("kernel data path is off"), "{st}");
+    ensure!(b["forwarding_fallback_reason"] == "datapath_off", "{st}");
+    ensure!(
+        lb.metric(
+            "lb_balancer_forwarding_fallback_info",
+            r#"reason="datapath_off""#
+        ) == 1.0
+            && lb.metric("lb_balancer_forwarding_fallback_info", "") == 1.0,
+        "the fallback gauge: 1 for datapath_off, 0 for the others"
+    );
     ensure!(
         lb.log_text().contains("forwarding = connect unavailable"),
         "one warning expected: {}",
@@ -655,6 +664,19 @@ proxy = "http://127.0.0.1:9"
             .as_str()
             .is_some_and(|why| why.contains("proxy")),
         "the proxied balancer's reason: {status}"
+    );
+    ensure!(
+        b("proxied")["forwarding_fallback_reason"] == "proxy"
+            && b("direct")["forwarding_fallback_reason"].is_null(),
+        "{status}"
+    );
+    ensure!(
+        lb.metric(
+            "lb_balancer_forwarding_fallback_info",
+            r#"balancer="proxied",reason="proxy""#
+        ) == 1.0
+            && lb.metric("lb_balancer_forwarding_fallback_info", "") == 1.0,
+        "the fallback gauge: 1 for the proxied balancer's proxy, 0 for the others"
     );
     let log = lb.log_text();
     ensure!(
@@ -1262,6 +1284,14 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     ensure!(
         why.contains("lb_connect4"),
         "the reason should name the refused program: {st}"
+    );
+    ensure!(b["forwarding_fallback_reason"] == "kernel_feature", "{st}");
+    ensure!(
+        lb.metric(
+            "lb_balancer_forwarding_fallback_info",
+            r#"reason="kernel_feature""#
+        ) == 1.0,
+        "the fallback gauge's kernel_feature"
     );
     let log = lb.log_text();
     let warnings: Vec<&str> = log

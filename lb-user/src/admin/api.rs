@@ -51,6 +51,10 @@ pub struct BalancerStatus {
     /// Why a balancer configured with `forwarding = "connect"` forwards through lb instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forwarding_fallback: Option<String>,
+    /// [`BalancerStatus::forwarding_fallback`]'s kind, as `lb_balancer_forwarding_fallback_info`
+    /// labels it: `datapath_off`, `kernel_feature` or `proxy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarding_fallback_reason: Option<String>,
     /// Network namespaces the kernel programs act in for this balancer: `own` (lb's, where its
     /// listeners live) or `all` (every namespace under the cgroup).
     #[serde(default)]

@@ -135,7 +135,10 @@ pub fn status(daemon: &Handle) -> StatusBody {
                     listen: cfg.listen.clone(),
                     policy: cfg.policy.to_string(),
                     forwarding: forwarding.to_string(),
-                    forwarding_fallback,
+                    forwarding_fallback_reason: forwarding_fallback
+                        .as_ref()
+                        .map(|w| w.label().to_string()),
+                    forwarding_fallback: forwarding_fallback.map(|w| w.to_string()),
                     namespaces: daemon.namespaces(&cfg).to_string(),
                     servers,
                     resolve: daemon.resolve(&cfg).to_string(),

@@ -9,7 +9,7 @@ use std::{
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Daemon, now_ms, upgrade};
+use super::{Daemon, forwarding::ForwardingFallback, now_ms, upgrade};
 use crate::{
     balancer::Balancer,
     config::{Config, DatapathMode, Forwarding},
@@ -54,7 +54,7 @@ impl Handle {
 
     /// Balancer `name`'s forwarding in effect and, when it asked for `connect` and forwards
     /// through lb instead, why.
-    pub fn forwarding(&self, name: &str) -> (Forwarding, Option<String>) {
+    pub fn forwarding(&self, name: &str) -> (Forwarding, Option<ForwardingFallback>) {
         self.0
             .forwarding
             .get(name)

@@ -5,6 +5,7 @@
 mod adopt;
 mod connect;
 mod failfast;
+mod forwarding;
 mod handle;
 pub mod ids;
 mod listeners;
@@ -12,6 +13,7 @@ pub mod reload;
 mod start;
 pub mod upgrade;
 
+pub use forwarding::ForwardingFallback;
 pub use handle::Handle;
 
 use std::{
@@ -31,7 +33,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     balancer::{Balancer, KillReason},
-    config::{Config, DatapathMode, Forwarding, Overrides},
+    config::{Config, DatapathMode, Overrides},
     datapath::Datapath,
     health::HealthService,
     metrics::Metrics,
@@ -53,7 +55,7 @@ pub struct Daemon {
     datapath_fallback: Option<String>,
     /// Each balancer's forwarding in effect (by name, decided at start) and, when it asked for
     /// `connect` and did not get it, why.
-    forwarding: std::collections::HashMap<String, (Forwarding, Option<String>)>,
+    forwarding: forwarding::ForwardingMap,
     metrics: Arc<Metrics>,
     health: Arc<HealthService>,
     proxy: Arc<ProxyCtx>,

@@ -19,9 +19,9 @@ use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{error, info, warn};
+use tracing::{error, warn};
 
-use super::{Daemon, Takeover, connect, failfast, ids, listeners, now_ms};
+use super::{Daemon, Takeover, connect, failfast, forwarding, ids, listeners, now_ms};
 use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
@@ -31,9 +31,6 @@ use crate::{
     metrics::{KillLabels, Metrics, ModeLabel, ReasonLabel},
     proxy::{self, PreDial, ProxyCtx},
 };
-
-/// Each balancer's forwarding in effect and, when it is not the one asked for, why.
-type ForwardingMap = HashMap<String, (Forwarding, Option<String>)>;
 
 /// Where a start comes from: a fresh process, or one taking over a running lb.
 struct Origin {
@@ -130,56 +127,6 @@ fn attach_datapath(cfg: &Config) -> anyhow::Result<Attached> {
             }
         },
     }
-}
-
-/// The forwarding each balancer of `cfg` gets, and why it is not the one it asked for:
-/// `connect` needs the kernel data path with the connect-time programs attached, and without
-/// them the balancer uses splice (or copy), with one warning naming why; `auto` is connect-time
-/// where it can be and splice otherwise, with one info line naming which and why.
-fn decide_forwarding(
-    cfg: &Config,
-    datapath: Option<&Datapath>,
-    fallback: Option<&str>,
-) -> ForwardingMap {
-    let mut out = HashMap::new();
-    for b in &cfg.balancers {
-        let want = cfg.forwarding_of(b);
-        let unavailable = || match datapath {
-            None => Some(format!(
-                "the kernel data path is off ({})",
-                fallback.unwrap_or("datapath.mode = userspace")
-            )),
-            Some(dp) => dp.connect_unavailable().map(str::to_string),
-        };
-        let why = match want {
-            Forwarding::Splice => None,
-            Forwarding::Connect => unavailable(),
-            Forwarding::Auto if b.proxy.is_some() => Some(
-                "the balancer dials its servers through an HTTP CONNECT proxy, which connect-time clients cannot use"
-                    .to_string(),
-            ),
-            Forwarding::Auto => unavailable(),
-        };
-        let got = if want == Forwarding::Splice || why.is_some() {
-            Forwarding::Splice
-        } else {
-            Forwarding::Connect
-        };
-        match (want, &why) {
-            (Forwarding::Connect, Some(why)) => {
-                warn!(balancer = %b.name, reason = %why, "forwarding = connect unavailable; this balancer forwards through lb (splice or copy)");
-            }
-            (Forwarding::Auto, Some(why)) => {
-                info!(balancer = %b.name, reason = %why, "forwarding = auto: splice (through lb)");
-            }
-            (Forwarding::Auto, None) => {
-                info!(balancer = %b.name, "forwarding = auto: connect-time (the kernel sends clients straight to the server)");
-            }
-            _ => {}
-        }
-        out.insert(b.name.clone(), (got, why));
-    }
-    out
 }
 
 /// What a balancer's kill sets off outside it: counts it in `lb_connections_killed_total`, runs
@@ -303,8 +250,9 @@ impl Daemon {
                 .flat_map(|b| b.listen.iter().copied())
                 .collect::<Vec<_>>(),
         );
-        let forwarding = decide_forwarding(&cfg, datapath.as_deref(), datapath_fallback.as_deref());
-        record_forwarding(&metrics, &cfg, &forwarding);
+        let forwarding =
+            forwarding::decide(&cfg, datapath.as_deref(), datapath_fallback.as_deref());
+        forwarding::record(&metrics, &cfg, &forwarding);
         let connect_ids: HashSet<u32> = cfg
             .balancers
             .iter()
@@ -550,18 +498,4 @@ fn record_datapath(
             .set(i64::from(kind == Some(r)));
     }
     fallback.map(|(_, why)| why)
-}
-
-/// Each balancer's forwarding in effect, as `lb_balancer_forwarding_info`.
-fn record_forwarding(metrics: &Metrics, cfg: &Config, forwarding: &ForwardingMap) {
-    for b in &cfg.balancers {
-        let f = forwarding.get(&b.name).map_or(Forwarding::Splice, |f| f.0);
-        metrics
-            .balancer_forwarding
-            .get_or_create(&crate::metrics::ForwardingLabels {
-                balancer: b.name.clone(),
-                forwarding: f.to_string(),
-            })
-            .set(1);
-    }
 }

@@ -79,6 +79,16 @@ pub struct ForwardingLabels {
     pub forwarding: String,
 }
 
+/// `{balancer,reason}` of `lb_balancer_forwarding_fallback_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ForwardingFallbackLabels {
+    /// Balancer name.
+    pub balancer: String,
+    /// `datapath_off`, `kernel_feature` or `proxy`: why a balancer that asked for connect-time
+    /// forwards through lb.
+    pub reason: String,
+}
+
 /// `{balancer,direction}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DirectionLabels {

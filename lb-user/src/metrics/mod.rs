@@ -84,6 +84,9 @@ pub struct Metrics {
     pub datapath_fallback: Family<ReasonLabel, Gauge>,
     /// `lb_balancer_forwarding_info`: one series per balancer, value 1.
     pub balancer_forwarding: Family<ForwardingLabels, Gauge>,
+    /// `lb_balancer_forwarding_fallback_info`: per balancer and reason, 1 for why a balancer
+    /// that asked for connect-time forwards through lb, 0 for the others.
+    pub forwarding_fallback: Family<ForwardingFallbackLabels, Gauge>,
     /// `lb_inflight_checks`.
     pub inflight_checks: Gauge,
     /// `lb_runtime_alive_tasks`: tasks alive in lb's runtime, read at each scrape.
@@ -193,6 +196,7 @@ impl Metrics {
             datapath_info: Family::<ModeLabel, Gauge>::default(),
             datapath_fallback: Family::<ReasonLabel, Gauge>::default(),
             balancer_forwarding: Family::<ForwardingLabels, Gauge>::default(),
+            forwarding_fallback: Family::<ForwardingFallbackLabels, Gauge>::default(),
             inflight_checks: Gauge::default(),
             runtime_tasks: Gauge::default(),
             runtime: tokio::runtime::Handle::try_current().ok(),
@@ -218,6 +222,7 @@ impl Metrics {
         };
         m.register_state_and_traffic(&mut r);
         m.register_kernel_events(&mut r);
+        m.register_datapath_state(&mut r);
         m.register_dials_and_discovery(&mut r);
         m.compat = compat.map(|c| CompatMetrics::register(c, &mut r.registry));
         m.registry = r.registry;
@@ -279,7 +284,8 @@ impl Metrics {
         );
     }
 
-    /// Register lb's families of kernel counters, data path, in-flight checks and accepts in `r`.
+    /// Register lb's families of kernel counters, runtime tasks, in-flight checks and
+    /// connect-time pins in `r`.
     fn register_kernel_events(&self, r: &mut Listed) {
         r.register(
             "splice_blocking_redirects",
@@ -327,21 +333,6 @@ impl Metrics {
             self.connect_unrewritten.clone(),
         );
         r.register(
-            "datapath_info",
-            "Data path in use (value 1)",
-            self.datapath_info.clone(),
-        );
-        r.register(
-            "datapath_fallback_info",
-            "Why datapath.mode = auto runs the userspace copy path instead of the kernel data path: 1 for the reason (not_privileged, cgroup, kernel_feature, load_failed, other), 0 for the others; all 0 while the kernel data path runs",
-            self.datapath_fallback.clone(),
-        );
-        r.register(
-            "balancer_forwarding_info",
-            "Forwarding in effect per balancer: splice (through lb) or connect (kernel sends clients straight to the server) (value 1)",
-            self.balancer_forwarding.clone(),
-        );
-        r.register(
             "runtime_alive_tasks",
             "Tasks alive in lb's runtime: one per connection lb carries, one per health-check loop and discovery source, and lb's own (admin connections run on a runtime of their own)",
             self.runtime_tasks.clone(),
@@ -360,6 +351,31 @@ impl Metrics {
             "connect_pins_adopted",
             "Connect-time pin directory in use: 1 when this lb adopted the programs an earlier lb left pinned, 0 when it pinned its own",
             self.connect_pins_adopted.clone(),
+        );
+    }
+
+    /// Register the families that say which data path and forwarding lb runs, and why not the
+    /// one asked for, in `r`.
+    fn register_datapath_state(&self, r: &mut Listed) {
+        r.register(
+            "datapath_info",
+            "Data path in use (value 1)",
+            self.datapath_info.clone(),
+        );
+        r.register(
+            "datapath_fallback_info",
+            "Why datapath.mode = auto runs the userspace copy path instead of the kernel data path: 1 for the reason (not_privileged, cgroup, kernel_feature, load_failed, other), 0 for the others; all 0 while the kernel data path runs",
+            self.datapath_fallback.clone(),
+        );
+        r.register(
+            "balancer_forwarding_info",
+            "Forwarding in effect per balancer: splice (through lb) or connect (kernel sends clients straight to the server) (value 1)",
+            self.balancer_forwarding.clone(),
+        );
+        r.register(
+            "balancer_forwarding_fallback_info",
+            "Why a balancer that asked for connect-time forwarding (connect or auto) forwards through lb instead: 1 for the reason (datapath_off, kernel_feature, proxy), 0 for the others; all 0 while it forwards as asked",
+            self.forwarding_fallback.clone(),
         );
     }
 
