@@ -25,7 +25,7 @@ use lb_tests::{Holder, Host, Lb, Place, TestCgroup, Toml, free_port, http_reques
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::procfs::kernel_socket_bytes;
+use super::procfs::tcp_socket_memory;
 
 /// The most long streams (today's open-files limits allow about 9,000 with lb holding two
 /// descriptors for each in the splice mode).
@@ -60,12 +60,13 @@ struct Sample {
     map_entries: u64,
     /// Entries of lb's other hash maps (keyed by server, balancer or listener), summed.
     table_entries: u64,
-    /// The kernel's TCP socket memory (`/proc/net/sockstat` pages and the socket slabs).
+    /// Memory the kernel charges to the TCP sockets of the host and the soak's hosts
+    /// ([`tcp_socket_memory`]).
     socket_bytes: u64,
 }
 
 impl Sample {
-    fn read(lb: &Lb, t: f64) -> Result<Sample> {
+    fn read(lb: &Lb, hosts: &Hosts, t: f64) -> Result<Sample> {
         let pid = lb.pid();
         let maps = map_entries(pid)?;
         Ok(Sample {
@@ -75,7 +76,7 @@ impl Sample {
             tasks: lb.metric("lb_runtime_alive_tasks", "") as u64,
             map_entries: per_connection(&maps),
             table_entries: maps.values().sum::<usize>() as u64 - per_connection(&maps),
-            socket_bytes: kernel_socket_bytes(),
+            socket_bytes: tcp_socket_memory(&hosts.namespaces())?,
         })
     }
 
@@ -93,13 +94,13 @@ impl Sample {
 
 /// The smallest of each value over `n` readings a second apart (a health check's socket or a
 /// scrape's task that happens to be open is not a leak).
-fn settled(lb: &Lb, t: f64, n: usize) -> Result<Sample> {
+fn settled(lb: &Lb, hosts: &Hosts, t: f64, n: usize) -> Result<Sample> {
     let mut min: Option<Sample> = None;
     for i in 0..n {
         if i > 0 {
             std::thread::sleep(Duration::from_secs(1));
         }
-        let s = Sample::read(lb, t)?;
+        let s = Sample::read(lb, hosts, t)?;
         min = Some(match min {
             None => s,
             Some(m) => Sample {
@@ -180,6 +181,16 @@ fn map_entries(pid: u32) -> Result<BTreeMap<String, usize>> {
 struct Hosts {
     streams: Host,
     churn: Vec<Host>,
+}
+
+impl Hosts {
+    /// Their network namespaces' names.
+    fn namespaces(&self) -> Vec<&str> {
+        std::iter::once(&self.streams)
+            .chain(&self.churn)
+            .map(|h| h.ns.as_str())
+            .collect()
+    }
 }
 
 /// One mode's outcome.
@@ -350,7 +361,7 @@ fn phase(rig: &Rig<'_>, length: Duration, series: &mut Vec<Sample>, t0: Instant)
             Err(e) => bail!("set change {changes}: {e:#}"),
         }
         changes += 1;
-        series.push(Sample::read(lb, t0.elapsed().as_secs_f64())?);
+        series.push(Sample::read(lb, hosts, t0.elapsed().as_secs_f64())?);
         next += Duration::from_secs(1);
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
     }
@@ -419,7 +430,7 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     };
     let warm = phase(&rig, WARM_UP, &mut series, t0)?;
     std::thread::sleep(Duration::from_secs(35));
-    let baseline = settled(&lb, t0.elapsed().as_secs_f64(), 5)?;
+    let baseline = settled(&lb, hosts, t0.elapsed().as_secs_f64(), 5)?;
     let baseline_maps = map_entries(lb.pid())?;
     series.push(baseline.clone());
     let rate = warm.short_made as f64 / warm.secs.max(1.0);
@@ -433,9 +444,9 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     let drained = Instant::now() + DRAIN;
     while Instant::now() < drained {
         std::thread::sleep(Duration::from_secs(5));
-        series.push(Sample::read(&lb, t0.elapsed().as_secs_f64())?);
+        series.push(Sample::read(&lb, hosts, t0.elapsed().as_secs_f64())?);
     }
-    let end = settled(&lb, t0.elapsed().as_secs_f64(), 5)?;
+    let end = settled(&lb, hosts, t0.elapsed().as_secs_f64(), 5)?;
     let end_maps = map_entries(lb.pid())?;
     series.push(end.clone());
     let mut over: Vec<String> = baseline
