@@ -63,6 +63,19 @@ pub const GLOBAL_OFF_SNDTIMEO: &str = "LB_OFF_SNDTIMEO";
 /// `struct tcp_sock::write_seq` (`u32`): the sequence number after the last byte the socket
 /// queued, from which the sk_msg program counts the bytes a client sent the normal way.
 pub const GLOBAL_OFF_WRITE_SEQ: &str = "LB_OFF_WRITE_SEQ";
+/// `struct sk_msg::sk_redir` (a pointer): where `bpf_msg_redirect_hash` sends the message being
+/// judged. The sk_msg program reads it after a redirect to learn the server socket's address,
+/// which it keeps in [`FlowState::server`]: sk_msg programs cannot release a socket reference
+/// (`bpf_sk_release` is not among their helpers), so a sockhash lookup of the server socket,
+/// which takes one, is refused by the verifier.
+pub const GLOBAL_OFF_MSG_SK_REDIR: &str = "LB_OFF_MSG_SK_REDIR";
+/// `struct sock::sk_wmem_queued` (an `int`, bytes): the memory a socket's write queue holds (its
+/// skbs' truesize), which the kernel keeps below `sk_sndbuf`. The sk_msg program reads it from the
+/// server socket lb paired, to redirect only while that socket has room.
+pub const GLOBAL_OFF_WMEM_QUEUED: &str = "LB_OFF_WMEM_QUEUED";
+/// `struct sock::sk_sndbuf` (an `int`, bytes): the server socket's send buffer, which lb sets
+/// from `max_buffered_bytes` when it pairs.
+pub const GLOBAL_OFF_SNDBUF: &str = "LB_OFF_SNDBUF";
 /// `struct inet_connection_sock::icsk_ulp_ops` (a pointer; `struct tcp_sock` starts with an
 /// `inet_connection_sock`): non-null for a socket with an upper layer protocol such as kTLS.
 pub const GLOBAL_OFF_ULP_OPS: &str = "LB_OFF_ULP_OPS";
@@ -329,9 +342,12 @@ pub struct ConnectEvent {
 const _: () = assert!(size_of::<ConnectEvent>() == 48);
 
 /// Every global lb sets at load time, for the ELF check.
-pub const GLOBAL_NAMES: [&str; 10] = [
+pub const GLOBAL_NAMES: [&str; 13] = [
     GLOBAL_OFF_SK_ERR,
     GLOBAL_OFF_WRITE_SEQ,
+    GLOBAL_OFF_MSG_SK_REDIR,
+    GLOBAL_OFF_WMEM_QUEUED,
+    GLOBAL_OFF_SNDBUF,
     GLOBAL_OFF_ULP_OPS,
     GLOBAL_KERNEL_READS,
     GLOBAL_OFF_SK_SOCKET,
@@ -493,8 +509,13 @@ pub struct FlowState {
     /// with its own cookie, so a pair lb made for the old socket ([`PairCtl::cookie`]) never
     /// redirects the new one's sends.
     pub cookie: u64,
+    /// Address of the server socket (`struct sock *`) this client's sends were last redirected
+    /// to, 0 before the first: the program reads that socket's room through it with
+    /// `bpf_probe_read_kernel` (never dereferenced otherwise). The socket stays alive while it is
+    /// in the servers' sockhash, which is as long as the pair that sends there exists.
+    pub server: u64,
 }
-const _: () = assert!(size_of::<FlowState>() == 40);
+const _: () = assert!(size_of::<FlowState>() == 48);
 
 /// lb's instructions for one paired connection (single writer: lb).
 ///

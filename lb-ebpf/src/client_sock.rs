@@ -25,6 +25,12 @@ static LB_OFF_SNDTIMEO: u32 = 0;
 static LB_OFF_WRITE_SEQ: u32 = 0;
 #[unsafe(no_mangle)]
 static LB_OFF_ULP_OPS: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_MSG_SK_REDIR: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_WMEM_QUEUED: u32 = 0;
+#[unsafe(no_mangle)]
+static LB_OFF_SNDBUF: u32 = 0;
 // 1 when blocking clients may splice past the credit (lb_common::GLOBAL_BLOCKING_SPLICE).
 #[unsafe(no_mangle)]
 static LB_BLOCKING_SPLICE: u32 = 0;
@@ -59,6 +65,44 @@ pub(crate) fn client_tcp_sock(ctx: &SkMsgContext) -> Option<*const u8> {
     // anything but a TCP socket.
     let tp = unsafe { bpf_skc_to_tcp_sock(sk.cast::<c_void>()) } as *const u8;
     (!tp.is_null()).then_some(tp)
+}
+
+/// The address of the socket the message being judged was just redirected to (`msg->sk_redir`,
+/// set by `bpf_msg_redirect_hash`); `None` when lb left the offset at 0 or the read fails.
+#[inline(always)]
+pub(crate) fn redirect_target(ctx: &SkMsgContext) -> Option<u64> {
+    // SAFETY: reading a global lb set at load time.
+    let off = unsafe { core::ptr::read_volatile(&LB_OFF_MSG_SK_REDIR) };
+    if off == 0 {
+        return None;
+    }
+    // The context is the kernel's `struct sk_msg` of this send.
+    read_kernel::<u64>(ctx.msg.cast::<u8>(), off).filter(|&sk| sk != 0)
+}
+
+/// The server socket at `server` (an address from [`redirect_target`]) as the redirect rule
+/// sees it: its queued memory (`sk_wmem_queued`, the truesize of its write queue) and the limit
+/// a redirect must keep it within, three quarters of its send buffer (`sk_sndbuf`), in bytes.
+/// Read at this send, so the room is never older than the send. The quarter left is the margin
+/// that keeps a non-blocking redirect from meeting a full socket (`EAGAIN`, while the client's
+/// own socket stays writable). `None` when lb left the offsets at 0, before the first redirect
+/// (`server` 0) or when a read fails: the program then goes by the credit lb granted.
+#[inline(always)]
+pub(crate) fn server_fill(server: u64) -> Option<(u64, u64)> {
+    // SAFETY: reading the globals lb set at load time.
+    let (off_queued, off_sndbuf) = unsafe {
+        (
+            core::ptr::read_volatile(&LB_OFF_WMEM_QUEUED),
+            core::ptr::read_volatile(&LB_OFF_SNDBUF),
+        )
+    };
+    if off_queued == 0 || off_sndbuf == 0 || server == 0 {
+        return None;
+    }
+    let sk = server as *const u8;
+    let queued = read_kernel::<i32>(sk, off_queued)?.max(0) as u64;
+    let sndbuf = read_kernel::<i32>(sk, off_sndbuf)?.max(0) as u64;
+    Some((queued, sndbuf - sndbuf / 4))
 }
 
 /// Bring `flow.passed` up to the client socket's `write_seq` (`tp`): every byte the kernel

@@ -70,12 +70,13 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use lb_common::{
     AF_INET, AF_INET6, BalancerStats, FlowState, GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_READS,
-    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
-    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, KERNEL_LOG_TARGET, ListenerKey, MAP_CLIENTS,
-    MAP_FLOWS, MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS,
-    MAP_STATS, MAX_BALANCERS, MAX_CONNECTIONS, MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS,
-    NETNS_SCOPE_ALL, PROG_SK_MSG, PROG_SOCKOPS, PairCtl, PassReason, REFRESH_RING_BYTES,
-    RefreshRequest, RegisterFailure, SockKey, kernel_log_due,
+    GLOBAL_OFF_F_FLAGS, GLOBAL_OFF_MSG_SK_REDIR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDBUF,
+    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WMEM_QUEUED,
+    GLOBAL_OFF_WRITE_SEQ, KERNEL_LOG_TARGET, ListenerKey, MAP_CLIENTS, MAP_FLOWS, MAP_LISTENERS,
+    MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS, MAX_BALANCERS,
+    MAX_CONNECTIONS, MAX_LISTENERS, MODE_REDIRECT, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, PROG_SK_MSG,
+    PROG_SOCKOPS, PairCtl, PassReason, REFRESH_RING_BYTES, RefreshRequest, RegisterFailure,
+    SockKey, kernel_log_due,
 };
 
 /// The ELF names of maps (`#[map]` without `name`), programs and globals are their identifiers;
@@ -109,6 +110,9 @@ named_as!(
     LB_BLOCKING_SPLICE = GLOBAL_BLOCKING_SPLICE,
     LB_OFF_WRITE_SEQ = GLOBAL_OFF_WRITE_SEQ,
     LB_OFF_ULP_OPS = GLOBAL_OFF_ULP_OPS,
+    LB_OFF_MSG_SK_REDIR = GLOBAL_OFF_MSG_SK_REDIR,
+    LB_OFF_WMEM_QUEUED = GLOBAL_OFF_WMEM_QUEUED,
+    LB_OFF_SNDBUF = GLOBAL_OFF_SNDBUF,
     LB_KERNEL_READS = GLOBAL_KERNEL_READS,
 );
 
@@ -164,7 +168,9 @@ macro_rules! ctx_ip6 {
 mod client_sock;
 mod connect;
 
-use client_sock::{client_blocks, client_tcp_sock, has_ulp, sync_passed};
+use client_sock::{
+    client_blocks, client_tcp_sock, has_ulp, redirect_target, server_fill, sync_passed,
+};
 
 /// Port as the kernel exposes `remote_port` (network order in the upper 16 bits) → host order.
 #[inline(always)]
@@ -441,16 +447,32 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         // kTLS: these are plaintext records, encrypted only after this verdict.
         Some(ctl) if ctl.mode == MODE_REDIRECT && tp.is_none_or(has_ulp) => PassReason::Ulp,
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
-            let past_credit = flow.redirected + size > ctl.credit_end;
+            // The server socket's own room once a redirect showed where it is; else the credit
+            // lb granted, refreshed on request.
+            let fill = if !synced || ctl.copied != flow.passed {
+                None
+            } else {
+                server_fill(flow.server)
+            };
+            let room = fill.map(|(queued, limit)| queued + size <= limit);
+            let past_credit = match room {
+                Some(room) => !room,
+                None => flow.redirected + size > ctl.credit_end,
+            };
             if !synced || ctl.copied != flow.passed {
                 PassReason::Catchup
             } else if past_credit && {
-                ask_refresh(&key, flow, ctl.credit_end, stats);
+                if room.is_none() {
+                    ask_refresh(&key, flow, ctl.credit_end, stats);
+                }
                 !tp.is_some_and(client_blocks)
             } {
                 PassReason::Credit
             } else if LB_SERVERS.redirect_msg(ctx, key, 0) as u32 == SK_PASS {
                 flow.redirected += size;
+                if flow.server == 0 {
+                    flow.server = redirect_target(ctx).unwrap_or(0);
+                }
                 if let Some(stats) = stats {
                     // SAFETY: per-CPU slot.
                     unsafe {
@@ -458,7 +480,7 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
                         (*stats).blocking_redirects += u64::from(past_credit);
                     }
                 }
-                if flow.redirected >= ctl.refresh_at {
+                if room.is_none() && flow.redirected >= ctl.refresh_at {
                     ask_refresh(&key, flow, ctl.refresh_at, stats);
                 }
                 return Ok(SK_PASS);
@@ -482,7 +504,8 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         };
         if reason != PassReason::Unpaired && kernel_log_due(n) {
             let ctl = ctl.unwrap_or_default();
-            log_fallback(ctx, reason, &key, flow, size, passed_before, &ctl, n);
+            let fill = server_fill(flow.server).unwrap_or_default();
+            log_fallback(ctx, reason, &key, flow, size, passed_before, &ctl, fill, n);
         }
     }
     Ok(SK_PASS)
@@ -490,7 +513,8 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
 
 /// Log (debug, target `lb::kernel`) a send of a paired connection that took the copy path: the
 /// reason as `lb_splice_fallbacks_total` labels it, the connection (balancer id, client and
-/// listener ports), the send's size and the counts behind the decision (bytes), and `count`, how
+/// listener ports), the send's size and the counts behind the decision (bytes; for `credit`, the
+/// server socket's queued memory and its limit, or 0 and 0 when lb's credit decided), and `count`, how
 /// many times this CPU saw that reason for that balancer. Runs only when [`kernel_log_due`] says
 /// so; every statement is dropped by the verifier unless lb turned kernel logging on.
 #[inline(always)]
@@ -503,6 +527,7 @@ fn log_fallback(
     size: u64,
     passed_before: u64,
     ctl: &PairCtl,
+    (queued, limit): (u64, u64),
     count: u64,
 ) {
     let (balancer, client_port, listener_port) = (flow.balancer, key.client_port, key.lb_port);
@@ -522,13 +547,15 @@ fn log_fallback(
         PassReason::Credit => debug!(
             ctx,
             target: KERNEL_LOG_TARGET,
-            "splice fallback reason=credit balancer={} client_port={} listener_port={} bytes={} redirected={} credit_end={} count={}",
+            "splice fallback reason=credit balancer={} client_port={} listener_port={} bytes={} redirected={} credit_end={} server_queued={} server_limit={} count={}",
             balancer,
             client_port,
             listener_port,
             size,
             flow.redirected,
             ctl.credit_end,
+            queued,
+            limit,
             count
         ),
         PassReason::RedirectError => debug!(

@@ -43,7 +43,10 @@ use crate::server_state::{Hold, ServerState};
 /// Version 4: [`ServerSnapshot::state`] and [`ServerSnapshot::hold`] as names (`"ACTIVE"`,
 /// `"drain"`) instead of numbers; `BalancerStats` (in `LB_STATS` and `LB_CONNECT_STATS`) with
 /// the sockops registration failures and the connects left unrewritten, by reason.
-pub const VERSION: u32 = 4;
+///
+/// Version 5: `FlowState` (in `LB_FLOWS`) carries the address of the server socket a client's
+/// sends were redirected to, from which the sk_msg program reads that socket's room.
+pub const VERSION: u32 = 5;
 
 /// Environment variable naming the (abstract) unix socket a new process takes over from.
 pub const ENV_SOCKET: &str = "LB_UPGRADE_SOCKET";

@@ -106,12 +106,22 @@ fn credit_fallback_reaches_the_log_at_debug() -> Result<()> {
         let bytes = field(line, "bytes").context("bytes")?;
         let redirected = field(line, "redirected").context("redirected")?;
         let credit_end = field(line, "credit_end").context("credit_end")?;
+        let queued = field(line, "server_queued").context("server_queued")?;
+        let limit = field(line, "server_limit").context("server_limit")?;
         ensure!(bytes > 0, "empty send: {line}");
-        // The reason itself: this send would have passed the credit.
-        ensure!(
-            redirected + bytes > credit_end,
-            "the send fitted its credit: {line}"
-        );
+        // The reason itself: this send would have passed the server socket's limit (read from
+        // the socket once a redirect showed where it is), or else lb's credit.
+        if limit > 0 {
+            ensure!(
+                queued + bytes > limit,
+                "the send fitted the server socket: {line}"
+            );
+        } else {
+            ensure!(
+                redirected + bytes > credit_end,
+                "the send fitted its credit: {line}"
+            );
+        }
         // The connection was spliced before the server stalled.
         ensure!(redirected > 0, "nothing redirected before: {line}");
         // Rate limit: the 1st, 2nd, 4th, … on a CPU, every 65,536th after that.

@@ -106,6 +106,12 @@ pub struct SockOffsets {
     pub write_seq: u32,
     /// `struct inet_connection_sock::icsk_ulp_ops` (pointer).
     pub ulp_ops: u32,
+    /// `struct sk_msg::sk_redir` (pointer).
+    pub msg_sk_redir: u32,
+    /// `struct sock::sk_wmem_queued` (int, bytes).
+    pub wmem_queued: u32,
+    /// `struct sock::sk_sndbuf` (int, bytes).
+    pub sndbuf: u32,
 }
 
 /// Read [`SockOffsets`] from the BTF file at `path` (normally [`VMLINUX_BTF`]).
@@ -126,6 +132,9 @@ pub fn sock_offsets(path: &Path) -> Result<SockOffsets, BtfError> {
         sk_sndtimeo: btf.member_offset("sock", "sk_sndtimeo")?,
         write_seq: btf.member_offset("tcp_sock", "write_seq")?,
         ulp_ops: btf.member_offset("inet_connection_sock", "icsk_ulp_ops")?,
+        msg_sk_redir: btf.member_offset("sk_msg", "sk_redir")?,
+        wmem_queued: btf.member_offset("sock", "sk_wmem_queued")?,
+        sndbuf: btf.member_offset("sock", "sk_sndbuf")?,
     })
 }
 
@@ -299,6 +308,14 @@ mod tests {
             o.ulp_ops > o.sk_socket && o.ulp_ops < 4096 && o.ulp_ops.is_multiple_of(8),
             "{o:?}"
         );
+        // Past the scatterlist ring at the start of struct sk_msg.
+        assert!(
+            o.msg_sk_redir > 100 && o.msg_sk_redir < 1024 && o.msg_sk_redir.is_multiple_of(8),
+            "{o:?}"
+        );
+        for off in [o.wmem_queued, o.sndbuf] {
+            assert!(off > 100 && off < 1024 && off.is_multiple_of(4), "{o:?}");
+        }
         let err = sk_err_offset(path).expect("sk_err");
         assert!(err > 100 && err < 1024 && err.is_multiple_of(4), "{err}");
     }

@@ -12,8 +12,9 @@ use aya::{
 };
 use lb_common::{
     GLOBAL_BLOCKING_SPLICE, GLOBAL_KERNEL_LOG_LEVEL, GLOBAL_KERNEL_READS, GLOBAL_OFF_F_FLAGS,
-    GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE,
-    GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WRITE_SEQ, PROG_SK_MSG, PROG_SOCKOPS,
+    GLOBAL_OFF_MSG_SK_REDIR, GLOBAL_OFF_SK_ERR, GLOBAL_OFF_SK_SOCKET, GLOBAL_OFF_SNDBUF,
+    GLOBAL_OFF_SNDTIMEO, GLOBAL_OFF_SOCKET_FILE, GLOBAL_OFF_ULP_OPS, GLOBAL_OFF_WMEM_QUEUED,
+    GLOBAL_OFF_WRITE_SEQ, PROG_SK_MSG, PROG_SOCKOPS,
 };
 use tracing::{info, warn};
 
@@ -43,6 +44,9 @@ fn load_object(
         .override_global(GLOBAL_KERNEL_READS, &reads, true)
         .override_global(GLOBAL_OFF_WRITE_SEQ, &offsets.write_seq, true)
         .override_global(GLOBAL_OFF_ULP_OPS, &offsets.ulp_ops, true)
+        .override_global(GLOBAL_OFF_MSG_SK_REDIR, &offsets.msg_sk_redir, true)
+        .override_global(GLOBAL_OFF_WMEM_QUEUED, &offsets.wmem_queued, true)
+        .override_global(GLOBAL_OFF_SNDBUF, &offsets.sndbuf, true)
         .override_global(GLOBAL_KERNEL_LOG_LEVEL, &log_level, true)
         .override_global(GLOBAL_OFF_SK_SOCKET, &offsets.sk_socket, true)
         .override_global(GLOBAL_OFF_SOCKET_FILE, &offsets.socket_file, true)
