@@ -598,28 +598,22 @@ fn connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy() -> Resu
     let server = hosts[0].addr(9000);
     // No `forwarding` anywhere: both balancers are `auto`. The proxy is never dialed: the
     // check and the test only look at what each balancer got.
-    let text = format!(
-        r#"
-[datapath]
-mode = "bpf"
-cgroup = "{cg}"
-
-[[balancer]]
-name = "direct"
-listen = ["127.0.0.1:{direct}"]
-servers = ["{server}"]
-
-[[balancer]]
-name = "proxied"
-listen = ["127.0.0.1:{proxied}"]
-servers = ["{server}"]
-proxy = "http://127.0.0.1:9"
-"#,
-        cg = cg.path.display()
-    );
+    let text = Toml::new()
+        .table("datapath")
+        .string("mode", "bpf")
+        .string("cgroup", &cg.path.display().to_string())
+        .array_table("balancer")
+        .string("name", "direct")
+        .value("listen", format!("[\"127.0.0.1:{direct}\"]"))
+        .value("servers", format!("[\"{server}\"]"))
+        .array_table("balancer")
+        .string("name", "proxied")
+        .value("listen", format!("[\"127.0.0.1:{proxied}\"]"))
+        .value("servers", format!("[\"{server}\"]"))
+        .string("proxy", "http://127.0.0.1:9");
     let dir = lb_tests::TempDir::new("lb-auto-forwarding")?;
     let file = dir.join("lb.toml");
-    std::fs::write(&file, text)?;
+    std::fs::write(&file, text.text())?;
     let lb = Lb::start(&["--config", &file.display().to_string()])?;
     // Not ready as a whole: the proxied balancer's checks go to a proxy that refuses.
     lb_tests::wait_until(Duration::from_secs(10), || {
