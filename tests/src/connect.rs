@@ -6,7 +6,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context as _, Result, ensure};
 
-use crate::{Fixture, Host, Lb, TestCgroup, Toml, wait_until};
+use crate::{Fixture, Host, Lb, Toml, wait_until};
 
 /// lb with a connect-time balancer named `api` and the hosts behind it: a [`Fixture`] (hosts,
 /// cgroup, lb attached to it, listener, config file) whose balancer forwards at connect time.
@@ -26,28 +26,19 @@ impl std::ops::DerefMut for ConnectLb {
 }
 
 impl ConnectLb {
-    /// lb with config `text` (its `{port}` replaced by a free port for the listener) in front
-    /// of `hosts`; returns once no server is UNCHECKED and the table was written.
-    ///
-    /// # Errors
-    /// lb does not start or settle, or the balancer does not forward at connect time.
-    pub fn start(hosts: Vec<Host>, text: &str) -> Result<ConnectLb> {
-        ConnectLb::start_with(hosts, |_, listen| {
-            Toml::new().lines(&text.replace("{port}", &listen.port().to_string()))
-        })
-    }
-
-    /// lb with the config `config` makes for the test's cgroup and the listener address, in
-    /// front of `hosts` (serving on port 9000); returns once no server is UNCHECKED and the
+    /// lb with the config `config` makes for the listener address (127.0.0.1 and a free port)
+    /// in front of `hosts` (serving on port 9000); returns once no server is UNCHECKED and the
     /// table was written.
     ///
     /// # Errors
-    /// As [`ConnectLb::start`].
-    pub fn start_with(
-        hosts: Vec<Host>,
-        config: impl Fn(&TestCgroup, SocketAddr) -> Toml,
-    ) -> Result<ConnectLb> {
-        let s = Fixture::start(hosts, 9000, config, &["--cgroup", "{cgroup}"])?;
+    /// lb does not start or settle, or the balancer does not forward at connect time.
+    pub fn start(hosts: Vec<Host>, config: impl Fn(SocketAddr) -> Toml) -> Result<ConnectLb> {
+        let s = Fixture::start(
+            hosts,
+            9000,
+            |_, listen| config(listen),
+            &["--cgroup", "{cgroup}"],
+        )?;
         s.lb.wait_settled(Duration::from_secs(10))?;
         wait_until(Duration::from_secs(5), || {
             Ok(s.lb.log_text().contains("connect-time table updated"))
@@ -59,6 +50,44 @@ impl ConnectLb {
             s.lb.log_text()
         );
         Ok(ConnectLb(s))
+    }
+
+    /// A connect-time config up to the balancer's own keys: `[datapath]` with `mode = "bpf"`,
+    /// `forwarding = "connect"` and then `datapath` (more keys, or tables under it; empty for
+    /// none), and balancer `api` listening on `listen` over `servers` (a TOML array's items, as
+    /// [`crate::toml_addrs`] writes them) with `policy`. The test adds the balancer's other
+    /// keys and its `[balancer.health]`.
+    pub fn config(datapath: &Toml, listen: &[SocketAddr], servers: &str, policy: &str) -> Toml {
+        let listen: Vec<String> = listen.iter().map(|a| format!("\"{a}\"")).collect();
+        Toml::new()
+            .table("datapath")
+            .string("mode", "bpf")
+            .string("forwarding", "connect")
+            .lines(datapath.text())
+            .array_table("balancer")
+            .string("name", "api")
+            .value("listen", format!("[{}]", listen.join(", ")))
+            .value("servers", format!("[{servers}]"))
+            .string("policy", policy)
+    }
+
+    /// `[balancer.health]` where a failure counts at once: http checks every `interval`, all
+    /// sent to `check` (`shared_target`, so the other servers fail none), a 1 s timeout,
+    /// `rise = 1`, `fall = 1`, passive health where `limit` resets (or server-failed connects)
+    /// are one failed check, and a FAILED server's connections killed.
+    pub fn shared_checks(check: &str, interval: &str, limit: u32) -> Toml {
+        Toml::new()
+            .table("balancer.health")
+            .string("kind", "http")
+            .string("url", &format!("http://{check}/healthz"))
+            .value("shared_target", true)
+            .string("interval", interval)
+            .string("timeout", "1s")
+            .value("rise", 1)
+            .value("fall", 1)
+            .value("passive", true)
+            .value("passive_reset_limit", limit)
+            .string("on_unhealthy", "kill")
     }
 
     /// A new `lb run` with this setup's config and cgroup on the pin directory of [`Self::lb`]

@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    ConnectLb, Holder, Host, Lb, Place, TestCgroup, free_port, run_client, skip_unless_kernel,
+    ConnectLb, Holder, Lb, Place, TestCgroup, Toml, free_port, run_client, skip_unless_kernel,
     skip_unless_root, timed,
 };
 use serde_json::Value;
@@ -37,46 +37,45 @@ const ECONNREFUSED: i64 = 111;
 const ECONNABORTED: i64 = 103;
 const ECONNRESET: i64 = 104;
 
-const CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "{policy}"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "http"
-url = "http://{server}/healthz"
-interval = "{interval}ms"
-timeout = "{timeout}ms"
-rise = 1
-fall = {fall}
-on_unhealthy = "kill"
-"#;
-
-/// [`ConnectLb`] and what these tests do with it.
-/// [`CONFIG`] for `hosts` on :9000 with `policy` and these check settings (milliseconds); its
-/// `{port}` is left for [`ConnectLb::start`].
-fn config(hosts: &[Host], policy: &str, interval_ms: u64, timeout_ms: u64, fall: u64) -> String {
-    CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(hosts, 9000))
-        .replace("{policy}", policy)
-        .replace("{interval}", &interval_ms.to_string())
-        .replace("{timeout}", &timeout_ms.to_string())
-        .replace("{fall}", &fall.to_string())
+/// These tests' config: [`ConnectLb::config`] (`datapath`, `listen`, `servers`, `policy`) with
+/// a 1 s dial timeout, then `health`.
+fn config(
+    datapath: &Toml,
+    listen: &[SocketAddr],
+    servers: &str,
+    policy: &str,
+    health: &Toml,
+) -> Toml {
+    ConnectLb::config(datapath, listen, servers, policy)
+        .string("dial_timeout", "1s")
+        .lines(health.text())
 }
 
+/// `[balancer.health]`: an http check of each server every `interval_ms`, timing out after
+/// `timeout_ms`, `fall` failures making it FAILED, and `on_unhealthy` what then becomes of its
+/// connections.
+fn checks(interval_ms: u64, timeout_ms: u64, fall: u64, on_unhealthy: &str) -> Toml {
+    Toml::new()
+        .table("balancer.health")
+        .string("kind", "http")
+        .string("url", "http://{server}/healthz")
+        .string("interval", &format!("{interval_ms}ms"))
+        .string("timeout", &format!("{timeout_ms}ms"))
+        .value("rise", 1)
+        .value("fall", fall)
+        .string("on_unhealthy", on_unhealthy)
+}
+
+/// [`ConnectLb`] and what these tests do with it.
 /// Hosts `s0`, `s1` serving `lbt` on :9000, lb in front with `policy` and connect-time
 /// forwarding; returns once no server is UNCHECKED and the table was written.
 fn setup(policy: &str) -> Result<ConnectLb> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = config(&hosts, policy, INTERVAL_MS, TIMEOUT_MS, FALL);
-    ConnectLb::start(hosts, &text)
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = checks(INTERVAL_MS, TIMEOUT_MS, FALL, "kill");
+    ConnectLb::start(hosts, |listen| {
+        config(&Toml::new(), &[listen], &servers, policy, &health)
+    })
 }
 
 fn server(s: &ConnectLb, i: usize) -> String {
@@ -608,28 +607,22 @@ fn connect_time_is_the_default_unless_a_balancer_dials_through_a_proxy() -> Resu
     let server = hosts[0].addr(9000);
     // No `forwarding` anywhere: both balancers are `auto`. The proxy is never dialed: the
     // check and the test only look at what each balancer got.
-    let text = format!(
-        r#"
-[datapath]
-mode = "bpf"
-cgroup = "{cg}"
-
-[[balancer]]
-name = "direct"
-listen = ["127.0.0.1:{direct}"]
-servers = ["{server}"]
-
-[[balancer]]
-name = "proxied"
-listen = ["127.0.0.1:{proxied}"]
-servers = ["{server}"]
-proxy = "http://127.0.0.1:9"
-"#,
-        cg = cg.path.display()
-    );
+    let text = Toml::new()
+        .table("datapath")
+        .string("mode", "bpf")
+        .string("cgroup", &cg.path.display().to_string())
+        .array_table("balancer")
+        .string("name", "direct")
+        .value("listen", format!("[\"127.0.0.1:{direct}\"]"))
+        .value("servers", format!("[\"{server}\"]"))
+        .array_table("balancer")
+        .string("name", "proxied")
+        .value("listen", format!("[\"127.0.0.1:{proxied}\"]"))
+        .value("servers", format!("[\"{server}\"]"))
+        .string("proxy", "http://127.0.0.1:9");
     let dir = lb_tests::TempDir::new("lb-auto-forwarding")?;
     let file = dir.join("lb.toml");
-    std::fs::write(&file, text)?;
+    std::fs::write(&file, text.text())?;
     let lb = Lb::start(&["--config", &file.display().to_string()])?;
     // Not ready as a whole: the proxied balancer's checks go to a proxy that refuses.
     lb_tests::wait_until(Duration::from_secs(10), || {
@@ -760,33 +753,24 @@ fn connect_time_ipv6_listener_to_an_ipv6_server() -> Result<()> {
     Ok(())
 }
 
-/// Servers `s0:9001` (host up, nothing listening: a connect is refused with a reset) and
-/// `s1:9000`; the check asks port 9000 of each host (`{host}`), so both pass it, and its 30 s
-/// interval leaves only passive signals to fail `s0:9001` during the test. A refused connect
-/// counts toward `passive_reset_limit`; at 1, each is one failed check.
-const PASSIVE_CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "http"
-url = "http://{host}:9000/healthz"
-interval = "30s"
-timeout = "1s"
-rise = 1
-fall = {fall}
-passive = true
-passive_reset_limit = 1
-on_unhealthy = "kill"
-"#;
+/// `[balancer.health]` for servers `s0:9001` (host up, nothing listening: a connect is refused
+/// with a reset) and `s1:9000`: the check asks port 9000 of each host (`{host}`), so both pass
+/// it, and its 30 s interval leaves only passive signals to fail `s0:9001` during the test. A
+/// refused connect counts toward `passive_reset_limit`; at 1, each is one failed check, and
+/// `fall` of them fail the server.
+fn passive_checks(fall: u64) -> Toml {
+    Toml::new()
+        .table("balancer.health")
+        .string("kind", "http")
+        .string("url", "http://{host}:9000/healthz")
+        .string("interval", "30s")
+        .string("timeout", "1s")
+        .value("rise", 1)
+        .value("fall", fall)
+        .value("passive", true)
+        .value("passive_reset_limit", 1)
+        .string("on_unhealthy", "kill")
+}
 
 #[test]
 fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
@@ -797,10 +781,10 @@ fn connect_time_refused_connects_fail_a_server_without_a_check() -> Result<()> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let refusing = hosts[0].addr(9001).to_string();
     let servers = format!("\"{refusing}\", \"{}\"", hosts[1].addr(9000));
-    let text = PASSIVE_CONFIG
-        .replace("{servers}", &servers)
-        .replace("{fall}", &PASSIVE_FALL.to_string());
-    let s = ConnectLb::start(hosts, &text)?;
+    let health = passive_checks(PASSIVE_FALL);
+    let s = ConnectLb::start(hosts, |listen| {
+        config(&Toml::new(), &[listen], &servers, "failover", &health)
+    })?;
     let (first, _) = s.status_of(&refusing)?;
     ensure!(
         first != "FAILED",
@@ -897,41 +881,17 @@ fn connect_time_syn_sent_connects_to_a_failed_server_are_aborted() -> Result<()>
 
 /// Servers `s0:9000` and `s1:9000`, every check sent to s1 (`shared_target`), so a blackholed
 /// s0 fails no check; one reset (an RTO counts as one) is one failed check, and one fails it.
-const RTO_CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "http"
-url = "http://{check}/healthz"
-shared_target = true
-interval = "30s"
-timeout = "1s"
-rise = 1
-fall = 1
-passive = true
-passive_reset_limit = 1
-on_unhealthy = "kill"
-"#;
-
 #[test]
 fn connect_time_retransmission_timeout_counts_as_a_reset() -> Result<()> {
     if skip() {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = RTO_CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{check}", &hosts[1].addr(9000).to_string());
-    let s = ConnectLb::start(hosts, &text)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = ConnectLb::shared_checks(&hosts[1].addr(9000).to_string(), "30s", 1);
+    let s = ConnectLb::start(hosts, |listen| {
+        config(&Toml::new(), &[listen], &servers, "failover", &health)
+    })?;
     let v = peer(&s, &s.place())?;
     ensure!(v["server"] == "s0", "failover sends to s0 first: {v}");
     let failures = || s.lb.metric("lb_health_checks_total", "result=\"failure\"");
@@ -1027,10 +987,11 @@ fn connect_time_syn_sent_connects_are_aborted_with_on_unhealthy_keep() -> Result
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
-        .replace("on_unhealthy = \"kill\"", "on_unhealthy = \"keep\"");
-    ensure!(text.contains("\"keep\""), "config template changed");
-    let s = ConnectLb::start(hosts, &text)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = checks(INTERVAL_MS, TIMEOUT_MS, FALL, "keep");
+    let s = ConnectLb::start(hosts, |listen| {
+        config(&Toml::new(), &[listen], &servers, "failover", &health)
+    })?;
     // An established connection to s0, idle: `keep` leaves it alone.
     let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
@@ -1077,20 +1038,13 @@ fn connect_time_clients_in_another_network_namespace_are_rewritten_and_killed() 
     // reaches; its connects are rewritten to s0 itself, in that namespace.
     let gateway = hosts[0].gateway;
     // A client of another namespace is rewritten only with the opt-in.
-    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
-        .replace(
-            "listen = [\"127.0.0.1:{port}\"]",
-            &format!("listen = [\"127.0.0.1:{{port}}\", \"{gateway}:{{port}}\"]"),
-        )
-        .replace(
-            "forwarding = \"connect\"",
-            "forwarding = \"connect\"\nnamespaces = \"all\"",
-        );
-    ensure!(
-        text.contains(&gateway.to_string()) && text.contains("namespaces = \"all\""),
-        "config template changed"
-    );
-    let s = ConnectLb::start(hosts, &text)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = checks(INTERVAL_MS, TIMEOUT_MS, FALL, "kill");
+    let s = ConnectLb::start(hosts, |listen| {
+        let second = SocketAddr::new(gateway.into(), listen.port());
+        let datapath = Toml::new().string("namespaces", "all");
+        config(&datapath, &[listen, second], &servers, "failover", &health)
+    })?;
     let ns = s.hosts[0].ns.clone();
     let place = Place {
         cgroup: Some(&s.cg.path),
@@ -1164,8 +1118,11 @@ fn connect_time_ten_thousand_sockets_are_killed() -> Result<()> {
     }
     // Checks that a server busy accepting 10,000 connections passes in time.
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = config(&hosts, "failover", 1000, 1000, 5);
-    let s = ConnectLb::start(hosts, &text)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = checks(1000, 1000, 5, "kill");
+    let s = ConnectLb::start(hosts, |listen| {
+        config(&Toml::new(), &[listen], &servers, "failover", &health)
+    })?;
     let max_ms = if timed() { "120000" } else { "600000" };
     let idle = Holder::spawn(
         &s.place(),
@@ -1238,13 +1195,15 @@ fn connect_time_falls_back_to_splice_when_the_kernel_refuses_a_hook() -> Result<
     // Another program owns cgroup/connect4 exclusively: the kernel refuses lb's.
     cg.occupy_connect4()?;
     let port = free_port()?;
-    let text = config(&hosts, "failover", INTERVAL_MS, TIMEOUT_MS, FALL)
-        .replace("{port}", &port.to_string());
+    let listen = SocketAddr::from(([127, 0, 0, 1], port));
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let health = checks(INTERVAL_MS, TIMEOUT_MS, FALL, "kill");
+    let text = config(&Toml::new(), &[listen], &servers, "failover", &health);
     let config = std::env::temp_dir().join(format!(
         "lb-connect-refused-{}-{port}.toml",
         std::process::id()
     ));
-    std::fs::write(&config, &text)?;
+    std::fs::write(&config, text.text())?;
     let lb = Lb::start(&[
         "--config",
         &config.display().to_string(),

@@ -8,44 +8,28 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    ConnectLb, Host, free_port, run_client, skip_unless_kernel, skip_unless_root, timed,
+    ConnectLb, Host, Toml, free_port, run_client, skip_unless_kernel, skip_unless_root, timed,
 };
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
 
-/// Two servers `s0`, `s1` in failover order; checks (tcp) every `{interval}`, so none runs
-/// during a test unless it asks (`/check`). `{fail_fast}` is the `[datapath.fail_fast]` body.
-const CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-
-[datapath.fail_fast]
-{fail_fast}
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-
-[balancer.health]
-kind = "tcp"
-interval = "{interval}"
-timeout = "1s"
-rise = 1
-fall = 1
-"#;
-
-/// lb in front of two fresh hosts with [`CONFIG`].
+/// lb in front of two fresh hosts, servers `s0`, `s1` in failover order; checks (tcp) every
+/// `interval`, so none runs during a test unless it asks (`/check`). `fail_fast` is the
+/// `[datapath.fail_fast]` body.
 fn start(fail_fast: &str, interval: &str) -> Result<ConnectLb> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{fail_fast}", fail_fast)
-        .replace("{interval}", interval);
-    ConnectLb::start(hosts, &text)
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let datapath = Toml::new().table("datapath.fail_fast").lines(fail_fast);
+    ConnectLb::start(hosts, |listen| {
+        ConnectLb::config(&datapath, &[listen], &servers, "failover")
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", interval)
+            .string("timeout", "1s")
+            .value("rise", 1)
+            .value("fall", 1)
+    })
 }
 
 /// Root and a kernel with the getpeername (5.8) and sock_release (5.9) hooks.

@@ -3,53 +3,39 @@
 //! blip that times out many sockets at once, and connects that fail before a SYN is sent.
 //! None of them may fail a healthy server or leave records in lb's kernel maps.
 
-use std::time::{Duration, Instant};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    ConnectLb, Holder, Host, Place, free_port, run_client, skip_unless_kernel, skip_unless_root,
+    ConnectLb, Holder, Host, Place, Toml, free_port, run_client, skip_unless_kernel,
+    skip_unless_root,
 };
 
 const T: Duration = Duration::from_secs(60);
 
-/// Servers `s0:9000`, `s1:9000` in failover order; every knob that makes one failure count is
-/// at its harshest: `fall = 1` and one reset (or server-failed connect) is one failed check.
-/// `{check}` is the server every check goes to (`shared_target`), `{interval}` the check
-/// interval (also the window in which retransmission timeouts count once).
-const CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
+/// Balancer `api` on `listen` over `servers` in failover order; every knob that makes one
+/// failure count is at its harshest ([`ConnectLb::shared_checks`]): `fall = 1` and `limit`
+/// resets (or server-failed connects) are one failed check. `check` is the server every check
+/// goes to (`shared_target`), `interval` the check interval (also the window in which
+/// retransmission timeouts count once).
+fn config(listen: SocketAddr, servers: &str, check: &str, interval: &str, limit: u32) -> Toml {
+    ConnectLb::config(&Toml::new(), &[listen], servers, "failover")
+        .string("dial_timeout", "1s")
+        .lines(ConnectLb::shared_checks(check, interval, limit).text())
+}
 
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "http"
-url = "http://{check}/healthz"
-shared_target = true
-interval = "{interval}"
-timeout = "1s"
-rise = 1
-fall = 1
-passive = true
-passive_reset_limit = {limit}
-on_unhealthy = "kill"
-"#;
-
-/// lb in front of two fresh hosts with [`CONFIG`]: checks sent to `check` (0 or 1, by host).
+/// lb in front of two fresh hosts, `s0:9000` and `s1:9000`, with [`config`]: checks sent to
+/// `check` (0 or 1, by host).
 fn start(check: usize, interval: &str, limit: u32) -> Result<ConnectLb> {
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{check}", &hosts[check].addr(9000).to_string())
-        .replace("{interval}", interval)
-        .replace("{limit}", &limit.to_string());
-    ConnectLb::start(hosts, &text)
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let check = hosts[check].addr(9000).to_string();
+    ConnectLb::start(hosts, |listen| {
+        config(listen, &servers, &check, interval, limit)
+    })
 }
 
 /// Root and a kernel with the getpeername (5.8) and sock_release (5.9) hooks; prints the skip
@@ -294,12 +280,10 @@ fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
         host.serve(9100 + i, &format!("p{i}"))?;
     }
     let first = host.addr(9100).to_string();
-    let text = CONFIG
-        .replace("{servers}", &format!("\"{first}\""))
-        .replace("{check}", &first)
-        .replace("{interval}", "200ms")
-        .replace("{limit}", "10");
-    let s = ConnectLb::start(vec![host], &text)?;
+    let servers = format!("\"{first}\"");
+    let s = ConnectLb::start(vec![host], |listen| {
+        config(listen, &servers, &first, "200ms", 10)
+    })?;
     // Discovery churn: the set is one server at a time, each dialed once (its count key is
     // made when the connect is established, and its count is back at 0 once it closed).
     for i in 0..SERVERS {

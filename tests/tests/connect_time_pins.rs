@@ -13,35 +13,14 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{ConnectLb, Holder, run_client, skip, skip_unless_kernel, skip_unless_root};
+use lb_tests::{ConnectLb, Holder, Toml, run_client, skip, skip_unless_kernel, skip_unless_root};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
 
-const CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-orphan_timeout = "{orphan}"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "failover"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "tcp"
-interval = "500ms"
-timeout = "300ms"
-rise = 1
-fall = 2
-on_unhealthy = "kill"
-"#;
-
-/// Root, a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of
-/// this test's own; prints the skip reason otherwise.
+/// lb in front of `s0`, `s1` (failover, tcp checks) with `orphan_timeout = orphan`, given root,
+/// a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of this
+/// test's own; prints the skip reason otherwise.
 fn setup(orphan: &str) -> Result<Option<ConnectLb>> {
     setup_with(orphan, "")
 }
@@ -56,14 +35,20 @@ fn setup_with(orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
         return Ok(None);
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let text = CONFIG
-        .replace("{servers}", &lb_tests::toml_addrs(&hosts, 9000))
-        .replace("{orphan}", orphan)
-        .replace(
-            "on_unhealthy = \"kill\"",
-            &format!("on_unhealthy = \"kill\"\n{health}"),
-        );
-    let s = ConnectLb::start(hosts, &text)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let datapath = Toml::new().string("orphan_timeout", orphan);
+    let s = ConnectLb::start(hosts, |listen| {
+        ConnectLb::config(&datapath, &[listen], &servers, "failover")
+            .string("dial_timeout", "1s")
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", "500ms")
+            .string("timeout", "300ms")
+            .value("rise", 1)
+            .value("fall", 2)
+            .string("on_unhealthy", "kill")
+            .lines(health)
+    })?;
     ensure!(s.lb.pin_dir.is_some(), "lb got no pin directory");
     Ok(Some(s))
 }

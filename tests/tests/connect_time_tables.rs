@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, ensure};
-use lb_tests::{ConnectLb, Host, run_client, skip_unless_kernel, skip_unless_root};
+use lb_tests::{ConnectLb, Host, Toml, run_client, skip_unless_kernel, skip_unless_root};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
@@ -20,26 +20,6 @@ const SLOTS: u64 = 8;
 const REUSE_AFTER_MS: u64 = 100;
 /// Server set changes through the admin API.
 const CHANGES: usize = 300;
-
-const CONFIG: &str = r#"
-[datapath]
-mode = "bpf"
-forwarding = "connect"
-
-[[balancer]]
-name = "api"
-listen = ["127.0.0.1:{port}"]
-servers = [{servers}]
-policy = "round-robin"
-dial_timeout = "1s"
-
-[balancer.health]
-kind = "tcp"
-interval = "100ms"
-timeout = "500ms"
-rise = 1
-fall = 1
-"#;
 
 /// One `connect-time table updated` line lb logged for a table it wrote: when (seconds since
 /// midnight, from the line's timestamp), the generation and how long its slot had rested (ms;
@@ -147,7 +127,17 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
     };
     let (set_a, set_b) = (set(true), set(false));
     let quoted: Vec<String> = set_a.iter().map(|a| format!("\"{a}\"")).collect();
-    let s = ConnectLb::start(hosts, &CONFIG.replace("{servers}", &quoted.join(", ")))?;
+    let servers = quoted.join(", ");
+    let s = ConnectLb::start(hosts, |listen| {
+        ConnectLb::config(&Toml::new(), &[listen], &servers, "round-robin")
+            .string("dial_timeout", "1s")
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", "100ms")
+            .string("timeout", "500ms")
+            .value("rise", 1)
+            .value("fall", 1)
+    })?;
     let first_generation = current_generation(&s)?;
 
     let stop = AtomicBool::new(false);

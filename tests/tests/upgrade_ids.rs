@@ -350,24 +350,20 @@ fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
     let cg = TestCgroup::new()?;
     let dir = TempDir::new("lb-upgrade-ids")?;
     let path = dir.join("lb.toml");
+    let listen = SocketAddr::from(([127, 0, 0, 1], free_port()?));
     let text = |health: &str| {
         config(
             &cg.path,
             &[Balancer {
                 name: "a",
-                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                listen,
                 server: hosts[0].addr(9000),
                 extra: "",
                 health,
             }],
         )
     };
-    let listen = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let with_listen = |t: String| t.replace("127.0.0.1:0", &listen.to_string());
-    std::fs::write(
-        &path,
-        with_listen(text("kind = \"tcp\"\ninterval = \"20ms\"")),
-    )?;
+    std::fs::write(&path, text("kind = \"tcp\"\ninterval = \"20ms\""))?;
     let mut lb = UpLb::start(&["--config", &path.display().to_string()], &[])?;
     lb.wait_settled()?;
     // The old lb's checks reach the server.
@@ -378,7 +374,7 @@ fn upgrade_old_lb_stops_checking_at_done() -> Result<()> {
     .context("the old lb does not check every 20 ms")?;
     std::fs::write(
         &path,
-        with_listen(text("kind = \"tcp\"\ninterval = \"20ms\"\nloop = false")),
+        text("kind = \"tcp\"\ninterval = \"20ms\"\nloop = false"),
     )?;
     let answer = lb.request_upgrade()?;
     ensure!(
