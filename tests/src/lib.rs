@@ -50,7 +50,7 @@ pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_server_state, wait_until};
 pub use maps::lb_map_entries;
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
-pub use procfs::{open_fds, raise_nofile, rss_kib, threads};
+pub use procfs::{open_fds, raise_nofile, rss_anon_kib, rss_kib, threads};
 pub use skip::{
     NEEDS_ROOT, SKIP_LOG_ENV, is_root, kernel_version, skip, skip_line, skip_unless_kernel,
     skip_unless_root, splice_kernel, test_name,

@@ -37,6 +37,14 @@ pub fn rss_kib(pid: u32) -> Result<u64> {
     status_field(pid, "VmRSS")
 }
 
+/// Resident anonymous memory of process `pid` (heap, stacks; `RssAnon`), in KiB.
+///
+/// # Errors
+/// As [`open_fds`].
+pub fn rss_anon_kib(pid: u32) -> Result<u64> {
+    status_field(pid, "RssAnon")
+}
+
 /// Threads of process `pid`.
 ///
 /// # Errors

@@ -185,7 +185,7 @@ pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
         );
     }
     if only == Some("soak") {
-        return soak::run(&root().join("bench/results/raw/soak"));
+        return soak::run(&root().join("bench/results/soak"));
     }
     let mut opts = Options::new(quick);
     let files = raise_nofile()?;

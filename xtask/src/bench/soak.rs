@@ -10,7 +10,7 @@
 //! is read [`DRAIN`] after the soak, once TIME_WAIT has drained. Each must be within
 //! [`TOLERANCE`] of its baseline (a drop is fine; the maps keyed by server, balancer or listener
 //! may gain one entry per server), and the streams must end with every byte checked, or the run
-//! fails. Results and a chart go to `bench/results/raw/soak/`.
+//! fails. Results and a chart go to `bench/results/soak/`.
 
 use std::{
     collections::BTreeMap,
@@ -54,6 +54,9 @@ struct Sample {
     /// Seconds since the mode's soak started (negative: before).
     t: f64,
     rss_kib: u64,
+    /// The anonymous part of `rss_kib` (heap and stacks: what lb allocated); the rest is
+    /// file-backed (the binary's pages that ran).
+    rss_anon_kib: u64,
     fds: u64,
     tasks: u64,
     /// Entries of lb's per-connection maps ([`PER_CONNECTION_MAPS`]), summed.
@@ -72,6 +75,7 @@ impl Sample {
         Ok(Sample {
             t,
             rss_kib: lb_tests::rss_kib(pid)?,
+            rss_anon_kib: lb_tests::rss_anon_kib(pid)?,
             fds: lb_tests::open_fds(pid)? as u64,
             tasks: lb.metric("lb_runtime_alive_tasks", "") as u64,
             map_entries: per_connection(&maps),
@@ -81,9 +85,10 @@ impl Sample {
     }
 
     /// The named values, in report order.
-    fn values(&self) -> [(&'static str, u64); 5] {
+    fn values(&self) -> [(&'static str, u64); 6] {
         [
             ("rss_kib", self.rss_kib),
+            ("rss_anon_kib", self.rss_anon_kib),
             ("fds", self.fds),
             ("tasks", self.tasks),
             ("map_entries", self.map_entries),
@@ -106,6 +111,7 @@ fn settled(lb: &Lb, hosts: &Hosts, t: f64, n: usize) -> Result<Sample> {
             Some(m) => Sample {
                 t,
                 rss_kib: m.rss_kib.min(s.rss_kib),
+                rss_anon_kib: m.rss_anon_kib.min(s.rss_anon_kib),
                 fds: m.fds.min(s.fds),
                 tasks: m.tasks.min(s.tasks),
                 map_entries: m.map_entries.min(s.map_entries),
@@ -214,7 +220,7 @@ struct ModeResult {
     over: Vec<String>,
 }
 
-/// Run the soak in both modes and write `bench/results/raw/soak/`.
+/// Run the soak in both modes and write `bench/results/soak/`.
 ///
 /// # Errors
 /// A host, lb or client that does not start, streams that lose a byte, or an end value over
