@@ -15,12 +15,15 @@
 //!   its server socket and copied every byte that went the normal way (the counting rule: it
 //!   redirects only once lb's published copied count equals the bytes the client's socket
 //!   queued, read from its `write_seq`, so bytes sent before pairing are never overtaken), it
-//!   redirects the client's sends straight to the server socket's egress, within
-//!   the credit lb granted (the bound on bytes queued toward the server). A blocking client
-//!   (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected past the credit
-//!   too: the kernel then makes it wait for room in the server socket, whose send buffer
-//!   (`max_buffered_bytes`) bounds the queue, as a direct connection's send would wait. Only a
-//!   non-blocking client must take the copy path when the credit runs out: a redirected
+//!   redirects the client's sends straight to the server socket's egress while that socket has
+//!   room: its queued memory plus the send within three quarters of its send buffer, read from
+//!   the socket at each send through the address the first redirect gives
+//!   ([`client_sock::server_fill`]); before the first redirect, within the credit lb granted.
+//!   A blocking client (its file lacks `O_NONBLOCK` and it has no `SO_SNDTIMEO`) is redirected
+//!   past that limit too: the kernel then makes it wait for room in the server socket, whose
+//!   send buffer (`max_buffered_bytes`) bounds the queue, as a direct connection's send would
+//!   wait. Only a
+//!   non-blocking client must take the copy path when the room runs out: a redirected
 //!   non-blocking send into a full server socket returns `EAGAIN` while the client's own socket
 //!   still polls writable, so it would busy-spin. Per-send flags (`MSG_DONTWAIT`) are invisible
 //!   here; `datapath.blocking_splice = false` turns the past-credit redirect off. It never
