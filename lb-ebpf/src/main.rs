@@ -450,19 +450,18 @@ fn try_sk_msg(ctx: &SkMsgContext) -> Result<u32, u32> {
         // kTLS: these are plaintext records, encrypted only after this verdict.
         Some(ctl) if ctl.mode == MODE_REDIRECT && tp.is_none_or(has_ulp) => PassReason::Ulp,
         Some(ctl) if ctl.mode == MODE_REDIRECT => {
+            let caught_up = synced && ctl.copied == flow.passed;
             // The server socket's own room once a redirect showed where it is; else the credit
             // lb granted, refreshed on request.
-            let fill = if !synced || ctl.copied != flow.passed {
-                None
-            } else {
-                server_fill(flow.server)
-            };
-            let room = fill.map(|(queued, limit)| queued + size <= limit);
+            let room = caught_up
+                .then(|| server_fill(flow.server))
+                .flatten()
+                .map(|(queued, limit)| queued + size <= limit);
             let past_credit = match room {
                 Some(room) => !room,
                 None => flow.redirected + size > ctl.credit_end,
             };
-            if !synced || ctl.copied != flow.passed {
+            if !caught_up {
                 PassReason::Catchup
             } else if past_credit && {
                 if room.is_none() {
