@@ -125,13 +125,18 @@ pub(super) fn size_server_socket(server: &impl AsFd, max_buffered: u64) -> u64 {
 
 impl Datapath {
     /// Publish how many bytes (`copied`) lb has copied from the accepted socket to the server
-    /// socket, with fresh credit: lb's own writes share the server socket with the redirected
-    /// bytes, so the credit is recomputed from the socket's queue to keep both within the bound.
+    /// socket, with fresh credit until the connection's first redirect: lb's own writes share the
+    /// server socket with the redirected bytes, so the credit is recomputed from the socket's
+    /// queue to keep both within the bound. After it the program reads the socket's room itself.
     pub fn set_copied(&self, pair: &Pair, copied: u64) {
         let mut ctl = pair.ctl.lock().expect("poisoned");
         ctl.copied = copied;
-        let redirected = self.flow(&pair.key).map_or(0, |f| f.redirected);
-        pair.grant(&mut ctl, redirected);
+        let flow = self.flow(&pair.key);
+        // Once a redirect showed the program where the server socket is, it reads the socket's
+        // room itself and no longer goes by the credit: no `SIOCOUTQ` for it.
+        if flow.is_none_or(|f| f.server == 0) {
+            pair.grant(&mut ctl, flow.map_or(0, |f| f.redirected));
+        }
         if let Err(e) = self.maps.pairs.publish(&pair.key, &ctl) {
             warn!(error = %e, "cannot publish copied bytes");
         }
