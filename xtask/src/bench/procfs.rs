@@ -65,17 +65,10 @@ pub fn kernel_socket_bytes() -> u64 {
         })
         .unwrap_or(0);
     let slabinfo = std::fs::read_to_string("/proc/slabinfo").unwrap_or_default();
-    let objects: u64 = slabinfo
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            if !matches!(f.first(), Some(&("TCP" | "TCPv6" | "sock_inode_cache"))) {
-                return None;
-            }
-            let active: u64 = f.get(1)?.parse().ok()?;
-            let size: u64 = f.get(3)?.parse().ok()?;
-            Some(active * size)
-        })
+    let objects: u64 = ["TCP", "TCPv6", "sock_inode_cache"]
+        .iter()
+        .filter_map(|name| slab(&slabinfo, name))
+        .map(|(active, size)| active * size)
         .sum();
     pages * 4096 + objects
 }
@@ -91,7 +84,8 @@ pub fn kernel_socket_bytes() -> u64 {
 /// # Errors
 /// `ss` (or `ip netns exec`) fails.
 pub fn tcp_socket_memory(namespaces: &[&str]) -> anyhow::Result<u64> {
-    let object = slab_object_size("TCP").unwrap_or(0);
+    let slabinfo = std::fs::read_to_string("/proc/slabinfo").unwrap_or_default();
+    let object = slab(&slabinfo, "TCP").map_or(0, |(_, size)| size);
     let mut total = 0;
     let mut outputs = vec![lb_tests::sh("ss", &["-tanmH"])?];
     for ns in namespaces {
@@ -114,12 +108,15 @@ pub fn tcp_socket_memory(namespaces: &[&str]) -> anyhow::Result<u64> {
     Ok(total)
 }
 
-/// The object size (bytes) of slab cache `name` in /proc/slabinfo.
-fn slab_object_size(name: &str) -> Option<u64> {
-    let slabinfo = std::fs::read_to_string("/proc/slabinfo").ok()?;
+/// Slab cache `name` in `slabinfo` (the text of /proc/slabinfo): its active objects and their
+/// size (bytes).
+fn slab(slabinfo: &str, name: &str) -> Option<(u64, u64)> {
     slabinfo.lines().find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        (f.first() == Some(&name)).then(|| f.get(3)?.parse().ok())?
+        if f.first() != Some(&name) {
+            return None;
+        }
+        Some((f.get(1)?.parse().ok()?, f.get(3)?.parse().ok()?))
     })
 }
 
