@@ -11,6 +11,22 @@ use lb::{
     config::CredentialFiles,
 };
 
+/// jemalloc on glibc builds; see [`lb::memory`] for why and how it is configured.
+#[cfg(target_env = "gnu")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options ([`lb::memory::MALLOC_CONF`]), found by jemalloc under this symbol name.
+#[cfg(target_env = "gnu")]
+#[expect(
+    unsafe_code,
+    reason = "jemalloc reads its compile-time options from an exported symbol"
+)]
+// SAFETY: the symbol name is the one tikv-jemalloc-sys's prefixed jemalloc reads; the value is a
+// pointer to a NUL-terminated byte string that lives for the whole process and is never written.
+#[unsafe(export_name = "_rjem_malloc_conf")]
+static MALLOC_CONF: &u8 = &lb::memory::MALLOC_CONF[0];
+
 fn init_logging(cli: &Cli) {
     let filter = cli
         .log_level

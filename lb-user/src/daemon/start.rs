@@ -219,7 +219,6 @@ impl Daemon {
         daemon.spawn_first_checks(&go, taking_over);
         daemon.spawn_discovery(&balancers);
         daemon.spawn_heartbeat(&go);
-        crate::memory::spawn_trimmer(&daemon.tasks, daemon.background.clone());
         Ok(daemon)
     }
 

@@ -199,7 +199,6 @@ impl Datapath {
             });
         }
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
-        trim_heap();
         Ok(Datapath {
             _ebpf: Some(ebpf),
             links: Mutex::new(
@@ -232,18 +231,6 @@ fn sk_err_offset() -> u32 {
         warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
         0
     })
-}
-
-/// Loading parsed the kernel's BTF (megabytes) and freed it again; hand those pages back so a
-/// node daemon's resident size reflects what it holds (glibc only; musl returns memory by
-/// itself).
-fn trim_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
-    #[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it

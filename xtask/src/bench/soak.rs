@@ -422,9 +422,8 @@ fn soak_mode(mode: &'static str, hosts: &Hosts, streams: u64) -> Result<ModeResu
     lb.wait_settled(Duration::from_secs(15))?;
 
     // The warm-up: the same workload for WARM_UP, so every structure lb sizes to its peak (a
-    // map's capacity, the runtime's slabs) is already at it; then one memory trim round
-    // (`lb::memory::TRIM_INTERVAL`, 30 s) and the baseline. What the soak adds beyond it grows
-    // with the work: a leak.
+    // map's capacity, the runtime's slabs) is already at it; then 35 s of rest and the
+    // baseline. What the soak adds beyond it grows with the work: a leak.
     let t0 = Instant::now();
     let mut series = Vec::new();
     let rig = Rig {
