@@ -93,7 +93,7 @@ pub struct ConnectSocket {
     pub tgid: u32,
     /// (its own address, its peer) as the kernel holds them, once its SYN was sent; `None`
     /// before, when only a dump of the namespace's sockets can find it.
-    pub sent: Option<OwnSocket>,
+    pub sent: Option<(SocketAddr, SocketAddr)>,
 }
 
 /// Destroy the connect-time sockets `sockets` to `peer` (sent there by lb's programs; other
@@ -150,24 +150,59 @@ pub fn destroy_connecting(
     })
 }
 
-/// One of lb's own accepted sockets, by its addresses: (local, peer).
-pub type OwnSocket = (SocketAddr, SocketAddr);
+/// One of lb's own accepted sockets: its addresses and its socket cookie, which
+/// [`destroy_own_sockets`] sends along so that no other socket can be taken for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OwnSocket {
+    /// The socket's own address (lb's listener address).
+    pub local: SocketAddr,
+    /// The client's address.
+    pub peer: SocketAddr,
+    /// The socket's cookie (`SO_COOKIE`).
+    pub cookie: u64,
+}
+
+impl OwnSocket {
+    /// lb's accepted socket `sock`, at `local`, whose client is `peer`.
+    ///
+    /// # Errors
+    /// `getsockopt(SO_COOKIE)` failing (kernel 4.12+).
+    pub fn of(
+        sock: impl std::os::fd::AsFd,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> std::io::Result<Self> {
+        let cookie = rustix::net::sockopt::socket_cookie(sock)?;
+        Ok(OwnSocket {
+            local,
+            peer,
+            cookie,
+        })
+    }
+}
 
 /// `SOCK_DESTROY` requests sent in one `sendmsg` (each acknowledged; 64 acknowledgements fit
 /// the netlink socket's default receive buffer).
 const DESTROY_BATCH: usize = 64;
 
 /// Destroy lb's own accepted sockets `sockets` (in lb's network namespace), each named by its
-/// addresses with no cookie, in batches of 64 requests per `sendmsg`: the kernel resets every
+/// addresses and its cookie, in batches of 64 requests per `sendmsg`: the kernel resets every
 /// client at once instead of waiting for each connection's task to run. A socket that closed
 /// meanwhile is skipped. Blocking (about 10 µs per socket here).
+///
+/// The cookie is what keeps the listener alive: the kernel finds the socket to destroy as it
+/// finds the socket for an arriving segment (`inet_diag_find_one_icsk` calls `inet_lookup`),
+/// the established table first and then the listeners. A socket the client already reset is in
+/// neither table, so a request by addresses alone found lb's listener on the same local address
+/// and aborted it (`accept` then failed with `EINVAL` for good: the churn soak found it after a
+/// kill of 8,847 connections). With the cookie the kernel answers `ESTALE` instead.
 ///
 /// # Errors
 /// As [`destroy_peer_sockets`]; sockets destroyed before an error stay destroyed.
 pub fn destroy_own_sockets(sockets: &[OwnSocket]) -> Result<NodeKill, KillError> {
     let targets = sockets
         .iter()
-        .map(|&(local, peer)| own_target(local, peer))
+        .map(|s| target(s.local, s.peer, cookie_bytes(s.cookie)))
         .collect();
     destroy_all(&Netlink::open().map_err(KillError::Socket)?, targets)
 }
@@ -210,12 +245,6 @@ fn destroy_all(nl: &Netlink, targets: Vec<Target>) -> Result<NodeKill, KillError
         Some(e) if done.destroyed == 0 => Err(e),
         _ => Ok(done),
     }
-}
-
-/// The socket id of lb's accepted socket `local` ← `peer`; cookie all ones, which the kernel
-/// reads as "no cookie" (`INET_DIAG_NOCOOKIE`), so the addresses alone name it.
-fn own_target(local: SocketAddr, peer: SocketAddr) -> Target {
-    target(local, peer, [0xff; 8])
 }
 
 /// The socket id of the socket `local` → `peer` with cookie bytes `cookie` (the kernel
@@ -524,6 +553,42 @@ mod tests {
         assert_eq!(&b[48..60], &[0; 12]);
         assert_eq!(u32_at(60), 3);
         assert_eq!(&b[64..72], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+
+    /// A kill of an accepted socket its client already reset reaches neither that socket (it is
+    /// gone from the kernel's tables) nor the listener on the same local address, and the
+    /// listener keeps accepting. Needs `CAP_NET_ADMIN` for `SOCK_DESTROY`.
+    #[test]
+    fn destroying_a_reset_accepted_socket_leaves_its_listener() {
+        use std::{
+            io::{ErrorKind, Read as _},
+            net::{TcpListener, TcpStream},
+            time::Duration,
+        };
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: SOCK_DESTROY needs CAP_NET_ADMIN (run as root)");
+            return;
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = TcpStream::connect(addr).unwrap();
+        let (mut accepted, peer) = listener.accept().unwrap();
+        let own = OwnSocket::of(&accepted, addr, peer).unwrap();
+        socket2::SockRef::from(&client)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(client);
+        accepted
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let err = accepted.read(&mut [0; 1]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ConnectionReset, "{err}");
+
+        let done = destroy_own_sockets(&[own]).unwrap();
+        assert_eq!(done.destroyed, 0, "{done:?}");
+        let next = TcpStream::connect(addr).unwrap();
+        let (_, next_peer) = listener.accept().expect("the listener survives the kill");
+        assert_eq!(next_peer, next.local_addr().unwrap());
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::{
     addr::ServerAddr,
     balancer::Balancer,
     datapath::{Datapath, Pair},
+    kill::OwnSocket,
     metrics::{BalancerLabel, Metrics},
 };
 
@@ -223,7 +224,8 @@ async fn established(conn: Box<Conn>, ctx: Arc<ProxyCtx>, resume: Resume) {
         server,
     } = *conn;
     let local = local.or_else(|| client.local_addr().ok());
-    let guard = balancer.register(&spec, local.map(|l| (l, peer)));
+    let own = local.and_then(|l| OwnSocket::of(&client, l, peer).ok());
+    let guard = balancer.register(&spec, own);
     // Until the connection ends cleanly, closing the server socket resets it. Should lb die
     // (SIGKILL, a crash), the kernel's close then wakes a blocking client asleep in a redirected
     // send with an error; a plain close would orphan the socket, and that client would sleep on
@@ -432,7 +434,10 @@ impl Splice<'_> {
                 false
             }
             Err(e) => {
-                warn!(error = %e, "cannot pair; copying in userspace");
+                warn!(
+                    error = format!("{e:#}"),
+                    "cannot pair; copying in userspace"
+                );
                 false
             }
         }
