@@ -434,12 +434,8 @@ impl Splice<'_> {
                 false
             }
             Err(e) => {
-                // With its cause (the kernel's errno): `DatapathError` shows only the map.
-                let e = anyhow::Error::new(e);
-                warn!(
-                    error = format!("{e:#}"),
-                    "cannot pair; copying in userspace"
-                );
+                let error = format!("{:#}", anyhow::Error::new(e));
+                warn!(error, "cannot pair; copying in userspace");
                 false
             }
         }
