@@ -434,8 +434,7 @@ impl Splice<'_> {
                 false
             }
             Err(e) => {
-                let error = format!("{:#}", anyhow::Error::new(e));
-                warn!(error, "cannot pair; copying in userspace");
+                warn!(error = %crate::errors::chain(&e), "cannot pair; copying in userspace");
                 false
             }
         }
