@@ -82,6 +82,22 @@ enum Cmd {
         /// Hard limit for one guest, boot to power-off, in seconds.
         #[arg(long, default_value_t = vm::DEFAULT_TIMEOUT.as_secs())]
         timeout: u64,
+        /// Only this test target (repeatable), e.g. `--target connect_time_pins`.
+        #[arg(long = "target", value_name = "TARGET")]
+        targets: Vec<String>,
+        /// Run the test list this many times in one boot, stopping after a round that failed.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        repeat: u32,
+        /// Virtual CPUs of the guest.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+        smp: u32,
+        /// Under TCG, emulate every virtual CPU on one host thread (`-accel tcg,thread=single`).
+        #[arg(long)]
+        tcg_single_thread: bool,
+        /// Instead of the tests, crash the guest's kernel from a test (SysRq c) and check that
+        /// the run names that test and prints the kernel's stacks.
+        #[arg(long, conflicts_with_all = ["tests", "targets", "test_args"])]
+        crash: bool,
         /// Passed to each test executable in the guest, e.g. a test name filter (with
         /// `--tests all`).
         #[arg(last = true)]
@@ -112,7 +128,7 @@ fn main() -> Result<()> {
             setup::run()?;
             // With the VM runs' test executables, as `dist` and `vm-test` build: one selection
             // of packages and targets, so each finds the others' build fresh.
-            let bins = musl::build(arch, vm::TESTS)?;
+            let bins = musl::build(arch, &vm::built_targets())?;
             eprintln!("xtask: built {}", bins.lb.display());
             Ok(())
         }
@@ -148,6 +164,11 @@ fn main() -> Result<()> {
             kernel,
             tests,
             timeout,
+            targets,
+            repeat,
+            smp,
+            tcg_single_thread,
+            crash,
             test_args,
         } => {
             let arch = vm::arch(&arch)?;
@@ -157,17 +178,36 @@ fn main() -> Result<()> {
                 Some(one) => vec![one],
             };
             let tests = match tests.as_deref() {
+                _ if crash => vm::Tests::Crash,
+                None | Some("all") if !targets.is_empty() => vm::Tests::Only {
+                    targets: &targets,
+                    args: &test_args,
+                },
                 None if test_args.is_empty() => arch.default_tests,
                 None | Some("all") => vm::Tests::All(&test_args),
+                Some(_) if !targets.is_empty() => {
+                    anyhow::bail!(
+                        "--tests smoke runs its own targets: --target goes with --tests all"
+                    )
+                }
                 Some(_) if test_args.is_empty() => vm::Tests::Smoke,
                 Some(_) => anyhow::bail!(
                     "--tests smoke runs its own test names: arguments after -- go with --tests all"
                 ),
             };
             setup::run()?;
-            let timeout = std::time::Duration::from_secs(timeout);
-            let outcomes = vm::run(arch, &labels, timeout, tests)?;
-            vm::verdict(&outcomes)
+            let opts = vm::Options {
+                timeout: std::time::Duration::from_secs(timeout),
+                repeat,
+                smp,
+                tcg_single_thread,
+            };
+            let outcomes = vm::run(arch, &labels, &opts, tests)?;
+            if crash {
+                vm::crash_verdict(&outcomes)
+            } else {
+                vm::verdict(&outcomes)
+            }
         }
         Cmd::Dist { check } => {
             setup::run()?;

@@ -159,7 +159,7 @@ fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
     for (arch, kernel, tests) in runs {
         let vm_start = std::time::Instant::now();
         let failed_before = counts.failed;
-        let r = vm::run(arch, &[kernel], vm::DEFAULT_TIMEOUT, tests).and_then(|outcomes| {
+        let r = vm::run(arch, &[kernel], &vm::Options::default(), tests).and_then(|outcomes| {
             for o in &outcomes {
                 notes.extend(
                     o.failures
@@ -178,7 +178,9 @@ fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
         let what = match tests {
             vm::Tests::All([]) => String::new(),
             vm::Tests::All(args) => format!(" ({} tests)", args.join(" ")),
+            vm::Tests::Only { targets, .. } => format!(" ({})", targets.join(" ")),
             vm::Tests::Smoke => " (smoke subset)".to_string(),
+            vm::Tests::Crash => " (crash report)".to_string(),
         };
         eprintln!(
             "xtask: kernel {kernel} {} VM run{what} took {:.0} s",
@@ -191,7 +193,33 @@ fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
         }
         vm_result = vm_result.and(r);
     }
-    vm_result
+    vm_result.and(crash_step(counts, notes))
+}
+
+/// A guest whose kernel crashes while a test runs (SysRq c, [`vm::Tests::Crash`]) ends the run
+/// at once, and the run names the test and shows the kernel's stacks: one test, on 6.12 (the
+/// fastest boot).
+fn crash_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
+    let start = std::time::Instant::now();
+    let opts = vm::Options {
+        // A crash ends the guest within seconds of boot; a run that reaches this did not crash.
+        timeout: std::time::Duration::from_secs(300),
+        ..vm::Options::default()
+    };
+    let r = vm::run(&vm::AMD64, &["6.12"], &opts, vm::Tests::Crash)
+        .and_then(|outcomes| vm::crash_verdict(&outcomes));
+    eprintln!(
+        "xtask: kernel 6.12 amd64 crash report run took {:.0} s",
+        start.elapsed().as_secs_f64()
+    );
+    match &r {
+        Ok(()) => counts.passed += 1,
+        Err(e) => {
+            counts.failed += 1;
+            notes.push(format!("6.12: {e:#}"));
+        }
+    }
+    r
 }
 
 /// `cargo xtask dist --check` as one test: the packages built and checked (the amd64 .deb

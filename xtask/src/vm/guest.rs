@@ -24,6 +24,18 @@ pub const TESTS: &[&str] = &[
     "upgrade",
 ];
 
+/// The test target only `cargo xtask vm-test --crash` runs ([`Tests::Crash`]), and its test.
+pub const CRASH: (&str, &str) = ("vm_guest", "guest_crash_is_reported");
+
+/// Every test target the static build holds: [`TESTS`] and the [`CRASH`] target. `vm-test`,
+/// `build --target` and `dist` all build this one selection, so each finds the others' build
+/// fresh.
+pub fn built_targets() -> Vec<&'static str> {
+    let mut all = TESTS.to_vec();
+    all.push(CRASH.0);
+    all
+}
+
 /// The smoke subset: one test for each thing a new architecture could break, as (test target,
 /// test name). `cargo xtask vm-test --arch arm64` runs these by default (`--tests smoke`).
 pub const SMOKE: &[(&str, &str)] = &[
@@ -55,15 +67,44 @@ pub enum Tests<'a> {
     /// Every target of [`TESTS`], each given these arguments (a name filter, say; none runs
     /// every test).
     All(&'a [String]),
+    /// Only these targets of [`TESTS`] (`--target`), each given these arguments.
+    Only {
+        /// Test targets, each one of [`TESTS`].
+        targets: &'a [String],
+        /// Arguments for each executable.
+        args: &'a [String],
+    },
     /// [`SMOKE`]: only its targets, with its test names as exact filters.
     Smoke,
+    /// [`CRASH`]: the test that crashes the guest's kernel on purpose.
+    Crash,
 }
 
 impl Tests<'_> {
     /// The test targets the guest holds, in the order it runs them, and the arguments each gets.
-    pub fn plan(&self) -> (Vec<&'static str>, Vec<String>) {
-        match self {
+    ///
+    /// # Errors
+    /// A target of [`Tests::Only`] that is not one of [`TESTS`], naming them.
+    pub fn plan(&self) -> Result<(Vec<&'static str>, Vec<String>)> {
+        Ok(match self {
             Tests::All(args) => (TESTS.to_vec(), args.to_vec()),
+            Tests::Only { targets, args } => {
+                let mut chosen = Vec::new();
+                for t in *targets {
+                    let known = TESTS.iter().find(|k| **k == t.as_str()).with_context(|| {
+                        format!(
+                            "no VM test target {t}: the targets are {}",
+                            TESTS.join(", ")
+                        )
+                    })?;
+                    chosen.push(*known);
+                }
+                (chosen, args.to_vec())
+            }
+            Tests::Crash => (
+                vec![CRASH.0],
+                ["--ignored", "--exact", CRASH.1].map(String::from).to_vec(),
+            ),
             Tests::Smoke => {
                 let mut targets: Vec<&'static str> = Vec::new();
                 let mut args = vec!["--exact".to_string()];
@@ -75,7 +116,7 @@ impl Tests<'_> {
                 }
                 (targets, args)
             }
-        }
+        })
     }
 }
 
@@ -103,13 +144,12 @@ const GUEST_TESTS: &str = "/opt/lb/tests";
 
 /// Build `lb`, `lbt` and the test executables statically for the guest's architecture (musl),
 /// release because TCG runs them many times slower than the host does. Always every target of
-/// [`TESTS`], as `cargo xtask dist` and `build --target` build them, so each finds the others'
-/// build fresh.
+/// [`built_targets`].
 ///
 /// # Errors
 /// See [`musl::build`].
 pub fn build_binaries(arch: &Arch) -> Result<Binaries> {
-    musl::build(arch.musl, TESTS)
+    musl::build(arch.musl, &built_targets())
 }
 
 /// A binary without its debug sections (smaller initramfs, faster to load under TCG), by the
@@ -169,7 +209,7 @@ fn add_host_file(a: &mut Archive, path: &str) -> Result<()> {
 }
 
 /// Write the initramfs of an `arch` guest for `kernel` to `out`, holding the test targets and
-/// arguments `tests` plans.
+/// arguments `tests` plans, run `repeat` times.
 ///
 /// # Errors
 /// A missing package, tool or module.
@@ -178,6 +218,7 @@ pub fn initramfs(
     kernel: &fetch::Kernel,
     bins: &Binaries,
     tests: Tests<'_>,
+    repeat: u32,
     out: &Path,
 ) -> Result<()> {
     let cache = out.parent().context("initramfs path without a parent")?;
@@ -190,7 +231,7 @@ pub fn initramfs(
     let strip = arch.musl.strip;
     a.file(GUEST_LB, 0o755, &stripped(&bins.lb, strip)?)?;
     a.file(GUEST_LBT, 0o755, &stripped(&bins.lbt, strip)?)?;
-    let (targets, args) = tests.plan();
+    let (targets, args) = tests.plan()?;
     let mut list = String::new();
     for target in targets {
         let (_, exe) = bins
@@ -205,6 +246,11 @@ pub fn initramfs(
     }
     a.file("etc/lb-vm/tests", 0o644, list.as_bytes())?;
     a.file("etc/lb-vm/args", 0o644, args.join(" ").as_bytes())?;
+    a.file(
+        "etc/lb-vm/repeat",
+        0o644,
+        repeat.max(1).to_string().as_bytes(),
+    )?;
     a.file(
         "etc/lb-vm/env",
         0o644,
@@ -298,7 +344,7 @@ mod tests {
 
     #[test]
     fn the_smoke_plan_names_existing_tests_exactly() -> Result<()> {
-        let (targets, args) = Tests::Smoke.plan();
+        let (targets, args) = Tests::Smoke.plan()?;
         assert_eq!(targets, ["connect_time", "datapath"]);
         assert_eq!(args[0], "--exact");
         assert_eq!(args.len(), SMOKE.len() + 1);
@@ -317,8 +363,34 @@ mod tests {
             );
         }
         let filter = ["x".to_string()];
-        let (targets, args) = Tests::All(&filter).plan();
+        let (targets, args) = Tests::All(&filter).plan()?;
         assert_eq!((targets, args), (TESTS.to_vec(), filter.to_vec()));
+        let one = ["connect_time_pins".to_string()];
+        let (targets, _) = Tests::Only {
+            targets: &one,
+            args: &filter,
+        }
+        .plan()?;
+        assert_eq!(targets, ["connect_time_pins"]);
+        let unknown = ["pins".to_string()];
+        let e = Tests::Only {
+            targets: &unknown,
+            args: &[],
+        }
+        .plan()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(e.contains("no VM test target pins"), "{e}");
+        // The crash test exists under its name, ignored so that no host ever runs it.
+        let file = crate::util::root().join(format!("tests/tests/{}.rs", CRASH.0));
+        let source = std::fs::read_to_string(&file)?;
+        assert!(
+            source.contains(&format!("fn {}()", CRASH.1)),
+            "{}",
+            file.display()
+        );
+        assert!(source.contains("#[ignore = "), "{}", file.display());
         Ok(())
     }
 }

@@ -8,15 +8,15 @@
 //! from the serial console.
 
 mod arch;
+mod console;
 mod cpio;
 mod fetch;
 mod guest;
+mod qemu;
 mod userland;
 
 use std::{
-    io::{BufRead as _, BufReader},
-    path::{Path, PathBuf},
-    process::{Command, Stdio},
+    path::PathBuf,
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
@@ -27,16 +27,42 @@ use crate::util;
 
 pub use arch::{AMD64, ARM64, Arch, arch};
 pub use fetch::SERIES;
-pub use guest::{TESTS, Tests};
+pub use guest::{CRASH, Tests, built_targets};
+
+use console::{check_smoke, read_log};
+use qemu::{Accel, Boot, Guest, boot, kvm_present};
 
 /// How long a guest may take from boot to power-off unless `--timeout` says otherwise: the 6.1
 /// run takes 320-580 s under TCG on a 2-core machine, and a CI machine once needed more than
 /// 900 s; a hung test still ends the run well inside CI's budget.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1500);
 
-/// How long a KVM guest gets to print its boot line before KVM counts as broken (here KVM either
-/// aborts at once or hangs without output).
-const KVM_BOOT_DEADLINE: Duration = Duration::from_secs(30);
+/// How each guest boots and how often it runs its tests.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Hard limit for one guest, boot to power-off.
+    pub timeout: Duration,
+    /// Rounds of the test list in one boot (`--repeat`); the guest stops after the first round
+    /// with a failure.
+    pub repeat: u32,
+    /// Virtual CPUs (`--smp`).
+    pub smp: u32,
+    /// TCG with one host thread for every virtual CPU (`-accel tcg,thread=single`) instead of
+    /// one thread each (`--tcg-single-thread`): tells a race in the guest's kernel from one in
+    /// the emulator's multi-threaded translation.
+    pub tcg_single_thread: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            timeout: DEFAULT_TIMEOUT,
+            repeat: 1,
+            smp: 2,
+            tcg_single_thread: false,
+        }
+    }
+}
 
 /// Set once KVM failed to boot a guest, so later kernels of the same run go straight to TCG.
 static KVM_BROKEN: AtomicBool = AtomicBool::new(false);
@@ -68,6 +94,9 @@ pub struct Outcome {
     pub total_secs: f64,
     /// Why the run failed when it did not produce a passing result line.
     pub error: Option<String>,
+    /// The kernel's alarm and the stacks after it (a lockup, a stall, a panic), empty when
+    /// the kernel raised none (see `console::kernel_alarm`).
+    pub kernel_alarm: Vec<String>,
 }
 
 impl Outcome {
@@ -83,12 +112,7 @@ impl Outcome {
 ///
 /// # Errors
 /// An unknown label, or building the binaries failing.
-pub fn run(
-    arch: &Arch,
-    labels: &[&str],
-    timeout: Duration,
-    tests: Tests<'_>,
-) -> Result<Vec<Outcome>> {
+pub fn run(arch: &Arch, labels: &[&str], opts: &Options, tests: Tests<'_>) -> Result<Vec<Outcome>> {
     let series: Vec<fetch::Series> = labels
         .iter()
         .map(|l| {
@@ -108,7 +132,7 @@ pub fn run(
     let mut outcomes = Vec::new();
     for s in series {
         let t0 = Instant::now();
-        let mut outcome = match run_one(arch, s, &bins, timeout, tests) {
+        let mut outcome = match run_one(arch, s, &bins, opts, tests) {
             Ok(o) => o,
             Err(e) => Outcome {
                 label: label(arch, s.label),
@@ -149,11 +173,51 @@ pub fn verdict(outcomes: &[Outcome]) -> Result<()> {
     Ok(())
 }
 
+/// Pass when every run of [`Tests::Crash`] ended the way a kernel hang should: stopped by the
+/// kernel without a result line, naming the crash test as the one running, with the kernel's
+/// panic and a stack in its alarm.
+///
+/// # Errors
+/// Names each kernel whose run did not, and what was missing.
+pub fn crash_verdict(outcomes: &[Outcome]) -> Result<()> {
+    let mut bad = Vec::new();
+    for o in outcomes {
+        let error = o.error.as_deref().unwrap_or("");
+        let alarm = |needle: &str| o.kernel_alarm.iter().any(|l| l.contains(needle));
+        let missing: Vec<&str> = [
+            (
+                error.contains("the guest kernel stopped the run"),
+                "the kernel stopping the run",
+            ),
+            (
+                error.contains(&format!("test running: {}", CRASH.1)),
+                "the running test's name",
+            ),
+            (alarm("sysrq"), "the SysRq line"),
+            (alarm("Kernel panic"), "the panic line"),
+            (alarm("Call Trace"), "a stack"),
+        ]
+        .into_iter()
+        .filter_map(|(ok, what)| (!ok).then_some(what))
+        .collect();
+        if !missing.is_empty() {
+            bad.push(format!("{} (missing {})", o.label, missing.join(", ")));
+        }
+    }
+    if !bad.is_empty() {
+        bail!(
+            "a crashed guest was not reported on kernel {}",
+            bad.join("; ")
+        );
+    }
+    Ok(())
+}
+
 fn run_one(
     arch: &Arch,
     series: fetch::Series,
     bins: &crate::musl::Binaries,
-    timeout: Duration,
+    opts: &Options,
     tests: Tests<'_>,
 ) -> Result<Outcome> {
     let cache = cache();
@@ -171,7 +235,7 @@ fn run_one(
     let label = label(arch, series.label);
     eprintln!("vm: kernel {label} ({})", kernel.release);
     let initrd = cache.join(format!("initramfs-{label}.cpio"));
-    guest::initramfs(arch, &kernel, bins, tests, &initrd)?;
+    guest::initramfs(arch, &kernel, bins, tests, opts.repeat, &initrd)?;
 
     let mut outcome = Outcome {
         label: label.clone(),
@@ -187,7 +251,7 @@ fn run_one(
         initrd: &initrd,
     };
     if arch.kvm && !KVM_BROKEN.load(Ordering::Relaxed) && kvm_present() {
-        match boot(&guest, Accel::Kvm, timeout)? {
+        match boot(&guest, Accel::Kvm, opts)? {
             Boot::Done(log) => {
                 outcome.accel = "kvm";
                 run = Some(log);
@@ -202,7 +266,7 @@ fn run_one(
         Some(log) => log,
         None => {
             outcome.accel = "tcg";
-            match boot(&guest, Accel::Tcg, timeout)? {
+            match boot(&guest, Accel::Tcg, opts)? {
                 Boot::Done(log) => log,
                 Boot::NoStart(why) => bail!("guest did not boot under TCG: {why}"),
             }
@@ -214,90 +278,6 @@ fn run_one(
         check_smoke(&mut outcome);
     }
     Ok(outcome)
-}
-
-/// A smoke run passes only when every test of [`guest::SMOKE`] passed: one that matched no
-/// test (renamed) or skipped (a kernel without what it needs) proved nothing.
-fn check_smoke(outcome: &mut Outcome) {
-    let c = &outcome.counts;
-    if outcome.error.is_none() && (c.passed as usize != guest::SMOKE.len() || c.skipped > 0) {
-        outcome.error = Some(format!(
-            "the smoke subset has {} tests: {} passed, {} skipped",
-            guest::SMOKE.len(),
-            c.passed,
-            c.skipped
-        ));
-    }
-}
-
-/// Pull the result line, skips and failures out of the serial log.
-fn read_log(log: &GuestLog, outcome: &mut Outcome) {
-    let mut in_failures = false;
-    for line in &log.lines {
-        // libtest ends with "failures:" and the failed names indented by four spaces.
-        if line == "failures:" {
-            in_failures = true;
-            continue;
-        }
-        if in_failures {
-            match line.strip_prefix("    ") {
-                Some(name) if !name.contains(' ') => {
-                    if !outcome.failures.iter().any(|f| f == name) {
-                        outcome.failures.push(name.to_string());
-                    }
-                }
-                _ => in_failures = !line.is_empty() && line.starts_with("    "),
-            }
-        }
-        if let Some(skip) = util::Skip::parse(line) {
-            outcome.counts.skips.push(skip);
-        }
-        if let Some(rest) = line.strip_prefix("test ")
-            && let Some((name, verdict)) = rest.split_once(" ... ")
-        {
-            if verdict.starts_with("FAILED") {
-                if !outcome.failures.iter().any(|f| f == name) {
-                    outcome.failures.push(name.to_string());
-                }
-            } else if verdict.starts_with("ignored") {
-                outcome.counts.skips.push(util::Skip {
-                    test: name.to_string(),
-                    reason: verdict.to_string(),
-                });
-            }
-        }
-    }
-    let Some(result) = log.lines.iter().find_map(|l| {
-        let at = l.find("LB_VM_RESULT ")?;
-        Some(l[at..].to_string())
-    }) else {
-        let why = match log.ended {
-            End::TimedOut => format!(
-                "no result line: the guest did not finish within {} s",
-                log.limit.as_secs()
-            ),
-            End::Exited => "no result line: the guest stopped before the tests finished".into(),
-        };
-        outcome.error = Some(format!("{why}{}", last_started(&log.lines)));
-        return;
-    };
-    let field = |key: &str| -> Option<i64> {
-        result.split_whitespace().find_map(|kv| {
-            let (k, v) = kv.split_once('=')?;
-            (k == key).then(|| v.parse().ok()).flatten()
-        })
-    };
-    let count = |key: &str| field(key).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
-    outcome.status = field("status").unwrap_or(-1);
-    outcome.counts.passed = count("passed");
-    outcome.counts.failed = count("failed");
-    outcome.counts.skipped = count("skipped");
-    if outcome.status != 0 && outcome.counts.failed == 0 && outcome.failures.is_empty() {
-        outcome.error = Some(format!(
-            "the test executable exited with {} without a failed test (crash?)",
-            outcome.status
-        ));
-    }
 }
 
 fn print_summary(outcomes: &[Outcome]) {
@@ -329,310 +309,15 @@ fn print_summary(outcomes: &[Outcome]) {
         if let Some(e) = &o.error {
             println!("  error on {}: {e}", o.label);
         }
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Accel {
-    Kvm,
-    Tcg,
-}
-
-/// Whether `/dev/kvm` opens for reading and writing (necessary, not sufficient: here it opens
-/// and qemu then fails).
-fn kvm_present() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
-}
-
-#[derive(Debug)]
-enum End {
-    Exited,
-    TimedOut,
-}
-
-#[derive(Debug)]
-struct GuestLog {
-    lines: Vec<String>,
-    ended: End,
-    limit: Duration,
-}
-
-#[derive(Debug)]
-enum Boot {
-    /// The guest booted; its log, complete or cut by the timeout.
-    Done(GuestLog),
-    /// The guest never printed its boot line (KVM broken).
-    NoStart(String),
-}
-
-/// What one boot runs.
-struct Guest<'a> {
-    arch: &'a Arch,
-    /// Its name in the log ([`label`]).
-    label: &'a str,
-    /// The kernel image (Debian's `vmlinuz`: a bzImage on amd64, a gzip'd Image on arm64, both
-    /// of which qemu's `-kernel` loads).
-    image: &'a Path,
-    initrd: &'a Path,
-}
-
-/// Boot one guest, echo its console, and stop it at `timeout` at the latest.
-fn boot(guest: &Guest<'_>, accel: Accel, timeout: Duration) -> Result<Boot> {
-    let label = guest.label;
-    let (qemu, package) = guest.arch.qemu;
-    let mut cmd = Command::new(qemu);
-    match accel {
-        Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-        Accel::Tcg => cmd.args(["-accel", "tcg"]).args(guest.arch.tcg),
-    };
-    // No network device: the guest's only links are the veth pairs the tests make inside it.
-    cmd.args(["-smp", "2", "-m", "1G", "-nodefaults", "-display", "none"])
-        .args(["-serial", "stdio", "-no-reboot"])
-        .arg("-kernel")
-        .arg(guest.image)
-        .arg("-initrd")
-        .arg(guest.initrd)
-        .arg("-append")
-        .arg(format!("console={} panic=-1 quiet", guest.arch.console))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    eprintln!("vm: booting {label} with {accel:?}");
-    let mut child = cmd.spawn().with_context(|| {
-        format!("cannot start {qemu} (Debian package {package}; cargo xtask setup installs it)")
-    })?;
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let mut readers = Vec::new();
-    if let Some(out) = child.stdout.take() {
-        let tx = tx.clone();
-        readers.push(std::thread::spawn(move || forward(out, &tx)));
-    }
-    if let Some(err) = child.stderr.take() {
-        let tx = tx.clone();
-        readers.push(std::thread::spawn(move || forward(err, &tx)));
-    }
-    drop(tx);
-
-    let start = Instant::now();
-    let boot_deadline = match accel {
-        Accel::Kvm => Some(start + KVM_BOOT_DEADLINE),
-        Accel::Tcg => None,
-    };
-    let deadline = start + timeout;
-    let mut lines = Vec::new();
-    let mut booted = false;
-    let mut result_at: Option<Instant> = None;
-    let ended = loop {
-        let now = Instant::now();
-        // After the result line, power-off should follow at once; do not wait long for it.
-        let limit = match (booted, boot_deadline, result_at) {
-            (_, _, Some(at)) => at + Duration::from_secs(30),
-            (false, Some(b), None) => b,
-            _ => deadline,
-        };
-        if now >= limit {
-            break End::TimedOut;
-        }
-        match rx.recv_timeout(limit - now) {
-            Ok(line) => {
-                println!("[{label}] {line}");
-                if line.contains("LB_VM_BOOTED") {
-                    booted = true;
-                }
-                if line.contains("LB_VM_RESULT ") {
-                    result_at = Some(Instant::now());
-                }
-                lines.push(line);
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break End::Exited,
-        }
-    };
-    if matches!(ended, End::TimedOut) {
-        let _ = child.kill();
-    }
-    let status = child.wait()?;
-    for r in readers {
-        let _ = r.join();
-    }
-    eprintln!(
-        "vm: qemu ({label}, {accel:?}) ended after {:.0} s: {status}",
-        start.elapsed().as_secs_f64()
-    );
-    if !booted && boot_deadline.is_some() {
-        let last = lines.last().cloned().unwrap_or_default();
-        return Ok(Boot::NoStart(match ended {
-            End::TimedOut => format!("no boot line within {} s", KVM_BOOT_DEADLINE.as_secs()),
-            End::Exited => format!("qemu exited ({status}): {last}"),
-        }));
-    }
-    // A timeout after the result line only means power-off stalled: the result stands.
-    let ended = match (ended, result_at) {
-        (End::TimedOut, Some(_)) => End::Exited,
-        (e, _) => e,
-    };
-    Ok(Boot::Done(GuestLog {
-        lines,
-        ended,
-        limit: timeout,
-    }))
-}
-
-/// Where a guest's log stops: the last test binary it started (with the guest's uptime then)
-/// and the last test line, as `"; last binary ...; last test ..."` (empty when neither is there).
-fn last_started(lines: &[String]) -> String {
-    let mut out = String::new();
-    if let Some(bin) = lines
-        .iter()
-        .rev()
-        .find_map(|l| l.strip_prefix("LB_VM: running "))
-    {
-        out.push_str(&format!("; last binary started: {bin}"));
-    }
-    if let Some(test) = lines.iter().rev().find(|l| l.starts_with("test ")) {
-        out.push_str(&format!("; last test line: {test}"));
-    }
-    out
-}
-
-/// Send each line of `from` (lossy UTF-8, `\r` trimmed) until it closes.
-fn forward(from: impl std::io::Read, tx: &std::sync::mpsc::Sender<String>) {
-    let mut reader = BufReader::new(from);
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        match reader.read_until(b'\n', &mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {
-                let line = String::from_utf8_lossy(&buf)
-                    .trim_end_matches(['\r', '\n'])
-                    .to_string();
-                if tx.send(line).is_err() {
-                    return;
+        match (o.ok(), o.kernel_alarm.first()) {
+            (_, None) => {}
+            (true, Some(first)) => println!("  kernel alarm on {} (run passed): {first}", o.label),
+            (false, Some(_)) => {
+                println!("  kernel alarm on {}, with the stacks it printed:", o.label);
+                for l in &o.kernel_alarm {
+                    println!("    {l}");
                 }
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn log(lines: &[&str], ended: End) -> GuestLog {
-        GuestLog {
-            lines: lines.iter().map(|s| s.to_string()).collect(),
-            ended,
-            limit: Duration::from_secs(5),
-        }
-    }
-
-    #[test]
-    fn result_line_and_skips() {
-        let mut o = Outcome::default();
-        read_log(
-            &log(
-                &[
-                    "test a ... ok",
-                    "test b ... SKIP b: needs bpf_sock_destroy (kernel 6.5+)",
-                    "ok",
-                    "test c ... ignored, slow",
-                    "LB_VM_RESULT status=0 passed=1 failed=0 skipped=2",
-                ],
-                End::Exited,
-            ),
-            &mut o,
-        );
-        assert!(o.ok(), "{o:?}");
-        assert_eq!((o.counts.passed, o.counts.skipped), (1, 2));
-        let skips: Vec<String> = o.counts.skips.iter().map(ToString::to_string).collect();
-        assert_eq!(
-            skips,
-            vec![
-                "b: needs bpf_sock_destroy (kernel 6.5+)".to_string(),
-                "c: ignored, slow".to_string()
-            ]
-        );
-    }
-
-    #[test]
-    fn failures_and_missing_marker() {
-        let mut o = Outcome::default();
-        read_log(
-            &log(
-                &[
-                    "test a ... FAILED",
-                    "test b ... Error: client failed",
-                    "FAILED",
-                    "failures:",
-                    "",
-                    "failures:",
-                    "    a",
-                    "    b",
-                    "",
-                    "test result: FAILED. 2 passed; 2 failed; 0 ignored",
-                    "LB_VM_RESULT status=101 passed=2 failed=2 skipped=0",
-                ],
-                End::Exited,
-            ),
-            &mut o,
-        );
-        assert!(!o.ok());
-        assert_eq!(o.failures, vec!["a".to_string(), "b".to_string()]);
-        assert_eq!(o.counts.failed, 2);
-
-        let mut o = Outcome::default();
-        read_log(
-            &log(
-                &[
-                    "LB_VM: running /opt/lb/tests/datapath at 12.5 s",
-                    "test a ... ok",
-                    "test b ... waiting",
-                ],
-                End::TimedOut,
-            ),
-            &mut o,
-        );
-        assert!(!o.ok());
-        let e = o.error.as_deref().unwrap_or("");
-        assert!(e.contains("within 5 s"), "{e}");
-        assert!(
-            e.contains("last binary started: /opt/lb/tests/datapath at 12.5 s")
-                && e.contains("last test line: test b ... waiting"),
-            "{e}"
-        );
-
-        let mut o = Outcome::default();
-        read_log(
-            &log(
-                &["LB_VM_RESULT status=101 passed=0 failed=0 skipped=0"],
-                End::Exited,
-            ),
-            &mut o,
-        );
-        assert!(!o.ok(), "a crash without a failed test still fails");
-    }
-
-    #[test]
-    fn a_smoke_run_needs_every_smoke_test_passed() {
-        let n = guest::SMOKE.len();
-        for (passed, skipped, ok) in [(n, 0, true), (n - 1, 0, false), (n - 1, 1, false)] {
-            let mut o = Outcome::default();
-            read_log(
-                &log(
-                    &[&format!(
-                        "LB_VM_RESULT status=0 passed={passed} failed=0 skipped={skipped}"
-                    )],
-                    End::Exited,
-                ),
-                &mut o,
-            );
-            check_smoke(&mut o);
-            assert_eq!(o.ok(), ok, "{passed} passed, {skipped} skipped: {o:?}");
         }
     }
 }
