@@ -128,7 +128,7 @@ fn main() -> Result<()> {
             setup::run()?;
             // With the VM runs' test executables, as `dist` and `vm-test` build: one selection
             // of packages and targets, so each finds the others' build fresh.
-            let bins = musl::build(arch, &vm::built_targets())?;
+            let bins = musl::build(arch, &vm::built_targets(arch))?;
             eprintln!("xtask: built {}", bins.lb.display());
             Ok(())
         }

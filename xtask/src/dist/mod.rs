@@ -113,7 +113,7 @@ pub fn run() -> Result<Dist> {
     let mut built = Vec::new();
     for arch in musl::ARCHES.iter().copied() {
         let t = Instant::now();
-        built.push((arch, musl::build(arch, &vm::built_targets())?.lb));
+        built.push((arch, musl::build(arch, &vm::built_targets(arch))?.lb));
         eprintln!(
             "dist: {} build took {:.0} s",
             arch.triple,

@@ -27,13 +27,25 @@ pub const TESTS: &[&str] = &[
 /// The test target only `cargo xtask vm-test --crash` runs ([`Tests::Crash`]), and its test.
 pub const CRASH: (&str, &str) = ("vm_guest", "guest_crash_is_reported");
 
-/// Every test target the static build holds: [`TESTS`] and the [`CRASH`] target. `vm-test`,
-/// `build --target` and `dist` all build this one selection, so each finds the others' build
-/// fresh.
-pub fn built_targets() -> Vec<&'static str> {
-    let mut all = TESTS.to_vec();
-    all.push(CRASH.0);
-    all
+/// The test targets the static build for `arch` holds: on x86_64 every one of [`TESTS`] and
+/// the [`CRASH`] target; on another architecture (arm64, cross-compiled, where each test
+/// executable costs a long link) only those of [`SMOKE`], which its guest runs by default.
+/// `vm-test`, `build --target` and `dist` all build this selection, so each finds the others'
+/// build fresh; a run that needs more targets builds them on top (the same packages with test
+/// targets, so the same features and no rebuild of lb).
+pub fn built_targets(arch: &musl::Arch) -> Vec<&'static str> {
+    if arch.triple == musl::X86_64.triple {
+        let mut all = TESTS.to_vec();
+        all.push(CRASH.0);
+        return all;
+    }
+    let mut smoke: Vec<&'static str> = Vec::new();
+    for (target, _) in SMOKE {
+        if !smoke.contains(target) {
+            smoke.push(target);
+        }
+    }
+    smoke
 }
 
 /// The smoke subset: one test for each thing a new architecture could break, as (test target,
@@ -143,13 +155,19 @@ const GUEST_LBT: &str = "/opt/lb/lbt";
 const GUEST_TESTS: &str = "/opt/lb/tests";
 
 /// Build `lb`, `lbt` and the test executables statically for the guest's architecture (musl),
-/// release because TCG runs them many times slower than the host does. Always every target of
-/// [`built_targets`].
+/// release because TCG runs them many times slower than the host does: every target of
+/// [`built_targets`], and those `tests` plans beyond them.
 ///
 /// # Errors
-/// See [`musl::build`].
-pub fn build_binaries(arch: &Arch) -> Result<Binaries> {
-    musl::build(arch.musl, &built_targets())
+/// See [`musl::build`]; a target [`Tests::plan`] refuses.
+pub fn build_binaries(arch: &Arch, tests: Tests<'_>) -> Result<Binaries> {
+    let mut targets = built_targets(arch.musl);
+    for t in tests.plan()?.0 {
+        if !targets.contains(&t) {
+            targets.push(t);
+        }
+    }
+    musl::build(arch.musl, &targets)
 }
 
 /// A binary without its debug sections (smaller initramfs, faster to load under TCG), by the

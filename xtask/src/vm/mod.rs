@@ -124,7 +124,7 @@ pub fn run(arch: &Arch, labels: &[&str], opts: &Options, tests: Tests<'_>) -> Re
         })
         .collect::<Result<_>>()?;
     let start = Instant::now();
-    let bins = guest::build_binaries(arch)?;
+    let bins = guest::build_binaries(arch, tests)?;
     eprintln!(
         "vm: built static binaries in {:.0} s",
         start.elapsed().as_secs_f64()
