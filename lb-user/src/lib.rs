@@ -19,6 +19,7 @@ pub mod datapath;
 pub mod discovery;
 pub mod errors;
 pub mod files;
+#[cfg(feature = "fuzz")]
 #[doc(hidden)]
 pub mod fuzz;
 pub mod handover;

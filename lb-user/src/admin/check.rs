@@ -106,6 +106,7 @@ fn request(
 
 /// `/check`'s query as [`handler`] parses it, before it looks a balancer up: what
 /// [`super::routes::parsing_router`] answers with (the admin API's fuzz target).
+#[cfg(feature = "fuzz")]
 pub(super) async fn parsed(
     query: Result<Query<CheckQuery>, QueryRejection>,
 ) -> Result<String, ApiError> {

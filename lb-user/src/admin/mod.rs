@@ -228,6 +228,7 @@ fn http1() -> hyper::server::conn::http1::Builder {
 /// requests) and then closes its write side, with the admin API's HTTP server and routes but
 /// the parsing handlers of [`routes::parsing_router`]; returns the raw bytes answered. The
 /// admin API's fuzz target.
+#[cfg(feature = "fuzz")]
 pub(crate) async fn parse_exchange(request: &[u8]) -> Vec<u8> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let (client, server) = tokio::io::duplex(64 * 1024);

@@ -189,6 +189,7 @@ pub(super) fn routes(state: &Arc<AdminState>) -> Router<Arc<AdminState>> {
 /// body) with the very functions the real one does, in the same order, and answers `200` with
 /// what it parsed, or the error the real one would answer before it looks a balancer up. No
 /// rule is applied. The admin API's fuzz target serves this.
+#[cfg(feature = "fuzz")]
 pub(super) fn parsing_router() -> Router {
     ENDPOINTS.iter().fold(Router::new(), |app, e| {
         let f = e.method.filter();

@@ -246,6 +246,7 @@ pub(super) async fn action(
 /// The server set changes' input as the handlers above parse it, before they look a balancer
 /// up or change anything: what [`super::routes::parsing_router`] answers with (the admin API's
 /// fuzz target).
+#[cfg(feature = "fuzz")]
 pub(super) mod parsed {
     use super::{
         ApiError, Bytes, BytesRejection, Path, PathRejection, ServerAddr, SetError, action_of,
