@@ -57,8 +57,9 @@ fn markdown_under(dir: &Path, out: &mut Vec<PathBuf>) {
     files_under(dir, "md", out);
 }
 
-/// The Markdown files whose links are checked. The generated `bench/results/latest.md` is left
-/// out: it has no links of its own to keep.
+/// The Markdown files whose links are checked: the documents and the dated results
+/// (`bench/results/<date>.md`). The generated `bench/results/latest.md` is left out: it has no
+/// links of its own to keep.
 fn checked_files() -> Vec<PathBuf> {
     let root = root();
     let mut files: Vec<PathBuf> = [
@@ -73,15 +74,23 @@ fn checked_files() -> Vec<PathBuf> {
     .collect();
     markdown_under(&root.join("docs"), &mut files);
     markdown_under(&root.join("deploy"), &mut files);
+    if let Ok(dir) = std::fs::read_dir(root.join("bench/results")) {
+        files.extend(dir.filter_map(Result::ok).map(|e| e.path()).filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(".md") && n.starts_with(|c: char| c.is_ascii_digit()))
+        }));
+    }
     files.sort();
     files
 }
 
-/// The Markdown files whose examples and command lines are checked: all but the history.
+/// The Markdown files whose examples and command lines are checked: all but the history and
+/// the dated results.
 fn example_files() -> Vec<PathBuf> {
     checked_files()
         .into_iter()
-        .filter(|f| !f.ends_with("CHANGELOG.md"))
+        .filter(|f| !f.ends_with("CHANGELOG.md") && !f.starts_with(root().join("bench/results")))
         .collect()
 }
 
