@@ -201,6 +201,7 @@ fn main() -> Result<()> {
                 repeat,
                 smp,
                 tcg_single_thread,
+                lockup_retries: 0,
             };
             let outcomes = vm::run(arch, &labels, &opts, tests)?;
             if crash {

@@ -159,8 +159,19 @@ fn vm_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
     for (arch, kernel, tests) in runs {
         let vm_start = std::time::Instant::now();
         let failed_before = counts.failed;
-        let r = vm::run(arch, &[kernel], &vm::Options::default(), tests).and_then(|outcomes| {
+        // A guest whose kernel locks up is booted once more (the lockup is reported with its
+        // stacks either way): see CONTRIBUTING's VM runs.
+        let opts = vm::Options {
+            lockup_retries: 1,
+            ..vm::Options::default()
+        };
+        let r = vm::run(arch, &[kernel], &opts, tests).and_then(|outcomes| {
             for o in &outcomes {
+                notes.extend(
+                    o.lockups
+                        .iter()
+                        .map(|l| format!("{}: kernel lockup, booted again: {l}", o.label)),
+                );
                 notes.extend(
                     o.failures
                         .iter()

@@ -83,6 +83,26 @@ pub fn kernel_alarm(lines: &[String]) -> Vec<String> {
     lines[first..].iter().take(ALARM_LINES).cloned().collect()
 }
 
+/// Alarms of a kernel that locked up (rather than crashed or warned): a CPU stuck in the
+/// kernel, a grace period that never ends, a task that never wakes.
+const LOCKUPS: &[&str] = &[
+    "soft lockup",
+    "rcu: INFO:",
+    "INFO: rcu_",
+    "self-detected stall",
+    "detected stalls",
+    "blocked for more than",
+];
+
+/// The first line of `alarm` ([`kernel_alarm`]) when it is a lockup ([`LOCKUPS`]), trimmed.
+pub fn lockup(alarm: &[String]) -> Option<String> {
+    let first = alarm.first()?;
+    LOCKUPS
+        .iter()
+        .any(|l| first.contains(l))
+        .then(|| first.trim().to_string())
+}
+
 /// The test a libtest executable was running when the log stops: the name in its last
 /// `test NAME ... ` line unless its verdict (`ok`, `FAILED`, `ignored`) follows, on that line
 /// or, when a kernel message cut in after the `...` (the console is shared), on a later one.
@@ -361,6 +381,9 @@ mod tests {
         );
         assert_eq!(o.kernel_alarm.len(), 5, "{:?}", o.kernel_alarm);
         assert!(o.kernel_alarm.iter().any(|l| l.contains("tcp_abort")));
+        assert!(lockup(&o.kernel_alarm).is_some_and(|l| l.contains("self-detected stall")));
+        let crash = ["test a ... [    2.3] sysrq: Trigger a crash".to_string()];
+        assert_eq!(lockup(&kernel_alarm(&crash)), None, "a crash is no lockup");
 
         assert_eq!(
             running_test(&["test a ... ok".to_string()]),

@@ -51,6 +51,10 @@ pub struct Options {
     /// one thread each (`--tcg-single-thread`): tells a race in the guest's kernel from one in
     /// the emulator's multi-threaded translation.
     pub tcg_single_thread: bool,
+    /// Boots more a guest gets when its kernel locks up (a soft lockup, an RCU stall or a hung
+    /// task: `console::lockup`), each lockup reported with its stacks and kept in its own
+    /// console file; 0 reports the first one as the run's failure.
+    pub lockup_retries: u32,
 }
 
 impl Default for Options {
@@ -60,6 +64,7 @@ impl Default for Options {
             repeat: 1,
             smp: 2,
             tcg_single_thread: false,
+            lockup_retries: 0,
         }
     }
 }
@@ -97,6 +102,9 @@ pub struct Outcome {
     /// The kernel's alarm and the stacks after it (a lockup, a stall, a panic), empty when
     /// the kernel raised none (see `console::kernel_alarm`).
     pub kernel_alarm: Vec<String>,
+    /// Earlier boots of this run whose kernel locked up, each as its alarm line, the test
+    /// running then and the file that keeps its console ([`Options::lockup_retries`]).
+    pub lockups: Vec<String>,
 }
 
 impl Outcome {
@@ -237,21 +245,49 @@ fn run_one(
     let initrd = cache.join(format!("initramfs-{label}.cpio"));
     guest::initramfs(arch, &kernel, bins, tests, opts.repeat, &initrd)?;
 
-    let mut outcome = Outcome {
-        label: label.clone(),
-        release: kernel.release.clone(),
-        ..Outcome::default()
-    };
-    let t0 = Instant::now();
-    let mut run = None;
     let guest = Guest {
         arch,
         label: &label,
         image: &kernel.image,
         initrd: &initrd,
     };
-    if arch.kvm && !KVM_BROKEN.load(Ordering::Relaxed) && kvm_present() {
-        match boot(&guest, Accel::Kvm, opts)? {
+    let mut lockups = Vec::new();
+    loop {
+        let mut outcome = boot_and_read(&guest, opts, tests)?;
+        outcome.release = kernel.release.clone();
+        let lockup = console::lockup(&outcome.kernel_alarm);
+        match lockup {
+            Some(alarm) if lockups.len() < opts.lockup_retries as usize => {
+                // Keep the console of the boot that locked up before the next one writes its own.
+                let kept = qemu::log_file(&format!("{label}-lockup-{}", lockups.len() + 1));
+                let _ = std::fs::rename(qemu::log_file(&label), &kept);
+                // The error names the test that was running (`console::read_log`).
+                let what = format!(
+                    "{} (console in {})",
+                    outcome.error.as_deref().unwrap_or(&alarm),
+                    kept.display()
+                );
+                eprintln!("vm: {label}: the guest kernel locked up ({what}); booting it once more");
+                lockups.push(what);
+            }
+            _ => {
+                outcome.lockups = lockups;
+                return Ok(outcome);
+            }
+        }
+    }
+}
+
+/// Boot `guest` (KVM when it works, else TCG) and read its console into an [`Outcome`].
+fn boot_and_read(guest: &Guest<'_>, opts: &Options, tests: Tests<'_>) -> Result<Outcome> {
+    let mut outcome = Outcome {
+        label: guest.label.to_string(),
+        ..Outcome::default()
+    };
+    let t0 = Instant::now();
+    let mut run = None;
+    if guest.arch.kvm && !KVM_BROKEN.load(Ordering::Relaxed) && kvm_present() {
+        match boot(guest, Accel::Kvm, opts)? {
             Boot::Done(log) => {
                 outcome.accel = "kvm";
                 run = Some(log);
@@ -266,7 +302,7 @@ fn run_one(
         Some(log) => log,
         None => {
             outcome.accel = "tcg";
-            match boot(&guest, Accel::Tcg, opts)? {
+            match boot(guest, Accel::Tcg, opts)? {
                 Boot::Done(log) => log,
                 Boot::NoStart(why) => bail!("guest did not boot under TCG: {why}"),
             }
@@ -308,6 +344,9 @@ fn print_summary(outcomes: &[Outcome]) {
         }
         if let Some(e) = &o.error {
             println!("  error on {}: {e}", o.label);
+        }
+        for l in &o.lockups {
+            println!("  kernel lockup on {} in an earlier boot: {l}", o.label);
         }
         match (o.ok(), o.kernel_alarm.first()) {
             (_, None) => {}
