@@ -564,6 +564,10 @@ pub struct RefreshRequest {
 const _: () = assert!(size_of::<RefreshRequest>() == 64);
 
 #[cfg(feature = "user")]
+#[expect(
+    unsafe_code,
+    reason = "aya::Pod is an unsafe trait: the map value types promise every bit pattern is valid"
+)]
 mod pod {
     // SAFETY: each type is #[repr(C)], made only of integers, with padding written out, so every
     // bit pattern is valid and there are no uninitialised bytes.

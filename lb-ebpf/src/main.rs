@@ -49,6 +49,12 @@
 //! them lb pairs nothing and copies every connection.
 #![no_std]
 #![no_main]
+// Reading kernel memory and sockets is what these programs do: every block says why it is sound
+// (`// SAFETY:`, enforced by clippy::undocumented_unsafe_blocks in `cargo xtask test`).
+#![expect(
+    unsafe_code,
+    reason = "kernel programs: raw context reads, helpers and map slots are unsafe by nature"
+)]
 // The atomic add of the connect-time counts (see connect::count_add).
 #![feature(core_intrinsics)]
 #![allow(internal_features)]

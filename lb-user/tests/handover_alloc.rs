@@ -17,6 +17,10 @@ struct Largest;
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: every call goes to `System` unchanged; only the size is recorded.
+#[expect(
+    unsafe_code,
+    reason = "a GlobalAlloc is an unsafe trait; this one passes every call to System"
+)]
 unsafe impl GlobalAlloc for Largest {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LARGEST.fetch_max(layout.size(), Ordering::Relaxed);

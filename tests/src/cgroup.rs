@@ -70,6 +70,10 @@ pub(crate) const ATTR_BYTES: usize = 128;
 pub(crate) fn bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_BYTES]) -> std::io::Result<i32> {
     // SAFETY: `attr` is a zero-padded `union bpf_attr` of ATTR_BYTES bytes whose pointers
     // (instructions, license) outlive the call.
+    #[expect(
+        unsafe_code,
+        reason = "bpf(2) has no safe wrapper among the tests' dependencies"
+    )]
     let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), ATTR_BYTES) };
     if r < 0 {
         Err(std::io::Error::last_os_error())
@@ -110,6 +114,10 @@ impl TestCgroup {
         attr[68..72].copy_from_slice(&BPF_CGROUP_INET4_CONNECT.to_ne_bytes());
         let prog = bpf(BPF_PROG_LOAD, &mut attr).context("BPF_PROG_LOAD of a connect4 program")?;
         // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        #[expect(
+            unsafe_code,
+            reason = "a descriptor the kernel just returned becomes an OwnedFd"
+        )]
         let prog = unsafe { OwnedFd::from_raw_fd(prog) };
         let cg = std::fs::File::open(&self.path)?;
         let mut attr = [0u8; ATTR_BYTES];
@@ -173,6 +181,10 @@ impl TestCgroup {
         }
         let map = bpf(BPF_MAP_CREATE, &mut attr).context("BPF_MAP_CREATE of an array")?;
         // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        #[expect(
+            unsafe_code,
+            reason = "a descriptor the kernel just returned becomes an OwnedFd"
+        )]
         let map = unsafe { OwnedFd::from_raw_fd(map) };
         let insns = rtt_counter_insns(map.as_raw_fd());
         let license = b"GPL\0";
@@ -183,6 +195,10 @@ impl TestCgroup {
         attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
         let prog = bpf(BPF_PROG_LOAD, &mut attr).context("BPF_PROG_LOAD of a sockops program")?;
         // SAFETY: as above.
+        #[expect(
+            unsafe_code,
+            reason = "a descriptor the kernel just returned becomes an OwnedFd"
+        )]
         let prog = unsafe { OwnedFd::from_raw_fd(prog) };
         let cg = std::fs::File::open(&self.path)?;
         let mut attr = [0u8; ATTR_BYTES];

@@ -160,6 +160,7 @@ fn reuse_tuple(addr: SocketAddr, n: u64) -> io::Result<serde_json::Value> {
 /// looks at whether the server received ciphertext or the plaintext.
 fn tls_tx_info() -> libc::tls12_crypto_info_aes_gcm_128 {
     // SAFETY: a plain C struct of integers and byte arrays; all zeroes is a valid value.
+    #[expect(unsafe_code, reason = "the kTLS crypto info struct has no Default")]
     let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
     info.info.version = libc::TLS_1_2_VERSION;
     info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
@@ -172,6 +173,10 @@ fn tls_tx_info() -> libc::tls12_crypto_info_aes_gcm_128 {
 /// `setsockopt(fd, level, name, value)` for a plain C value.
 fn set_opt<T>(s: &TcpStream, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
     // SAFETY: `value` points to a live `T` of `size_of::<T>()` bytes the kernel only reads.
+    #[expect(
+        unsafe_code,
+        reason = "setsockopt(2) of a plain C value has no safe wrapper"
+    )]
     let rc = unsafe {
         libc::setsockopt(
             s.as_raw_fd(),

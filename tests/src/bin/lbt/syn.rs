@@ -16,6 +16,10 @@ fn get_opt<T: Default>(fd: libc::c_int, level: libc::c_int, name: libc::c_int) -
     let mut v = T::default();
     let mut len = libc::socklen_t::try_from(size_of::<T>()).unwrap_or(0);
     // SAFETY: `v` is a live `T` of `len` bytes the kernel writes at most `len` of.
+    #[expect(
+        unsafe_code,
+        reason = "getsockopt(2) of a plain C value has no safe wrapper"
+    )]
     let rc = unsafe {
         libc::getsockopt(
             fd,
@@ -35,9 +39,11 @@ fn get_opt<T: Default>(fd: libc::c_int, level: libc::c_int, name: libc::c_int) -
 /// `tcp_info` of `fd`: (state, retransmits, rto in µs).
 fn info(fd: libc::c_int) -> io::Result<(u8, u8, u32)> {
     // SAFETY: tcp_info is plain integers; all-zero is a valid value.
+    #[expect(unsafe_code, reason = "libc::tcp_info has no Default")]
     let mut i: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = libc::socklen_t::try_from(size_of::<libc::tcp_info>()).unwrap_or(0);
     // SAFETY: `i` is a live tcp_info of `len` bytes.
+    #[expect(unsafe_code, reason = "getsockopt(2) of TCP_INFO has no safe wrapper")]
     let rc = unsafe {
         libc::getsockopt(
             fd,
