@@ -5,7 +5,9 @@
 //! `lb config check` ([`config_examples`]) and the JSON Schema the `lb` binary prints with
 //! `lb config schema` ([`schema`]; build `lb` first); the `lb ...` command lines parse with
 //! lb's own command line ([`commands`]); the metrics reference lists exactly the registered
-//! families ([`metrics`]); the Grafana dashboard queries only exported series ([`grafana`]).
+//! families ([`metrics`]); the Grafana dashboard queries only exported series ([`grafana`]); the
+//! configuration reference's defaults and a few facts stated in words agree with the code
+//! ([`facts`]).
 //! No root needed.
 //!
 //! `CHANGELOG.md` is history: its links are checked, its examples and command lines are not (a
@@ -16,6 +18,8 @@
 mod commands;
 #[path = "docs/config_examples.rs"]
 mod config_examples;
+#[path = "docs/facts.rs"]
+mod facts;
 #[path = "docs/grafana.rs"]
 mod grafana;
 #[path = "docs/metrics.rs"]
