@@ -90,7 +90,7 @@ pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Whether `req` carries the token of the file at `path`; `Err` with the reason when that
 /// file is unreadable.
-fn token_valid(s: &AdminState, req: &Request, path: &Path) -> Result<bool, String> {
+fn token_valid(s: &AdminState, req: &Request, path: &Path) -> Result<bool, super::TokenError> {
     let expected = s.token.get(path)?;
     let given = req
         .headers()
@@ -127,7 +127,7 @@ pub(super) async fn authorize(
         Some(path) => match token_valid(&s, &req, path) {
             Ok(ok) => ok,
             Err(reason) => {
-                error!(file = %path.display(), reason, "admin token file unreadable; refusing requests");
+                error!(file = %path.display(), %reason, "admin token file unreadable; refusing requests");
                 return ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "the admin token file is unreadable (see lb's log)",

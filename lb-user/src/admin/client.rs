@@ -95,7 +95,7 @@ pub enum ClientError {
         /// The file.
         path: PathBuf,
         /// Why.
-        reason: String,
+        reason: super::TokenError,
     },
 }
 
