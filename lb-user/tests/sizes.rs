@@ -19,7 +19,6 @@ const OVER: &[(&str, usize)] = &[
     ("lb-user/src/datapath/maps.rs", 622),
     ("lb-user/src/balancer/mod.rs", 619),
     ("lb-ebpf/src/main.rs", 623),
-    ("lb-user/src/kill.rs", 603),
 ];
 
 /// The repository root (this crate is `lb-user/`).
