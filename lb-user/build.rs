@@ -68,15 +68,17 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where the kernel programs of `arch` are built: `lb-ebpf/<arch>` in the target directory
-/// that holds `out_dir` (the first ancestor with cargo's `CACHEDIR.TAG`), or `out_dir` itself
-/// when none is found.
+/// Where the kernel programs of `arch` are built: `lb-ebpf/<arch>` in the target directory that
+/// holds `out_dir`, or `out_dir` itself when none is found. The target directory is the
+/// outermost of the consecutive ancestors with cargo's `CACHEDIR.TAG`: a cross build's
+/// `<target>/<triple>/` has one too, and the programs are the same for every triple.
 fn shared_dir(out_dir: &Path, arch: &str) -> PathBuf {
-    out_dir
-        .ancestors()
-        .find(|d| d.join("CACHEDIR.TAG").is_file())
-        .map_or_else(
-            || out_dir.to_path_buf(),
-            |target| target.join("lb-ebpf").join(arch),
-        )
+    let tagged = |d: &Path| d.join("CACHEDIR.TAG").is_file();
+    let Some(mut target) = out_dir.ancestors().find(|d| tagged(d)) else {
+        return out_dir.to_path_buf();
+    };
+    while let Some(parent) = target.parent().filter(|p| tagged(p)) {
+        target = parent;
+    }
+    target.join("lb-ebpf").join(arch)
 }
