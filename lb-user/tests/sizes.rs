@@ -15,7 +15,6 @@ const OVER: &[(&str, usize)] = &[
     ("lb-ebpf/src/connect.rs", 689),
     ("lb-user/src/daemon/upgrade.rs", 662),
     ("lb-user/src/datapath/maps.rs", 622),
-    ("lb-user/src/balancer/mod.rs", 619),
     ("lb-ebpf/src/main.rs", 623),
 ];
 
