@@ -13,9 +13,9 @@ mod passive;
 mod registry;
 mod select;
 mod set;
-mod status;
 pub mod state;
 pub mod state_file;
+mod status;
 
 use std::{
     fmt,
@@ -32,9 +32,9 @@ use tracing::{debug, info, warn};
 
 pub use self::{
     names::NameStatus,
-    status::{CheckOutcome, DiscoveryStatus, ServerStatus},
     registry::ConnGuard,
     state::{Failure, Hold, KillReason, PREFERRED_DURATION, ServerState},
+    status::{CheckOutcome, DiscoveryStatus, ServerStatus},
 };
 use self::{
     registry::Registry,

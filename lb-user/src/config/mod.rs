@@ -12,9 +12,7 @@ mod resolve;
 pub mod schema;
 mod validate;
 
-pub use datapath::{
-    DEFAULT_ORPHAN_TIMEOUT, DatapathConfig, DatapathMode, Forwarding, Namespaces,
-};
+pub use datapath::{DEFAULT_ORPHAN_TIMEOUT, DatapathConfig, DatapathMode, Forwarding, Namespaces};
 pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
     DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
