@@ -11,7 +11,6 @@ const LIMIT: usize = 600;
 
 /// Files over [`LIMIT`] still waiting to be split, with the length they may not pass.
 const OVER: &[(&str, usize)] = &[
-    ("lb-user/src/proxy/mod.rs", 699),
     ("lb-ebpf/src/connect.rs", 689),
     ("lb-user/src/datapath/maps.rs", 622),
     ("lb-ebpf/src/main.rs", 623),
