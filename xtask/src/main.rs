@@ -157,7 +157,7 @@ fn main() -> Result<()> {
         Cmd::Bench { quick, only } => {
             setup::run()?;
             util::build_release()?;
-            bench::run(quick, only.as_deref())
+            bench::run(quick, only.as_deref(), &util::root().join("target/release"))
         }
         Cmd::VmTest {
             arch,

@@ -166,14 +166,15 @@ fn scenario(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
 /// Measured runs per contender of `--only bulk`.
 const BULK_ONLY_RUNS: usize = 15;
 
-/// Run the benchmark and write its results.
+/// Run the benchmark with the `lb` and `lbt` of `bins` (a release build's directory) and write
+/// its results.
 ///
 /// # Errors
 /// Not root, a contender that does not start, a failing client, or (quick) a contender missing
 /// from the results.
-pub fn run(quick: bool, only: Option<&str>) -> Result<()> {
+pub fn run(quick: bool, only: Option<&str>, bins: &std::path::Path) -> Result<()> {
     let started = Instant::now();
-    lb_tests::set_bin_dir(root().join("target/release"));
+    lb_tests::set_bin_dir(bins.to_path_buf());
     ensure!(
         lb_tests::is_root(),
         "the bench needs root (network namespaces, BPF)"
