@@ -66,6 +66,10 @@ enum Cmd {
         /// long streams while the server set changes every second).
         #[arg(long, value_parser = ["upgrade", "crash", "kill", "bulk", "soak"])]
         only: Option<String>,
+        /// Run the `lb` and `lbt` in DIR (e.g. target/x86_64-unknown-linux-musl/release, as
+        /// `cargo xtask test`'s quick bench does) instead of building target/release.
+        #[arg(long, value_name = "DIR")]
+        bins: Option<std::path::PathBuf>,
     },
     /// The privileged integration tests inside qemu guests on Debian kernels.
     VmTest {
@@ -154,10 +158,16 @@ fn main() -> Result<()> {
             setup::run()?;
             fuzz::run(seconds, target.as_deref())
         }
-        Cmd::Bench { quick, only } => {
+        Cmd::Bench { quick, only, bins } => {
             setup::run()?;
-            util::build_release()?;
-            bench::run(quick, only.as_deref(), &util::root().join("target/release"))
+            let bins = match bins {
+                Some(dir) => dir,
+                None => {
+                    util::build_release()?;
+                    util::root().join("target/release")
+                }
+            };
+            bench::run(quick, only.as_deref(), &bins)
         }
         Cmd::VmTest {
             arch,
