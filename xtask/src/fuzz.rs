@@ -156,6 +156,29 @@ pub fn run_one(target: &str, seconds: u64) -> Result<Outcome> {
     Ok(outcome)
 }
 
+/// Run every target of `targets` for `seconds`, as many at a time as the machine has cores (a
+/// libFuzzer process uses one); their results in the order of `targets`.
+pub fn run_many(targets: &[String], seconds: u64) -> Vec<Result<Outcome>> {
+    let jobs = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let mut results = Vec::with_capacity(targets.len());
+    for batch in targets.chunks(jobs) {
+        std::thread::scope(|scope| {
+            let running: Vec<_> = batch
+                .iter()
+                .map(|t| scope.spawn(move || run_one(t, seconds)))
+                .collect();
+            for (t, handle) in batch.iter().zip(running) {
+                results.push(
+                    handle
+                        .join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("the run of {t} panicked"))),
+                );
+            }
+        });
+    }
+    results
+}
+
 /// The figures and the finding in libFuzzer's log.
 fn parse_log(target: &str, log: &str) -> Outcome {
     let mut o = Outcome {
@@ -195,7 +218,8 @@ fn parse_log(target: &str, log: &str) -> Outcome {
     o
 }
 
-/// `cargo xtask fuzz`: build, then run `only` (every target when `None`) for `seconds` each.
+/// `cargo xtask fuzz`: build, then run `only` (every target when `None`) for `seconds` each, as
+/// many at a time as there are cores.
 ///
 /// # Errors
 /// An unknown target, the build failing, or a target that found something (each named, with
@@ -210,8 +234,8 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
     };
     build()?;
     let mut found = Vec::new();
-    for t in &chosen {
-        let o = run_one(t, seconds)?;
+    for outcome in run_many(&chosen, seconds) {
+        let o = outcome?;
         eprintln!("xtask: {}", o.line());
         if o.finding.is_some() {
             found.push(o.line());

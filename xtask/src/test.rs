@@ -1,6 +1,6 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
 //! too), the unit and integration tests
-//! on the host kernel, every fuzz target for a share of [`FUZZ_BUDGET_S`], the quick bench, the
+//! on the host kernel, every fuzz target for [`FUZZ_TARGET_S`], the quick bench, the
 //! integration tests in the kernel 6.1 and 5.10 guests, the connect-time tests in the 6.12 guest
 //! and the smoke subset in the arm64 6.1 guest, then `cargo xtask dist --check`; it closes with
 //! one line of counts.
@@ -95,12 +95,12 @@ pub fn run() -> Result<()> {
         .and(privilege)
 }
 
-/// Seconds of fuzzing in `cargo xtask test`, shared equally by the targets (the build and
-/// each run's start come on top).
-pub const FUZZ_BUDGET_S: u64 = 160;
+/// Seconds each fuzz target runs in `cargo xtask test`; the targets run as many at a time as
+/// there are cores (a libFuzzer process uses one).
+pub const FUZZ_TARGET_S: u64 = 20;
 
-/// Every fuzz target for its share of [`FUZZ_BUDGET_S`], each one test: passed when it found
-/// nothing. `LB_FUZZ_TEST=0` leaves them out, saying so.
+/// Every fuzz target for [`FUZZ_TARGET_S`], each one test: passed when it found nothing.
+/// `LB_FUZZ_TEST=0` leaves them out, saying so.
 ///
 /// # Errors
 /// The build failing, or a target finding something (named with its input).
@@ -111,15 +111,15 @@ fn fuzz_step(counts: &mut Counts) -> Result<()> {
     }
     let start = std::time::Instant::now();
     let targets = fuzz::targets()?;
-    let seconds = FUZZ_BUDGET_S / u64::try_from(targets.len()).unwrap_or(1).max(1);
+    let seconds = FUZZ_TARGET_S;
     if let Err(e) = fuzz::build() {
         counts.failed += 1;
         return Err(e);
     }
     let built = start.elapsed().as_secs_f64();
     let mut found = Vec::new();
-    for t in &targets {
-        match fuzz::run_one(t, seconds) {
+    for (t, outcome) in targets.iter().zip(fuzz::run_many(&targets, seconds)) {
+        match outcome {
             Ok(o) if o.finding.is_none() => {
                 eprintln!("xtask: {}", o.line());
                 counts.passed += 1;
