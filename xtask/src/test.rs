@@ -1,9 +1,10 @@
 //! `cargo xtask test`: everything CI runs, in order: fmt, clippy (lb-ebpf for the BPF target
 //! too), the unit and integration tests
 //! on the host kernel, every fuzz target for [`FUZZ_TARGET_S`], the quick bench, the
-//! integration tests in the kernel 6.1 and 5.10 guests, the connect-time tests in the 6.12 guest
-//! and the smoke subset in the arm64 6.1 guest, then `cargo xtask dist --check`; it closes with
-//! one line of counts.
+//! integration tests in the kernel 6.1 and 5.10 guests, the connect-time tests in the 6.12 guest,
+//! the smoke subset in the arm64 6.1 guest and the crash report check (a guest crashed on purpose
+//! is reported with its stacks), then `cargo xtask dist --check`; it closes with one line of
+//! counts.
 
 use anyhow::{Context as _, Result};
 
