@@ -237,7 +237,14 @@ fn crash_step(counts: &mut Counts, notes: &mut Vec<String>) -> Result<()> {
         start.elapsed().as_secs_f64()
     );
     match &r {
-        Ok(()) => counts.passed += 1,
+        Ok(()) => {
+            // The summary above shows that guest as FAIL: its kernel was crashed on purpose.
+            eprintln!(
+                "xtask: crash report check passed: the crashed guest named its test and printed \
+                 the kernel's panic and stack"
+            );
+            counts.passed += 1;
+        }
         Err(e) => {
             counts.failed += 1;
             notes.push(format!("6.12: {e:#}"));
