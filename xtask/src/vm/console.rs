@@ -20,13 +20,17 @@ use crate::util;
 /// - `hung_task_panic=1`: a task blocked uninterruptibly for `hung_task_timeout_secs` (120 s in
 ///   Debian's kernels) panics;
 /// - `oops=panic`: an oops ends the guest instead of leaving a half-dead kernel running tests;
+/// - `rcupdate.rcu_cpu_stall_timeout=30`: an RCU stall is reported after 30 s, not 21 s, so a
+///   CPU stuck in the kernel meets the soft lockup detector (20 s, every CPU's stack) first;
+///   the RCU report of 5.10 shows no stack of the CPU it waits for;
 /// - `panic=-1`: a panic reboots at once, which `-no-reboot` turns into qemu exiting.
 ///
 /// An RCU stall panics too: the init sets `kernel.panic_on_rcu_stall` (kernel 4.18+), which the
 /// command line cannot set on 5.10 (`sysctl.` arguments came in 5.8 but not for every key).
 /// Source of each argument: the kernel's `Documentation/admin-guide/kernel-parameters.txt`.
 pub const KERNEL_ARGS: &str = "panic=-1 loglevel=7 softlockup_panic=1 \
-                               softlockup_all_cpu_backtrace=1 hung_task_panic=1 oops=panic";
+                               softlockup_all_cpu_backtrace=1 hung_task_panic=1 oops=panic \
+                               rcupdate.rcu_cpu_stall_timeout=30";
 
 /// Lines that start a kernel alarm: from the first one on, the console holds the kernel's
 /// account of what went wrong (messages of `kernel/watchdog.c`, `kernel/rcu/tree_stall.h`,
