@@ -2,6 +2,9 @@
 
 use super::*;
 
+mod datapath;
+mod discovery;
+
 const FULL: &str = r#"
 [admin]
 listen = "127.0.0.1:9901"
@@ -308,193 +311,6 @@ fn a_tcp_check_takes_no_url_and_url_errors_name_a_real_server() {
     assert!(err.contains("host name alone"), "{err}");
 }
 
-fn with_discovery(discovery: &str) -> String {
-    format!(
-        r#"
-[[balancer]]
-name = "etcd"
-listen = ["127.0.0.1:2379"]
-discovery = {discovery}
-
-[balancer.health]
-kind = "http"
-url = "http://{{host}}:9345/ping"
-"#
-    )
-}
-
-#[test]
-fn discovery_sources_parse_and_servers_may_be_empty() {
-    let cfg = Config::from_toml(
-        &with_discovery(
-            r#"{ kind = "dns", name = "etcd.k3s.test", port = 2379, interval = "10s", nameservers = ["198.18.0.53", "[fd00::53]:5353"] }"#,
-        ),
-        "t",
-    )
-    .unwrap();
-    let d = cfg.balancers[0].discovery.as_ref().unwrap();
-    assert_eq!(d.kind(), "dns");
-    assert_eq!(d.source(), "etcd.k3s.test:2379");
-    assert_eq!(d.interval(), Duration::from_secs(10));
-    assert!(cfg.balancers[0].servers.is_empty());
-    let cfg = Config::from_toml(
-        &with_discovery(r#"{ kind = "etcd", endpoints = ["http://198.18.0.2:2379"] }"#),
-        "t",
-    )
-    .unwrap();
-    let d = cfg.balancers[0].discovery.as_ref().unwrap();
-    assert_eq!(
-        (d.kind(), d.interval()),
-        ("etcd", DEFAULT_DISCOVERY_INTERVAL)
-    );
-    let cfg = Config::from_toml(
-        &with_discovery(r#"{ kind = "file", path = "/etc/lb/etcd.json" }"#),
-        "t",
-    )
-    .unwrap();
-    let d = cfg.balancers[0].discovery.as_ref().unwrap();
-    assert_eq!((d.kind(), d.interval()), ("file", DEFAULT_FILE_INTERVAL));
-}
-
-#[test]
-fn bad_discovery_names_its_key() {
-    let cases = [
-        (r#"{ kind = "consul", name = "x" }"#, "consul"),
-        (
-            r#"{ kind = "dns", name = "x.test", port = 1, bogus = 1 }"#,
-            "bogus",
-        ),
-        (r#"{ kind = "dns", name = "x.test" }"#, "port"),
-        (
-            r#"{ kind = "dns", name = "10.0.0.1", port = 1 }"#,
-            "discovery.name",
-        ),
-        (
-            r#"{ kind = "dns", name = "x.test", port = 0 }"#,
-            "discovery.port",
-        ),
-        (
-            r#"{ kind = "dns", name = "x.test", port = 1, nameservers = ["ns.example"] }"#,
-            "discovery.nameservers",
-        ),
-        (
-            r#"{ kind = "dns", name = "x.test", port = 1, interval = "10ms" }"#,
-            "discovery.interval",
-        ),
-        (
-            r#"{ kind = "etcd", endpoints = [] }"#,
-            "discovery.endpoints",
-        ),
-        (
-            r#"{ kind = "etcd", endpoints = ["10.0.0.1:2379"] }"#,
-            "discovery.endpoints",
-        ),
-        (
-            r#"{ kind = "etcd", endpoints = ["https://e:2379"], ca_file = "/nonexistent/ca.pem" }"#,
-            "discovery.ca_file",
-        ),
-        (
-            r#"{ kind = "etcd", endpoints = ["https://e:2379"], cert_file = "/etc/hostname" }"#,
-            "discovery.cert_file",
-        ),
-        (
-            r#"{ kind = "file", path = "servers.json" }"#,
-            "discovery.path",
-        ),
-        (
-            r#"{ kind = "etcd", endpoints = ["https://e:2379"], key_file = "/etc/hostname" }"#,
-            "discovery.key_file",
-        ),
-        // Asked through lb's own listener with nothing to start from: it could never answer.
-        (
-            r#"{ kind = "etcd", endpoints = ["http://127.0.0.1:2379"] }"#,
-            "discovery.endpoints",
-        ),
-    ];
-    for (discovery, key) in cases {
-        let err = Config::from_toml(&with_discovery(discovery), "t").unwrap_err();
-        assert!(err.to_string().contains(key), "{discovery}: {err}");
-    }
-    // Without discovery an empty list is still refused, naming the way out.
-    let err = Config::from_toml(
-        "[[balancer]]\nname = \"a\"\nlisten = [\"127.0.0.1:1\"]\n",
-        "t",
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("discovery source"), "{err}");
-    // With discovery a check URL must work for any address it may bring.
-    let err = Config::from_toml(
-        &with_discovery(r#"{ kind = "file", path = "/x.json" }"#)
-            .replace("http://{host}:9345/ping", "http://{server}:9345/ping"),
-        "t",
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("health.url"), "{err}");
-}
-
-#[test]
-fn forwarding_defaults_inherits_and_is_overridden() {
-    let cfg = Config::from_toml(FULL, "test").unwrap();
-    assert_eq!(cfg.datapath.forwarding, Forwarding::Auto);
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
-    assert_eq!(
-        cfg.wants_connect(&cfg.balancers[0]),
-        cfg.balancers[0].proxy.is_none(),
-        "auto asks for connect-time unless the balancer dials through a proxy"
-    );
-
-    let global = FULL.replace(
-        "mode = \"auto\"",
-        "mode = \"auto\"\nforwarding = \"connect\"",
-    );
-    let cfg = Config::from_toml(&global, "test").unwrap();
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Connect);
-
-    let own = global.replace(
-        "policy = \"failover\"",
-        "policy = \"failover\"\nforwarding = \"splice\"",
-    );
-    let cfg = Config::from_toml(&own, "test").unwrap();
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Splice);
-
-    // The flag (or LB_FORWARDING) sets every balancer's.
-    let path = std::env::temp_dir().join(format!("lb-fwd-{}.toml", std::process::id()));
-    std::fs::write(&path, &own).unwrap();
-    let o = Overrides {
-        forwarding: Some(Forwarding::Connect),
-        ..Overrides::default()
-    };
-    let cfg = Config::load(Some(&path), &o).unwrap();
-    let _ = std::fs::remove_file(&path);
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Connect);
-
-    let bad = FULL.replace(
-        "mode = \"auto\"",
-        "mode = \"auto\"\nforwarding = \"direct\"",
-    );
-    let e = Config::from_toml(&bad, "test").unwrap_err().to_string();
-    assert!(e.contains("forwarding"), "{e}");
-}
-
-#[test]
-fn connect_forwarding_refuses_a_proxy() {
-    let text = FULL.replace(
-        "policy = \"failover\"",
-        "policy = \"failover\"\nforwarding = \"connect\"\nproxy = \"http://198.18.0.9:3128\"",
-    );
-    let e = Config::from_toml(&text, "test").unwrap_err().to_string();
-    assert!(e.contains("balancer[0].forwarding"), "{e}");
-    assert!(e.contains("proxy"), "{e}");
-    // The same proxy with splice is fine.
-    let ok = text.replace("forwarding = \"connect\"", "forwarding = \"splice\"");
-    Config::from_toml(&ok, "test").unwrap();
-    // With auto (the default) it is accepted too, and that balancer keeps to splice.
-    let auto = text.replace("forwarding = \"connect\"\n", "");
-    let cfg = Config::from_toml(&auto, "test").unwrap();
-    assert_eq!(cfg.forwarding_of(&cfg.balancers[0]), Forwarding::Auto);
-    assert!(!cfg.wants_connect(&cfg.balancers[0]));
-}
-
 #[test]
 fn skipping_credential_files_leaves_them_unread_and_checks_the_rest() {
     let health = FULL.replace(
@@ -521,43 +337,6 @@ fn skipping_credential_files_leaves_them_unread_and_checks_the_rest() {
     assert!(err.contains("needs key_file beside it"), "{err}");
 }
 
-#[test]
-fn namespaces_default_to_own_inherit_and_are_overridden() {
-    let cfg = Config::from_toml(FULL, "test").unwrap();
-    assert_eq!(cfg.datapath.namespaces, Namespaces::Own);
-    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::Own);
-
-    let global = FULL.replace("mode = \"auto\"", "mode = \"auto\"\nnamespaces = \"all\"");
-    let cfg = Config::from_toml(&global, "test").unwrap();
-    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::All);
-
-    let own = global.replace(
-        "policy = \"failover\"",
-        "policy = \"failover\"\nnamespaces = \"own\"",
-    );
-    let cfg = Config::from_toml(&own, "test").unwrap();
-    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::Own);
-
-    // The flag (or LB_NAMESPACES) sets every balancer's.
-    let path = std::env::temp_dir().join(format!("lb-netns-{}.toml", std::process::id()));
-    std::fs::write(&path, &own).unwrap();
-    let o = Overrides {
-        namespaces: Some(Namespaces::All),
-        ..Overrides::default()
-    };
-    let cfg = Config::load(Some(&path), &o).unwrap();
-    let _ = std::fs::remove_file(&path);
-    assert_eq!(cfg.namespaces_of(&cfg.balancers[0]), Namespaces::All);
-
-    let e = Config::from_toml(
-        &FULL.replace("mode = \"auto\"", "mode = \"auto\"\nnamespaces = \"pods\""),
-        "test",
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("namespaces"), "{e}");
-}
-
 /// A credential file named by the layouts' advice is missing whenever the unit is not running:
 /// the error says so and names the check that skips it, which then passes.
 #[test]
@@ -574,84 +353,6 @@ fn a_missing_systemd_credential_points_at_skip_files() {
         "{err}"
     );
     Config::from_toml_with(&text, "f.toml", CredentialFiles::Skip).unwrap();
-}
-
-#[test]
-fn fail_fast_defaults_inherit_and_bounds_name_their_key() {
-    use std::time::Duration;
-    let cfg = Config::from_toml(FULL, "test").unwrap();
-    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
-    assert_eq!(ff, FailFastConfig::default());
-    assert_eq!(ff.suspect_after, 1);
-    assert_eq!(ff.syn_retries, 3);
-    // auto: 3 × the round trip, at least the floor, at most 1 s, 1 s before a measurement.
-    assert_eq!(ff.timeout_for(None), Duration::from_secs(1));
-    assert_eq!(
-        ff.timeout_for(Some(Duration::from_millis(1))),
-        Duration::from_millis(200)
-    );
-    assert_eq!(
-        ff.timeout_for(Some(Duration::from_millis(100))),
-        Duration::from_millis(300)
-    );
-    assert_eq!(
-        ff.timeout_for(Some(Duration::from_secs(2))),
-        Duration::from_secs(1)
-    );
-
-    let global = FULL.replace(
-        "mode = \"auto\"",
-        "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"300ms\"\nsuspect_after = 3",
-    );
-    let cfg = Config::from_toml(&global, "test").unwrap();
-    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
-    assert_eq!(
-        ff.syn_timeout,
-        SynTimeout::Fixed(Dur(Duration::from_millis(300)))
-    );
-    assert_eq!(ff.suspect_after, 3);
-    assert_eq!(
-        ff.timeout_for(Some(Duration::from_millis(1))),
-        Duration::from_millis(300)
-    );
-
-    // A balancer's own table replaces the default whole.
-    let own = format!("{global}\n[balancer.fail_fast]\nsyn_retries = 5\n");
-    let cfg = Config::from_toml(&own, "test").unwrap();
-    let ff = cfg.fail_fast_of(&cfg.balancers[0]);
-    assert_eq!(
-        (ff.syn_timeout, ff.suspect_after, ff.syn_retries),
-        (SynTimeout::Auto, 1, 5)
-    );
-
-    for (bad, key) in [
-        (
-            "syn_timeout = \"10ms\"",
-            "balancer[0].fail_fast.syn_timeout",
-        ),
-        ("syn_timeout = \"2s\"", "balancer[0].fail_fast.syn_timeout"),
-        ("syn_timeout = \"soon\"", "syn_timeout"),
-        (
-            "syn_timeout_min = \"20ms\"",
-            "balancer[0].fail_fast.syn_timeout_min",
-        ),
-        ("syn_retries = 128", "balancer[0].fail_fast.syn_retries"),
-    ] {
-        let e = Config::from_toml(&format!("{FULL}\n[balancer.fail_fast]\n{bad}\n"), "test")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains(key), "{bad}: {e}");
-    }
-    let e = Config::from_toml(
-        &FULL.replace(
-            "mode = \"auto\"",
-            "mode = \"auto\"\n\n[datapath.fail_fast]\nsyn_timeout = \"5s\"",
-        ),
-        "test",
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("datapath.fail_fast.syn_timeout"), "{e}");
 }
 
 #[test]
@@ -684,4 +385,19 @@ fn limits_parse_and_out_of_range_ones_are_named() {
         let e = Config::from_toml(&with(keys), "t").unwrap_err().to_string();
         assert!(e.contains(named) && e.contains("at least"), "{keys}: {e}");
     }
+}
+
+fn with_discovery(discovery: &str) -> String {
+    format!(
+        r#"
+[[balancer]]
+name = "etcd"
+listen = ["127.0.0.1:2379"]
+discovery = {discovery}
+
+[balancer.health]
+kind = "http"
+url = "http://{{host}}:9345/ping"
+"#
+    )
 }
