@@ -12,7 +12,6 @@ const LIMIT: usize = 600;
 /// Files over [`LIMIT`] still waiting to be split, with the length they may not pass.
 const OVER: &[(&str, usize)] = &[
     ("lb-ebpf/src/connect.rs", 689),
-    ("lb-user/src/datapath/maps.rs", 622),
     ("lb-ebpf/src/main.rs", 623),
 ];
 

@@ -1,7 +1,7 @@
 //! The BPF maps, behind small typed wrappers: the only place that takes maps out of the loaded
-//! object (by the names in `lb_common`), builds their keys from socket addresses, and decodes
-//! the credit refresh ring's records (the connect-time event ring is read in `passive`). Each
-//! wrapper serialises its own operations.
+//! object (by the names in `lb_common`) and builds their keys from socket addresses; the ring
+//! buffers' records are read in `refresh` (credit requests) and `passive` (connect-time events).
+//! Each wrapper serialises its own operations.
 //!
 //! Minimum kernel: 5.8 for the ring buffer; the rest is older than the data path's 5.15.
 
@@ -23,13 +23,14 @@ use lb_common::{
     MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_EVENTS, MAP_CONNECT_LISTENERS,
     MAP_CONNECT_SCOPE, MAP_CONNECT_SOCKS, MAP_CONNECT_STATS, MAP_CONNECT_TABLES, MAP_FLOWS,
     MAP_LISTENERS, MAP_NETNS, MAP_NETNS_SCOPE, MAP_PAIRS, MAP_REFRESH, MAP_SERVERS, MAP_STATS,
-    PairCtl, RefreshRequest, SockKey,
+    PairCtl, SockKey,
 };
 
 use super::{DatapathError, passive::EventRing};
 
 pub use super::connect_maps::TableWrite;
 pub(super) use super::connect_maps::{ConnectMaps, connect_server, sent_tuple, server_addr};
+pub(super) use super::refresh::RefreshRing;
 
 pub(super) fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
     move |source| DatapathError::Map { map, source }
@@ -428,57 +429,6 @@ impl Scope {
     }
 }
 
-/// `LB_REFRESH`: the ring buffer of credit requests from sk_msg. Read by one thread.
-pub(super) struct RefreshRing(RingBuf<MapData>);
-
-impl RefreshRing {
-    /// The next request, skipping records that do not decode; `None` when the ring is empty.
-    pub(super) fn next_request(&mut self) -> Option<RefreshRequest> {
-        loop {
-            let item = self.0.next()?;
-            if let Some(req) = decode_request(&item) {
-                return Some(req);
-            }
-        }
-    }
-}
-
-impl AsFd for RefreshRing {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-}
-
-/// Decode one ring buffer record: a [`RefreshRequest`] as the kernel laid it out (`#[repr(C)]`,
-/// native byte order), read field by field at its offsets so no unaligned or unsafe read is
-/// needed. `None` when the record is shorter than the struct.
-pub(super) fn decode_request(bytes: &[u8]) -> Option<RefreshRequest> {
-    use core::mem::offset_of;
-    let u64_at = |i: usize| -> Option<u64> {
-        Some(u64::from_ne_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
-    };
-    let u32_at = |i: usize| -> Option<u32> {
-        Some(u32::from_ne_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
-    };
-    let k = offset_of!(RefreshRequest, key);
-    let mut key = SockKey::default();
-    for (n, w) in key.client_ip_be.iter_mut().enumerate() {
-        *w = u32_at(k + offset_of!(SockKey, client_ip_be) + n * 4)?;
-    }
-    for (n, w) in key.lb_ip_be.iter_mut().enumerate() {
-        *w = u32_at(k + offset_of!(SockKey, lb_ip_be) + n * 4)?;
-    }
-    key.client_port = u32_at(k + offset_of!(SockKey, client_port))?;
-    key.lb_port = u32_at(k + offset_of!(SockKey, lb_port))?;
-    key.netns_cookie = u64_at(k + offset_of!(SockKey, netns_cookie))?;
-    key.family = u32_at(k + offset_of!(SockKey, family))?;
-    key._pad = u32_at(k + offset_of!(SockKey, _pad))?;
-    Some(RefreshRequest {
-        key,
-        redirected: u64_at(offset_of!(RefreshRequest, redirected))?,
-    })
-}
-
 /// Build the map key of a client connection from lb's accepted socket: `peer` is the client's
 /// address, `local` the listener address, `netns_cookie` the client socket's namespace. `None`
 /// when the two are of different families.
@@ -571,52 +521,5 @@ mod tests {
         let one = listener_key("127.0.0.1:6443".parse().unwrap());
         assert_eq!((one.family, one.port), (AF_INET, 6443));
         assert_eq!(one.ip_be[0].to_ne_bytes(), [127, 0, 0, 1]);
-    }
-
-    /// A ring buffer record as `lb_sk_msg` writes it (`bpf_ringbuf_output` of a
-    /// `RefreshRequest`: the `#[repr(C)]` struct's bytes, native order), laid out here by hand
-    /// from the C layout (16 + 16 address bytes, two u32 ports, u64 cookie, u32 family, u32
-    /// padding, u64 count), decodes to every field.
-    #[test]
-    fn ring_buffer_record_round_trips() {
-        let mut rec = Vec::new();
-        for w in [0x0a00_0001u32, 0x0a00_0002, 0x0a00_0003, 0x0a00_0004] {
-            rec.extend_from_slice(&w.to_ne_bytes());
-        }
-        for w in [0x7f00_0001u32, 0x7f00_0002, 0x7f00_0003, 0x7f00_0004] {
-            rec.extend_from_slice(&w.to_ne_bytes());
-        }
-        rec.extend_from_slice(&40_000u32.to_ne_bytes());
-        rec.extend_from_slice(&6_443u32.to_ne_bytes());
-        rec.extend_from_slice(&0x1122_3344_5566_7788u64.to_ne_bytes());
-        rec.extend_from_slice(&AF_INET6.to_ne_bytes());
-        rec.extend_from_slice(&0u32.to_ne_bytes());
-        rec.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
-        assert_eq!(rec.len(), size_of::<RefreshRequest>());
-
-        let req = decode_request(&rec).expect("decodes");
-        assert_eq!(
-            req.key.client_ip_be,
-            [0x0a00_0001, 0x0a00_0002, 0x0a00_0003, 0x0a00_0004]
-        );
-        assert_eq!(
-            req.key.lb_ip_be,
-            [0x7f00_0001, 0x7f00_0002, 0x7f00_0003, 0x7f00_0004]
-        );
-        assert_eq!(req.key.client_port, 40_000);
-        assert_eq!(req.key.lb_port, 6_443);
-        assert_eq!(req.key.netns_cookie, 0x1122_3344_5566_7788);
-        assert_eq!(req.key.family, AF_INET6);
-        assert_eq!(req.key._pad, 0);
-        assert_eq!(req.redirected, 0x0102_0304_0506_0708);
-
-        // The ring buffer rounds records up to 8 bytes; a longer record still decodes, a
-        // shorter one does not.
-        rec.extend_from_slice(&[0xff; 8]);
-        assert_eq!(decode_request(&rec), Some(req));
-        assert_eq!(
-            decode_request(&rec[..size_of::<RefreshRequest>() - 1]),
-            None
-        );
     }
 }

@@ -30,6 +30,7 @@ mod netns_probe;
 mod passive;
 mod pins;
 mod probe;
+mod refresh;
 mod rings;
 mod tables;
 
