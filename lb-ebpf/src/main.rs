@@ -7,8 +7,8 @@
 //!   removes both entries again. Only sockets in the listener's balancer's network namespace
 //!   scope (`LB_NETNS_SCOPE`, [`in_scope`]) are registered; others are counted and left alone.
 //!   A wildcard listener (`0.0.0.0:P`, `[::]:P`) claims only clients whose destination is on
-//!   the host ([`local_destination`]); an IPv6 socket connected to an
-//!   IPv4-mapped address is keyed as IPv4 ([`unmap_v4`]), as lb keys the socket it accepted.
+//!   the host ([`client_addr::local_destination`]); an IPv6 socket connected to an
+//!   IPv4-mapped address is keyed as IPv4 ([`client_addr::unmap_v4`]), as lb keys the socket it accepted.
 //!   Sockets the connect programs sent straight to a server are connect-time's own sockops
 //!   program's (`lb_connect_sockops`, see [`connect`]); their destination is no listener.
 //! - `lb_sk_msg` (sk_msg on `LB_CLIENTS`): the upstream splice. Once lb has paired the client with
@@ -174,9 +174,11 @@ macro_rules! ctx_ip6 {
     };
 }
 
+mod client_addr;
 mod client_sock;
 mod connect;
 
+use client_addr::{local_destination, unmap_v4};
 use client_sock::{
     client_blocks, client_tcp_sock, has_ulp, redirect_target, server_fill, sync_passed,
 };
@@ -332,51 +334,6 @@ fn in_scope(balancer: u32, netns: u64) -> bool {
     LB_NETNS_SCOPE
         .get(balancer)
         .is_some_and(|&scope| scope == NETNS_SCOPE_ALL || scope == netns)
-}
-
-/// `127.0.0.1`'s first byte, and `::1`'s last word, in network byte order as the kernel
-/// stores addresses.
-const LOOPBACK4_NET: u8 = 127;
-const LOOPBACK6_LAST_BE: u32 = u32::from_ne_bytes([0, 0, 0, 1]);
-/// Word 2 of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), network byte order.
-const V4_MAPPED_BE: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
-
-/// Whether a client's destination is on its own host, so that a wildcard listener of its port
-/// may be the socket that accepted it: a loopback address (`127.0.0.0/8`, `::1`), or the
-/// client's own address. Why the second: a connect to one of the host's own addresses takes a
-/// local route, whose preferred source is that same address (`ip route show table local`), so
-/// the socket's two ends carry one address; a connect to another host's address on port P
-/// (lb's own dials to its servers, any program's) never does, and must not be registered: it
-/// would fill `LB_CLIENTS`/`LB_FLOWS` (65,536 entries) and crowd out lb's clients. A client
-/// that binds another local source address, or reaches the wildcard from another network
-/// namespace through a host address, is not registered and takes the copy path; a listener
-/// on that address, named exactly, splices it.
-#[inline(always)]
-fn local_destination(key: &SockKey) -> bool {
-    if key.lb_ip_be == key.client_ip_be {
-        return true;
-    }
-    if key.family == AF_INET {
-        key.lb_ip_be[0].to_ne_bytes()[0] == LOOPBACK4_NET
-    } else {
-        key.lb_ip_be == [0, 0, 0, LOOPBACK6_LAST_BE]
-    }
-}
-
-/// Key an IPv6 socket connected to an IPv4-mapped address (`[::ffff:127.0.0.1]:P`, a
-/// dual-stack client of an IPv4 listener) as IPv4: it talks IPv4 on the wire, lb accepts it on
-/// an `AF_INET` socket and keys it so (`lb-user`'s `sock_key`), and both sides must agree for
-/// the connection to be paired.
-#[inline(always)]
-fn unmap_v4(key: &mut SockKey) {
-    let lb = key.lb_ip_be;
-    if key.family != AF_INET6 || lb[0] != 0 || lb[1] != 0 || lb[2] != V4_MAPPED_BE {
-        return;
-    }
-    // A socket connected to a mapped address has a mapped address of its own.
-    key.family = AF_INET;
-    key.lb_ip_be = [lb[3], 0, 0, 0];
-    key.client_ip_be = [key.client_ip_be[3], 0, 0, 0];
 }
 
 /// A registered client socket closed (`STATE_CB` to `TCP_CLOSE`): remove its `LB_FLOWS`
