@@ -16,7 +16,10 @@ use crate::{cmd::lb_bin, http::http_get};
 /// (`0.0.0.0:0`) without `SO_REUSEADDR`, which conflicts with every socket on the port (also the
 /// client sockets the kernel still holds after their process closed them, in `FIN_WAIT2` or
 /// `TIME_WAIT`, which a `127.0.0.1:0` bind with `SO_REUSEADDR` may hand out again), and that
-/// `[::]` can take too (IPv6 only); bound and released. Tries at most 20 ports.
+/// `[::]` can take too (IPv6 only); bound and released. Never the same port twice in one test
+/// process: a port released here is free for the kernel to hand out again at the next call,
+/// and a test that asks for two (an admin port and a listener) must get two. Tries at most 20
+/// ports.
 ///
 /// # Errors
 /// No such port in 20 tries, or a bind failing for another reason.
@@ -30,6 +33,10 @@ pub fn free_port() -> Result<u16> {
         s.bind(&addr.into())?;
         Ok(s)
     };
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for _ in 0..20 {
         let v4 = bind(Domain::IPV4, "0.0.0.0:0".parse()?, false)?;
         let port = v4
@@ -37,13 +44,18 @@ pub fn free_port() -> Result<u16> {
             .as_socket()
             .map(|a| a.port())
             .ok_or_else(|| anyhow::anyhow!("no port"))?;
-        let v6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
-        match bind(Domain::IPV6, v6, true) {
-            Ok(_) => return Ok(port),
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {}
-            // No IPv6 on this host: the IPv4 port is what the tests use.
-            Err(_) => return Ok(port),
+        if given.contains(&port) {
+            continue;
         }
+        let v6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+        // Another error than "in use": no IPv6 on this host, the IPv4 port is what tests use.
+        if let Err(e) = bind(Domain::IPV6, v6, true)
+            && e.kind() == std::io::ErrorKind::AddrInUse
+        {
+            continue;
+        }
+        given.push(port);
+        return Ok(port);
     }
     bail!("no TCP port free on both 0.0.0.0 and [::] in 20 tries")
 }
@@ -261,6 +273,24 @@ impl Lb {
     pub fn signal(&self, sig: nix::sys::signal::Signal) -> Result<()> {
         let pid = nix::unistd::Pid::from_raw(i32::try_from(self.pid())?);
         nix::sys::signal::kill(pid, sig)?;
+        Ok(())
+    }
+
+    /// `kill -9`, then wait (at most `timeout`) until the process is reaped: every thread has
+    /// exited, so its descriptors (a pin directory's lock among them) are closed. A zombie
+    /// leader alone does not say so: its other threads may still be exiting.
+    ///
+    /// # Errors
+    /// The signal or the wait failed, or the process outlived `timeout`.
+    pub fn kill9(&mut self, timeout: Duration) -> Result<()> {
+        self.signal(nix::sys::signal::Signal::SIGKILL)?;
+        let deadline = Instant::now() + timeout;
+        while self.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                bail!("lb {} outlived kill -9 by {timeout:?}", self.pid());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         Ok(())
     }
 

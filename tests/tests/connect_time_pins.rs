@@ -120,13 +120,7 @@ fn all_connected(what: &str, h: std::thread::JoinHandle<Result<Value>>, times: u
 
 /// Kill lb with SIGKILL and wait for it to be gone.
 fn kill9(s: &mut ConnectLb) -> Result<()> {
-    s.lb.signal(nix::sys::signal::Signal::SIGKILL)?;
-    let pid = s.lb.pid();
-    lb_tests::wait_until(Duration::from_secs(10), || {
-        Ok(std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map_or(true, |st| st.contains(") Z ")))
-    })?;
-    Ok(())
+    s.lb.kill9(Duration::from_secs(10))
 }
 
 /// `kill -9` under a connect loop and held connections: no connect fails and no connection is
