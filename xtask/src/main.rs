@@ -95,9 +95,11 @@ enum Cmd {
         /// Virtual CPUs of the guest.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
         smp: u32,
-        /// Under TCG, emulate every virtual CPU on one host thread (`-accel tcg,thread=single`).
+        /// Under TCG, emulate each virtual CPU on a host thread of its own (`-accel
+        /// tcg,thread=multi`) instead of all on one (`thread=single`, the default: guests under
+        /// multi-threaded TCG locked up, see docs/kernels.md).
         #[arg(long)]
-        tcg_single_thread: bool,
+        tcg_multi_thread: bool,
         /// Instead of the tests, crash the guest's kernel from a test (SysRq c) and check that
         /// the run names that test and prints the kernel's stacks.
         #[arg(long, conflicts_with_all = ["tests", "targets", "test_args"])]
@@ -177,7 +179,7 @@ fn main() -> Result<()> {
             targets,
             repeat,
             smp,
-            tcg_single_thread,
+            tcg_multi_thread,
             crash,
             test_args,
         } => {
@@ -210,7 +212,7 @@ fn main() -> Result<()> {
                 timeout: std::time::Duration::from_secs(timeout),
                 repeat,
                 smp,
-                tcg_single_thread,
+                tcg_multi_thread,
                 lockup_retries: 0,
             };
             let outcomes = vm::run(arch, &labels, &opts, tests)?;

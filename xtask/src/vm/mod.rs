@@ -47,10 +47,12 @@ pub struct Options {
     pub repeat: u32,
     /// Virtual CPUs (`--smp`).
     pub smp: u32,
-    /// TCG with one host thread for every virtual CPU (`-accel tcg,thread=single`) instead of
-    /// one thread each (`--tcg-single-thread`): tells a race in the guest's kernel from one in
-    /// the emulator's multi-threaded translation.
-    pub tcg_single_thread: bool,
+    /// TCG with one host thread per virtual CPU (`-accel tcg,thread=multi`,
+    /// `--tcg-multi-thread`) instead of one host thread for all of them (`thread=single`, the
+    /// default): the guests' kernels locked up under multi-threaded TCG, an idle virtual CPU
+    /// never running a task woken on it, and never under single-threaded TCG (see
+    /// docs/kernels.md); the option is there to run the comparison again.
+    pub tcg_multi_thread: bool,
     /// Boots more a guest gets when its kernel locks up (a soft lockup, an RCU stall or a hung
     /// task: `console::lockup`), each lockup reported with its stacks and kept in its own
     /// console file; 0 reports the first one as the run's failure.
@@ -63,7 +65,7 @@ impl Default for Options {
             timeout: DEFAULT_TIMEOUT,
             repeat: 1,
             smp: 2,
-            tcg_single_thread: false,
+            tcg_multi_thread: false,
             lockup_retries: 0,
         }
     }

@@ -1,5 +1,6 @@
-//! Booting a guest under qemu: KVM when it works, else TCG (`--tcg-single-thread` and `--smp`
-//! change how), the console echoed line by line and kept, and a hard timeout.
+//! Booting a guest under qemu: KVM when it works, else TCG, single-threaded unless
+//! `--tcg-multi-thread` (`--smp` sets the virtual CPUs); the console echoed line by line and
+//! kept, and a hard timeout.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -79,10 +80,12 @@ pub fn boot(guest: &Guest<'_>, accel: Accel, opts: &Options) -> Result<Boot> {
     let mut cmd = Command::new(qemu);
     match accel {
         Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-        Accel::Tcg if opts.tcg_single_thread => cmd
+        Accel::Tcg if opts.tcg_multi_thread => cmd
+            .args(["-accel", "tcg,thread=multi"])
+            .args(guest.arch.tcg),
+        Accel::Tcg => cmd
             .args(["-accel", "tcg,thread=single"])
             .args(guest.arch.tcg),
-        Accel::Tcg => cmd.args(["-accel", "tcg"]).args(guest.arch.tcg),
     };
     // No network device: the guest's only links are the veth pairs the tests make inside it.
     cmd.args(["-smp", &opts.smp.to_string(), "-m", "1G", "-nodefaults"])
