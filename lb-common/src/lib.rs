@@ -170,7 +170,7 @@ pub const MAP_CONNECT_LISTENERS: &str = "LB_CONNECT_LISTENERS";
 /// `(g + 1) % TABLE_SLOTS`, and only then is `g + 1` stored in [`MAP_CONNECT_CURRENT`]. A program
 /// that loaded generation `g` reads slot `g % TABLE_SLOTS`; lb writes that slot again only for
 /// generation `g + TABLE_SLOTS`, and only once it has not been current for
-/// [`SLOT_REUSE_AFTER_MS`] (lb waits, see `lb-user`'s `daemon::connect::write_table`). A
+/// [`SLOT_REUSE_AFTER_MS`] (lb waits, see `lb-user`'s `connect::table::write_table`). A
 /// program reads its table a few dozen instructions after loading the generation (no loop, no
 /// helper that sleeps; microseconds), so the bound holds unless the program is stalled for
 /// 100 ms between the two loads (a preempted task on a preemptible kernel under extreme load, a

@@ -1,5 +1,5 @@
-//! lb: a client-side TCP load balancer whose kernel programs splice client sockets to server
-//! sockets. The binary (`main.rs`) parses the command line and calls into these modules.
+//! lb: a client-side TCP load balancer whose kernel programs send clients' connects straight to
+//! a server (connect-time, [`connect`]) or splice client sockets to server sockets ([`proxy`]). The binary (`main.rs`) parses the command line and calls into these modules.
 //!
 //! Minimum kernel for the `bpf` data path: 5.8 for connect-time, 5.15 for the splice; the
 //! userspace path runs anywhere Linux runs.
@@ -14,6 +14,7 @@ pub mod admin;
 pub mod balancer;
 pub mod cli;
 pub mod config;
+pub mod connect;
 pub mod daemon;
 pub mod datapath;
 pub mod discovery;

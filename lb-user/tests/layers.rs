@@ -25,6 +25,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("balancer", 3),
     ("metrics", 4),
     ("proxy", 5),
+    ("connect", 5),
     ("health", 5),
     ("discovery", 6),
     ("daemon", 7),

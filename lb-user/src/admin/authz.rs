@@ -21,7 +21,18 @@ use axum::{
 };
 use tracing::{error, warn};
 
-use super::{AdminState, ApiError, routes::Rule};
+use super::{AdminState, ApiError};
+
+/// Who may call an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// Everyone who reaches the address (`/livez`, `/readyz`).
+    Open,
+    /// Reading: open, unless `[admin] token_file` is set; then `Authorization: Bearer TOKEN`.
+    Read,
+    /// Changing: root or lb's own user (by the peer's credentials), or the token.
+    Change,
+}
 
 /// What the authorization layer of one endpoint holds: the admin state and the endpoint's rule.
 #[derive(Clone)]

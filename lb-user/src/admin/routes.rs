@@ -12,18 +12,8 @@ use axum::{
     routing::{MethodFilter, MethodRouter, on},
 };
 
+pub use super::authz::Rule;
 use super::{AdminState, authz, bounded, check, probes, servers};
-
-/// Who may call an endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rule {
-    /// Everyone who reaches the address (`/livez`, `/readyz`).
-    Open,
-    /// Reading: open, unless `[admin] token_file` is set; then `Authorization: Bearer TOKEN`.
-    Read,
-    /// Changing: root or lb's own user (by the peer's credentials), or the token.
-    Change,
-}
 
 /// An endpoint's HTTP method (a `GET` endpoint also answers `HEAD`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,7 @@
-//! Connect-time fail fast in the daemon: each server's SYN policy kept current in the kernel
-//! (its SYN timeout from the measured round trip), and the servers the kernel marked suspect
-//! acted on: counted, their connects still in `SYN_SENT` aborted, the mark cleared once a
-//! check of the server passes after it.
+//! Connect-time fail fast, the daemon's half (the maps are `crate::datapath`'s): each
+//! server's SYN policy kept current in the kernel (its SYN timeout from the measured round
+//! trip), and the servers the kernel marked suspect acted on: counted, their connects still in
+//! `SYN_SENT` aborted, the mark cleared once a check of the server passes after it.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -26,7 +26,7 @@ use crate::{
 pub(super) const TICK: Duration = Duration::from_millis(100);
 
 /// `[datapath.fail_fast]` as the config says now.
-pub(super) type DefaultConfig = Arc<dyn Fn() -> FailFastConfig + Send + Sync>;
+pub type DefaultConfig = Arc<dyn Fn() -> FailFastConfig + Send + Sync>;
 
 /// One connect-time balancer's fail-fast bookkeeping.
 pub(super) struct FailFast {
@@ -154,6 +154,6 @@ fn on_suspect(
         server.clone(),
     );
     drop(tokio::task::spawn_blocking(move || {
-        super::connect::abort_connecting(&dp, &metrics, &name, id, &server, "suspect");
+        super::kill::abort_connecting(&dp, &metrics, &name, id, &server, "suspect");
     }));
 }

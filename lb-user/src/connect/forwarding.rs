@@ -57,13 +57,13 @@ impl std::fmt::Display for ForwardingFallback {
 }
 
 /// Each balancer's forwarding in effect and, when it is not the one asked for, why.
-pub(super) type ForwardingMap = HashMap<String, (Forwarding, Option<ForwardingFallback>)>;
+pub type ForwardingMap = HashMap<String, (Forwarding, Option<ForwardingFallback>)>;
 
 /// Each balancer's forwarding: `splice` as asked; `connect` needs the kernel data path with the
 /// connect-time programs attached, and without them the balancer uses splice (or copy), with one
 /// warning naming why; `auto` is connect-time where it can be and splice otherwise, with one info
 /// line naming which and why. `datapath_fallback` is why the data path is off, when it is.
-pub(super) fn decide(
+pub fn decide(
     cfg: &Config,
     datapath: Option<&Datapath>,
     datapath_fallback: Option<&str>,
@@ -112,7 +112,7 @@ pub(super) fn decide(
 /// Each balancer's forwarding in effect as `lb_balancer_forwarding_info`, and
 /// `lb_balancer_forwarding_fallback_info` with one series per balancer and reason: 1 for why
 /// the balancer forwards through lb instead of connect-time, 0 for the others.
-pub(super) fn record(metrics: &Metrics, cfg: &Config, forwarding: &ForwardingMap) {
+pub fn record(metrics: &Metrics, cfg: &Config, forwarding: &ForwardingMap) {
     for b in &cfg.balancers {
         let (f, why) = forwarding
             .get(&b.name)

@@ -9,7 +9,7 @@ use std::{
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Daemon, forwarding::ForwardingFallback, now_ms, upgrade};
+use super::{Daemon, ForwardingFallback, now_ms, upgrade};
 use crate::{
     balancer::Balancer,
     config::{Config, DatapathMode, Forwarding},

@@ -3,9 +3,6 @@
 //! The admin API sees it only through a [`Handle`].
 
 mod adopt;
-mod connect;
-mod failfast;
-mod forwarding;
 mod handle;
 pub mod ids;
 mod listeners;
@@ -13,7 +10,7 @@ pub mod reload;
 mod start;
 pub mod upgrade;
 
-pub use forwarding::ForwardingFallback;
+pub use crate::connect::ForwardingFallback;
 pub use handle::Handle;
 
 use std::{
@@ -55,7 +52,7 @@ pub struct Daemon {
     datapath_fallback: Option<String>,
     /// Each balancer's forwarding in effect (by name, decided at start) and, when it asked for
     /// `connect` and did not get it, why.
-    forwarding: forwarding::ForwardingMap,
+    forwarding: crate::connect::ForwardingMap,
     metrics: Arc<Metrics>,
     health: Arc<HealthService>,
     proxy: Arc<ProxyCtx>,

@@ -17,15 +17,15 @@ use std::{
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{error, warn};
 
-use super::{Daemon, Takeover, connect, failfast, forwarding, ids, listeners, now_ms};
+use super::{Daemon, Takeover, ids, listeners, now_ms};
 use crate::{
     addr::ServerAddr,
     balancer::{Balancer, KillReason, Observer, Options},
     config::{Config, DatapathMode, Forwarding, Overrides},
+    connect::{self, KillQueues, KillReceivers},
     datapath::{Datapath, FallbackReason},
     health::HealthService,
     metrics::{KillLabels, Metrics, ModeLabel, ReasonLabel},
@@ -71,20 +71,6 @@ impl Origin {
     fn id_of(&self, name: &str) -> u32 {
         self.ids.ids.get(name).copied().unwrap_or_default()
     }
-}
-
-/// The kill queue of each connect-time balancer, by balancer id: senders for the balancers'
-/// [`KillObserver`], receivers for their table tasks.
-type KillSenders = HashMap<u32, UnboundedSender<connect::DirectKill>>;
-type KillReceivers = HashMap<u32, UnboundedReceiver<connect::DirectKill>>;
-
-fn kill_queues(ids: &HashSet<u32>) -> (KillSenders, KillReceivers) {
-    ids.iter()
-        .map(|id| {
-            let (tx, rx) = unbounded_channel();
-            ((*id, tx), (*id, rx))
-        })
-        .unzip()
 }
 
 /// What [`attach_datapath`] gives: the kernel data path when it runs, the mode in effect, and
@@ -135,7 +121,7 @@ fn attach_datapath(cfg: &Config) -> anyhow::Result<Attached> {
 struct KillObserver {
     metrics: Arc<Metrics>,
     /// Per connect-mode balancer id, its table task's kill queue.
-    direct: KillSenders,
+    direct: KillQueues,
 }
 
 impl Observer for KillObserver {
@@ -159,9 +145,7 @@ impl Observer for KillObserver {
     }
 
     fn server_killed(&self, _balancer: &str, id: u32, server: &ServerAddr, reason: KillReason) {
-        if let Some(tx) = self.direct.get(&id) {
-            let _ = tx.send((server.clone(), reason));
-        }
+        self.direct.send(id, server, reason);
     }
 }
 
@@ -249,9 +233,8 @@ impl Daemon {
                 .flat_map(|b| b.listen.iter().copied())
                 .collect::<Vec<_>>(),
         );
-        let forwarding =
-            forwarding::decide(&cfg, datapath.as_deref(), datapath_fallback.as_deref());
-        forwarding::record(&metrics, &cfg, &forwarding);
+        let forwarding = connect::decide(&cfg, datapath.as_deref(), datapath_fallback.as_deref());
+        connect::record(&metrics, &cfg, &forwarding);
         let connect_ids: HashSet<u32> = cfg
             .balancers
             .iter()
@@ -262,7 +245,7 @@ impl Daemon {
             })
             .map(|b| origin.id_of(&b.name))
             .collect();
-        let (senders, kills) = kill_queues(&connect_ids);
+        let (senders, kills) = connect::kill_queues(&connect_ids);
         let observer: Arc<dyn Observer> = Arc::new(KillObserver {
             metrics: metrics.clone(),
             direct: senders,
@@ -305,39 +288,37 @@ impl Daemon {
         Ok((daemon, balancers, kills))
     }
 
-    /// One table task per connect-time balancer (those with a kill queue in `rx`): it writes
-    /// the balancer's table and SYN policies into the kernel and ends the sockets of killed
-    /// servers, from `go` on.
+    /// One table task per connect-time balancer (those with a kill queue in `kills`), from
+    /// `go` on (see [`connect::spawn_tables`]).
     fn spawn_connect_tables(
         self: &Arc<Self>,
         dp: &Arc<Datapath>,
         balancers: &[Arc<Balancer>],
-        rx: &mut KillReceivers,
+        kills: &mut KillReceivers,
         go: &CancellationToken,
     ) {
-        for b in balancers {
-            let Some(rx) = rx.remove(&b.id) else {
-                continue;
-            };
-            let weak = Arc::downgrade(self);
-            let default: failfast::DefaultConfig = Arc::new(move || {
+        let weak = Arc::downgrade(self);
+        let ctx = connect::Context {
+            datapath: dp.clone(),
+            metrics: self.metrics.clone(),
+            stop: self.background.clone(),
+            fail_fast: Arc::new(move || {
                 weak.upgrade()
                     .map(|d| d.config.load().datapath.fail_fast)
                     .unwrap_or_default()
-            });
-            let sync = connect::sync_table(
-                b.clone(),
-                dp.clone(),
-                self.metrics.clone(),
-                rx,
-                (self.background.clone(), default),
-            );
-            let go = go.clone();
-            self.tasks.spawn(async move {
-                go.cancelled().await;
-                sync.await;
-            });
-        }
+            }),
+        };
+        connect::spawn_tables(&ctx, balancers, kills, &self.tasks, go);
+    }
+
+    /// Where the kernel's reports of connect-time sockets go (see [`connect::passive_sink`]).
+    fn passive_sink(self: &Arc<Self>) -> crate::datapath::PassiveSink {
+        let weak = Arc::downgrade(self);
+        connect::passive_sink(
+            Arc::new(move || weak.upgrade().map(|d| d.balancers.load_full())),
+            self.metrics.clone(),
+            self.runtime.clone(),
+        )
     }
 
     /// The readers of the kernel's rings: socket refreshes, passive health events (when a
@@ -359,7 +340,7 @@ impl Daemon {
         if !taking_over {
             dp.start_refresher(self.background.clone())?;
             if want_passive {
-                dp.start_passive(self.background.clone(), connect::passive_sink(self))?;
+                dp.start_passive(self.background.clone(), self.passive_sink())?;
             }
             dp.start_kernel_log(self.background.clone());
             return Ok(());
@@ -369,8 +350,7 @@ impl Daemon {
             go.cancelled().await;
             let mut started = dp.start_refresher(daemon.background.clone());
             if want_passive && started.is_ok() {
-                started =
-                    dp.start_passive(daemon.background.clone(), connect::passive_sink(&daemon));
+                started = dp.start_passive(daemon.background.clone(), daemon.passive_sink());
             }
             if let Err(e) = started {
                 error!(error = %e, "cannot start the kernel data path's readers");

@@ -137,7 +137,7 @@ impl Datapath {
         if flow.is_none_or(|f| f.server == 0) {
             pair.grant(&mut ctl, flow.map_or(0, |f| f.redirected));
         }
-        if let Err(e) = self.maps.pairs.publish(&pair.key, &ctl) {
+        if let Err(e) = self.maps.pairs.insert(&pair.key, &ctl) {
             warn!(error = %e, "cannot publish copied bytes");
         }
     }
@@ -161,7 +161,7 @@ impl Datapath {
             "lb-credit",
             cancel,
             ring,
-            super::maps::RefreshRing::next_request,
+            super::refresh::RefreshRing::next_request,
             move |reqs| {
                 for req in reqs {
                     this.refresh_one(&req.key);
@@ -180,7 +180,7 @@ impl Datapath {
             return;
         }
         pair.grant(&mut ctl, flow.redirected);
-        if let Err(e) = self.maps.pairs.publish(&pair.key, &ctl) {
+        if let Err(e) = self.maps.pairs.insert(&pair.key, &ctl) {
             warn!(error = %e, "cannot grant credit");
         }
     }

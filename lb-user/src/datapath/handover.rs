@@ -21,14 +21,14 @@ use std::{
     collections::HashMap,
     os::fd::{AsFd, AsRawFd, FromRawFd as _, OwnedFd},
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 use aya::programs::links::FdLink;
 use lb_common::{PROG_NAMES, SockKey};
 use tracing::info;
 
-use super::{Datapath, DatapathError, Pins, credit, maps::Maps};
+use super::{Datapath, DatapathError, Parts, Pins, credit, maps::Maps};
 
 /// The name under which the pin directory's locked descriptor travels with the maps.
 const PIN_LOCK: &str = "pin-dir-lock";
@@ -97,10 +97,7 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError::Dup`]: a descriptor could not be had (out of descriptors).
     pub fn export(&self) -> Result<Export, DatapathError> {
-        let mut maps = self
-            .maps
-            .export()
-            .map_err(|source| DatapathError::Dup { map: "*", source })?;
+        let mut maps = self.maps.export()?;
         if let Some(fd) = self.pins_lock_fd().map_err(|source| DatapathError::Dup {
             map: PIN_LOCK,
             source,
@@ -135,14 +132,15 @@ impl Datapath {
     ) -> Result<Datapath, DatapathError> {
         let own_cookie = super::probe::own_netns_cookie();
         let pins = maps.remove(PIN_LOCK).map(Pins::from_lock_fd).transpose()?;
-        let (maps, ring, events) = Maps::from_fds(maps)?;
+        let (maps, rings) = Maps::from_fds(maps)?;
         // Before 5.14 the old process learned the cookie through the connect program, which
         // left it in the probe map.
         let own_netns = match own_cookie {
             Ok(cookie) => cookie,
             Err(e) => maps
-                .connect
-                .probe(lb_common::PROBE_COOKIE)
+                .connect_netns_probe
+                .get(lb_common::PROBE_COOKIE)
+                .ok()
                 .filter(|c| *c != 0)
                 .ok_or(e)?,
         };
@@ -157,25 +155,22 @@ impl Datapath {
         }
         info!(cgroup = %cgroup.display(), links = held.len(), "kernel data path taken over (maps and links of the previous lb)");
         let spliced = held.iter().any(|(p, _)| *p == lb_common::PROG_SOCKOPS);
-        Ok(Datapath {
-            _ebpf: None,
-            links: Mutex::new(held),
+        let parts = Parts {
+            ebpf: None,
+            links: held,
             cgroup,
             maps,
-            refresh: Mutex::new(Some(ring)),
-            events: Mutex::new(Some(events)),
-            readers: Mutex::new(Vec::new()),
-            ignored: Mutex::new(HashMap::new()),
-            kernel_log: Mutex::new(None),
-            pairs: Mutex::new(HashMap::new()),
-            max_buffered: cfg.max_buffered_bytes,
+            rings,
+            kernel_log: None,
             connect_missing,
             // The programs are the old process's, loaded on this kernel by the same code: its
             // answer then is this one now.
-            splice: spliced && super::load::kernel_reads(cfg).is_some(),
+            splice: spliced && super::probe::kernel_reads(cfg).is_some(),
             own_netns,
             pins,
-        })
+            inherited: true,
+        };
+        Ok(Datapath::assemble(cfg, parts))
     }
 
     /// Take over a paired connection whose server socket is already in the server sockhash

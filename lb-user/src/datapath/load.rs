@@ -4,8 +4,6 @@
 //! (5.10 has the connect hooks, 5.8+, but not `bpf_get_netns_cookie` in sockops, 5.15) runs
 //! what it has; the data path fails only when it has neither.
 
-use std::{collections::HashMap, sync::Mutex};
-
 use aya::{
     Ebpf,
     programs::{CgroupAttachMode, SkMsg, SockOps, links::FdLink},
@@ -19,14 +17,15 @@ use lb_common::{
 use tracing::{info, warn};
 
 use super::{
-    Datapath, DatapathError, EBPF_OBJ, Pins, attach, btf, handover, heartbeat, kernel_log, maps,
-    netns_probe, probe,
+    Datapath, DatapathError, EBPF_OBJ, Parts, Pins,
+    connect::{attach, heartbeat, netns_probe},
+    handover, kernel_log, maps, probe,
 };
 
 /// Load the object with the globals lb sets from the kernel and its config.
 fn load_object(
     cfg: &crate::config::DatapathConfig,
-    offsets: Option<btf::SockOffsets>,
+    offsets: Option<super::btf::SockOffsets>,
     sk_err: u32,
     log_level: u8,
     pins: Option<&Pins>,
@@ -73,7 +72,7 @@ fn attach_splice(
         .map_err(prog_err(PROG_SK_MSG))?;
     sk_msg.load().map_err(prog_err(PROG_SK_MSG))?;
     sk_msg
-        .attach(maps.clients.fd())
+        .attach(maps.clients.lock().fd())
         .map_err(prog_err(PROG_SK_MSG))?;
     let sockops: &mut SockOps = ebpf
         .program_mut(PROG_SOCKOPS)
@@ -107,7 +106,7 @@ fn own_netns_or_learn(
     match own {
         Some(cookie) => cookie,
         None if connect_missing.is_some() => 0,
-        None => match netns_probe::learn(&maps.connect, cgroup) {
+        None => match netns_probe::learn(maps, cgroup) {
             Ok(cookie) => {
                 info!(
                     cookie,
@@ -156,19 +155,19 @@ impl Datapath {
             return Err(e);
         }
         let offsets = if splice_missing.is_none() {
-            kernel_reads(cfg)
+            probe::kernel_reads(cfg)
         } else {
             None
         };
         let sk_err = if want_connect { sk_err_offset() } else { 0 };
         let log_level = kernel_log::level();
         let mut ebpf = load_object(cfg, offsets, sk_err, log_level, pins.as_ref())?;
-        let (mut maps, ring, mut events) = maps::Maps::take(&mut ebpf)?;
-        if pins.as_ref().is_some_and(Pins::adopted) {
+        let (maps, mut rings) = maps::Maps::take(&mut ebpf)?;
+        let inherited = pins.as_ref().is_some_and(Pins::adopted);
+        if inherited {
             // Written by an earlier lb: its generations go on; its events are from before this
             // lb started and count against no server now.
-            maps.connect.fresh = false;
-            let dropped = events.drain();
+            let dropped = rings.events.drain();
             info!(
                 dropped,
                 "connect-time events from before this lb started ignored"
@@ -199,28 +198,24 @@ impl Datapath {
             });
         }
         let kernel_log = kernel_log::open(&mut ebpf, log_level);
-        Ok(Datapath {
-            _ebpf: Some(ebpf),
-            links: Mutex::new(
-                links
-                    .into_iter()
-                    .map(|(n, l)| (n, handover::HeldLink::Loaded(l)))
-                    .collect(),
-            ),
+        let links = links
+            .into_iter()
+            .map(|(n, l)| (n, handover::HeldLink::Loaded(l)))
+            .collect();
+        let parts = Parts {
+            ebpf: Some(ebpf),
+            links,
             cgroup,
             maps,
-            refresh: Mutex::new(Some(ring)),
-            events: Mutex::new(Some(events)),
-            readers: Mutex::new(Vec::new()),
-            ignored: Mutex::new(HashMap::new()),
-            kernel_log: Mutex::new(kernel_log),
-            pairs: Mutex::new(HashMap::new()),
-            max_buffered: cfg.max_buffered_bytes,
+            rings,
+            kernel_log,
             connect_missing,
             splice: splice_missing.is_none() && offsets.is_some(),
             own_netns,
             pins,
-        })
+            inherited,
+        };
+        Ok(Datapath::assemble(cfg, parts))
     }
 }
 
@@ -231,22 +226,4 @@ fn sk_err_offset() -> u32 {
         warn!(reason = %crate::errors::chain(&why), "connect-time: a failed connect's error cannot be read; none counts against its server");
         0
     })
-}
-
-/// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it
-/// (see [`probe::probe_kernel_reads`]); `None`, with a warning naming why, turns the splice off:
-/// the program could then neither count the bytes a client sent the normal way exactly nor see
-/// a kTLS socket, so redirecting would risk reordered bytes or plaintext on the wire.
-pub(super) fn kernel_reads(cfg: &crate::config::DatapathConfig) -> Option<btf::SockOffsets> {
-    let offsets = probe::probe_kernel_reads()
-        .inspect_err(|why| {
-            warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
-        })
-        .ok();
-    if offsets.is_some() && !cfg.blocking_splice {
-        info!(
-            "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
-        );
-    }
-    offsets
 }

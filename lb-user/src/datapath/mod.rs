@@ -1,38 +1,32 @@
 //! The kernel data path: loads `lb-ebpf`, attaches sockops to a cgroup v2 with a link and sk_msg
 //! to the client sockhash, registers listeners, pairs and unpairs connections, and sums the
-//! splice counters. The rooms beside it: [`probe`] (what the kernel and process allow),
-//! [`maps`] (the only code that opens maps), [`credit`] (the bound on bytes queued toward a
-//! server), [`passive`] (connect-time sockets' failures as passive health), [`btf`] (kernel
-//! struct offsets), [`kernel_log`] (the programs' aya-log events
-//! in lb's log, target `lb::kernel`), [`attach`] (the connect-time programs' links),
-//! [`tables`] (the slot a connect-time table is written into, and when), [`rings`] (the
-//! ring reader threads), [`load`] (loading and attaching, each forwarding mode on its own) and
-//! [`netns_probe`] (lb's namespace cookie before 5.14).
+//! counters. The rooms beside it: [`probe`] (what the kernel and process allow), [`maps`]
+//! (every map, declared once), [`keys`] (map keys from socket addresses), [`credit`] (the
+//! bound on bytes queued toward a server), [`refresh`] (its request ring), [`btf`] (kernel
+//! struct offsets), [`kernel_log`] (the programs' aya-log events in lb's log, target
+//! `lb::kernel`), [`rings`] (the ring reader threads), [`load`] (loading and attaching, each
+//! forwarding mode on its own), [`handover`] (to and from another lb) and [`connect`]
+//! (connect-time's kernel half: its links, pins, heartbeat, tables, fail fast and events).
 //!
 //! Minimum kernel: 5.8 for connect-time (the getpeername hooks), 5.15 for the splice
-//! (`bpf_get_netns_cookie` in sockops and sk_msg); either runs without the other. The splice's programs
-//! and links are held by this process only, so they are detached when lb exits, however it
-//! exits; the connect-time ones are pinned when a bpffs is mounted ([`pins`], [`heartbeat`]) and
-//! serve on until lb's heartbeat is older than `datapath.orphan_timeout`.
+//! (`bpf_get_netns_cookie` in sockops and sk_msg); either runs without the other. The splice's
+//! programs and links are held by this process only, so they are detached when lb exits,
+//! however it exits; the connect-time ones are pinned when a bpffs is mounted
+//! ([`connect::pins`], [`connect::heartbeat`]) and serve on until lb's heartbeat is older than
+//! `datapath.orphan_timeout`.
 
-mod attach;
 mod btf;
-mod connect_maps;
+mod connect;
 mod credit;
-mod failfast;
 mod fallback;
 mod handover;
-mod heartbeat;
 mod kernel_log;
+mod keys;
 mod load;
 mod maps;
-mod netns_probe;
-mod passive;
-mod pins;
 mod probe;
 mod refresh;
 mod rings;
-mod tables;
 
 use std::{
     collections::HashMap,
@@ -43,22 +37,22 @@ use std::{
 };
 
 use aya::{Ebpf, maps::MapError, programs::ProgramError};
-use lb_common::{
-    BalancerStats, CONNECT_FIRST, CONNECT_LEAST, CONNECT_RANDOM, CONNECT_ROUND_ROBIN, ConnectTable,
-    FlowState, MAX_CONNECT_SERVERS, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, SockKey,
-};
+use lb_common::{BalancerStats, FlowState, NETNS_AMBIGUOUS, NETNS_SCOPE_ALL, SockKey};
 use tracing::debug;
 
-pub use self::failfast::{jiffies, kernel_hz};
 pub use self::fallback::FallbackReason;
-pub use self::netns_probe::netns_probe_child;
 pub use self::{
     btf::BtfError,
+    connect::{
+        TableWrite,
+        events::{PassiveKind, PassiveSink},
+        failfast::{jiffies, kernel_hz},
+        heartbeat::{PinsStatus, boottime_ns},
+        netns_probe::netns_probe_child,
+        pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
+    },
     credit::Pair,
-    heartbeat::{PinsStatus, boottime_ns},
-    maps::{TableWrite, sock_key},
-    passive::{PassiveKind, PassiveSink},
-    pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
+    keys::sock_key,
     probe::{detect_cgroup2, probe_maps, probe_splice, resolve_cgroup},
 };
 use crate::config::Namespaces;
@@ -203,9 +197,11 @@ pub struct Datapath {
     /// Every map; the sk_msg attachment lives as long as the client sockhash in it.
     maps: maps::Maps,
     /// The credit request ring, until [`Datapath::start_refresher`] takes it.
-    refresh: Mutex<Option<maps::RefreshRing>>,
+    refresh: Mutex<Option<refresh::RefreshRing>>,
     /// The connect-time event ring, until [`Datapath::start_passive`] takes it.
-    events: Mutex<Option<passive::EventRing>>,
+    events: Mutex<Option<connect::events::EventRing>>,
+    /// The connect-time table generations lb wrote.
+    tables: connect::Tables,
     /// The ring reader threads started, to wake and wait for at their end (see
     /// [`Datapath::wait_readers`]).
     readers: Mutex<Vec<rings::Reader>>,
@@ -230,20 +226,6 @@ pub struct Datapath {
     pins: Option<Pins>,
 }
 
-/// How a connect-mode balancer's kernel programs pick a server from its table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ConnectPolicy {
-    /// Always the first server (lb writes the table in failover order).
-    First,
-    /// The next server in turn (a counter per CPU).
-    RoundRobin,
-    /// A uniformly random server.
-    Random,
-    /// Of two different random servers, the one with fewer established connect-time
-    /// connections (power of two choices; lb's proxied connections are not counted).
-    LeastConnections,
-}
-
 impl std::fmt::Debug for Datapath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Datapath")
@@ -252,13 +234,50 @@ impl std::fmt::Debug for Datapath {
     }
 }
 
-impl Datapath {
-    /// Why connect-time forwarding is unavailable (a program type, attach type or helper the
-    /// kernel lacks), `None` when its programs are attached.
-    pub fn connect_unavailable(&self) -> Option<&str> {
-        self.connect_missing.as_deref()
-    }
+/// What a data path is made of, loaded by this process ([`Datapath::load`]) or handed over by
+/// another lb ([`Datapath::adopt`]).
+struct Parts {
+    /// The object as loaded; `None` when adopted.
+    ebpf: Option<Ebpf>,
+    links: Vec<(&'static str, handover::HeldLink)>,
+    cgroup: PathBuf,
+    maps: maps::Maps,
+    rings: maps::Rings,
+    kernel_log: Option<kernel_log::KernelLogger>,
+    connect_missing: Option<String>,
+    splice: bool,
+    own_netns: u64,
+    pins: Option<Pins>,
+    /// An earlier lb wrote the connect-time maps (adopted pins, a hand-over).
+    inherited: bool,
+}
 
+impl Datapath {
+    /// The one constructor: `parts` with the state this process starts with (no pair, no
+    /// reader, no socket ignored).
+    fn assemble(cfg: &crate::config::DatapathConfig, parts: Parts) -> Datapath {
+        Datapath {
+            _ebpf: parts.ebpf,
+            links: Mutex::new(parts.links),
+            cgroup: parts.cgroup,
+            maps: parts.maps,
+            refresh: Mutex::new(Some(parts.rings.refresh)),
+            events: Mutex::new(Some(parts.rings.events)),
+            tables: connect::Tables::new(parts.inherited),
+            readers: Mutex::new(Vec::new()),
+            ignored: Mutex::new(HashMap::new()),
+            kernel_log: Mutex::new(parts.kernel_log),
+            pairs: Mutex::new(HashMap::new()),
+            max_buffered: cfg.max_buffered_bytes,
+            connect_missing: parts.connect_missing,
+            splice: parts.splice,
+            own_netns: parts.own_netns,
+            pins: parts.pins,
+        }
+    }
+}
+
+impl Datapath {
     /// Which network namespaces balancer `id`'s programs act in: with [`Namespaces::Own`] the
     /// connect programs rewrite, and sockops registers for the splice, only sockets of lb's
     /// own namespace (where its listeners live); with [`Namespaces::All`], sockets of every
@@ -271,108 +290,8 @@ impl Datapath {
             Namespaces::Own => self.own_netns,
             Namespaces::All => NETNS_SCOPE_ALL,
         };
-        self.maps.connect.set_scope(id, scope)?;
-        self.maps.scope.set(id, scope)
-    }
-
-    /// Tell the connect programs that `addr` is a listener of connect-mode balancer `id`. An
-    /// unspecified address matches loopback destinations of its port and family only.
-    ///
-    /// # Errors
-    /// [`DatapathError::Map`].
-    pub fn add_connect_listener(&self, addr: SocketAddr, id: u32) -> Result<(), DatapathError> {
-        self.maps
-            .connect
-            .listeners
-            .insert(&maps::listener_key(addr), id)
-    }
-
-    /// Tell the connect programs that `addr` is not a connect-time listener (any more): its
-    /// connects reach it unrewritten. Absent is fine.
-    pub fn remove_connect_listener(&self, addr: SocketAddr) {
-        self.maps
-            .connect
-            .listeners
-            .remove(&maps::listener_key(addr));
-    }
-
-    /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
-    /// [`MAX_CONNECT_SERVERS`] are kept). An empty list stops rewriting: connects then reach
-    /// the listener. The table goes into the next of the balancer's slots, then becomes current
-    /// (see `lb_common::MAP_CONNECT_TABLES`); a program reads either the old table or the new
-    /// one, never a mix.
-    ///
-    /// # Errors
-    /// [`DatapathError::TableSlotBusy`] when the table changed more than
-    /// `lb_common::TABLE_SLOTS - 1` times within `lb_common::SLOT_REUSE_AFTER_MS`: nothing is
-    /// written, call again after the wait it names. [`DatapathError::Map`].
-    pub fn set_connect_table(
-        &self,
-        id: u32,
-        policy: ConnectPolicy,
-        servers: &[SocketAddr],
-    ) -> Result<TableWrite, DatapathError> {
-        let mut table = ConnectTable {
-            policy: match policy {
-                ConnectPolicy::First => CONNECT_FIRST,
-                ConnectPolicy::RoundRobin => CONNECT_ROUND_ROBIN,
-                ConnectPolicy::Random => CONNECT_RANDOM,
-                ConnectPolicy::LeastConnections => CONNECT_LEAST,
-            },
-            ..ConnectTable::default()
-        };
-        for (slot, addr) in table.servers.iter_mut().zip(servers) {
-            *slot = maps::connect_server(*addr);
-        }
-        table.count = u32::try_from(servers.len().min(MAX_CONNECT_SERVERS)).unwrap_or(0);
-        self.maps.connect.set_table(id, &table)
-    }
-
-    /// Balancer `id`'s current table generation (`LB_CONNECT_CURRENT`) and the servers of that
-    /// table, as the connect programs read them now; `None` when the maps cannot be read.
-    pub fn connect_table(&self, id: u32) -> Option<(u32, Vec<SocketAddr>)> {
-        let (generation, table) = self.maps.connect.table(id).ok()?;
-        let count = usize::try_from(table.count)
-            .unwrap_or(0)
-            .min(MAX_CONNECT_SERVERS);
-        let servers = table.servers[..count]
-            .iter()
-            .filter_map(maps::server_addr)
-            .collect();
-        Some((generation, servers))
-    }
-
-    /// Forget balancer `id`'s per-server counts of servers not in `servers` that count no
-    /// socket, so servers that come and go (discovery) do not fill the count map (4,096 keys
-    /// for every balancer together). Returns how many keys were deleted.
-    pub fn prune_connect_counts(&self, id: u32, servers: &[SocketAddr]) -> usize {
-        let keep: Vec<_> = servers.iter().map(|a| maps::connect_server(*a)).collect();
-        self.maps.connect.prune_counts(id, &keep)
-    }
-
-    /// Established connect-time sockets of balancer `id`, per server address.
-    pub fn connect_counts(&self, id: u32) -> HashMap<SocketAddr, u64> {
-        let mut out = HashMap::new();
-        for (server, n) in self.maps.connect.counts(id) {
-            if let Some(addr) = maps::server_addr(&server) {
-                *out.entry(addr).or_insert(0) += n;
-            }
-        }
-        out
-    }
-
-    /// The connect-time sockets balancer `id`'s programs sent to `server`.
-    pub fn connect_sockets(&self, id: u32, server: SocketAddr) -> Vec<crate::kill::ConnectSocket> {
-        self.maps
-            .connect
-            .sockets(id, &maps::connect_server(server))
-            .into_iter()
-            .map(|(cookie, o)| crate::kill::ConnectSocket {
-                cookie,
-                tgid: o.tgid,
-                sent: maps::sent_tuple(&o, server),
-            })
-            .collect()
+        self.maps.connect_scope.set(id, &scope)?;
+        self.maps.scope.set(id, &scope)
     }
 
     /// The cgroup the sockops program is attached to.
@@ -386,7 +305,7 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError::Map`].
     pub fn add_listener(&self, addr: SocketAddr, id: u32) -> Result<(), DatapathError> {
-        self.maps.listeners.insert(&maps::listener_key(addr), id)
+        self.maps.listeners.insert(&keys::listener_key(addr), &id)
     }
 
     /// Find the client socket's netns cookie for an accepted connection; `None` when sockops did
@@ -442,12 +361,12 @@ impl Datapath {
             copied,
             flow.cookie,
         ));
-        self.maps.servers.insert_pair(&key, server)?;
+        self.maps.servers.insert_socket(&key, server)?;
         self.pairs
             .lock()
             .expect("poisoned")
             .insert(key, pair.clone());
-        if let Err(e) = self.maps.pairs.publish(&key, &pair.ctl()) {
+        if let Err(e) = self.maps.pairs.insert(&key, &pair.ctl()) {
             self.unpair(&pair);
             return Err(e);
         }
@@ -480,7 +399,7 @@ impl Datapath {
         for v in self.maps.stats.per_cpu(id) {
             out.add(&v);
         }
-        for v in self.maps.connect.stats(id) {
+        for v in self.maps.connect_stats.per_cpu(id) {
             out.add(&v);
         }
         out

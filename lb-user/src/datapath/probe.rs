@@ -10,6 +10,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use tracing::{info, warn};
+
 use super::{
     DatapathError,
     btf::{self, SockOffsets},
@@ -356,6 +358,24 @@ pub(super) fn probe_sk_err() -> Result<u32, DatapathError> {
         }
     }
     Ok(btf::sk_err_offset(Path::new(btf::VMLINUX_BTF))?)
+}
+
+/// The struct offsets the sk_msg program reads client sockets with, when the kernel lets it
+/// (see [`probe_kernel_reads`]); `None`, with a warning naming why, turns the splice off:
+/// the program could then neither count the bytes a client sent the normal way exactly nor see
+/// a kTLS socket, so redirecting would risk reordered bytes or plaintext on the wire.
+pub(super) fn kernel_reads(cfg: &crate::config::DatapathConfig) -> Option<btf::SockOffsets> {
+    let offsets = probe_kernel_reads()
+        .inspect_err(|why| {
+            warn!(reason = %crate::errors::chain(why), "the kernel splice is off: every connection is copied in userspace");
+        })
+        .ok();
+    if offsets.is_some() && !cfg.blocking_splice {
+        info!(
+            "datapath.blocking_splice = false: blocking clients take the copy path when a server socket is full"
+        );
+    }
+    offsets
 }
 
 #[cfg(test)]

@@ -7,7 +7,13 @@ use aya::maps::{MapData, RingBuf};
 use lb_common::{RefreshRequest, SockKey};
 
 /// `LB_REFRESH`: the ring buffer of credit requests from sk_msg. Read by one thread.
-pub(super) struct RefreshRing(pub(super) RingBuf<MapData>);
+pub(super) struct RefreshRing(RingBuf<MapData>);
+
+impl From<RingBuf<MapData>> for RefreshRing {
+    fn from(ring: RingBuf<MapData>) -> RefreshRing {
+        RefreshRing(ring)
+    }
+}
 
 impl RefreshRing {
     /// The next request, skipping records that do not decode; `None` when the ring is empty.

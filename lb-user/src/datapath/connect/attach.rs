@@ -12,7 +12,8 @@ use lb_common::{
 };
 use tracing::{debug, info, warn};
 
-use super::{DatapathError, Pins, probe};
+use super::pins::Pins;
+use crate::datapath::{DatapathError, probe};
 
 /// Load program `$name` of aya type `$ty` (a cgroup program) from `$ebpf`, attach it to
 /// `$cgroup` with a link and return the link as an [`FdLink`]. A macro, not a function: aya's
@@ -94,7 +95,7 @@ pub(super) fn attach_connect(
 ///
 /// # Errors
 /// [`DatapathError::Pins`]: pins this lb must not adopt (they keep serving; lb refuses to start).
-pub(super) fn connect_or_why(
+pub(in crate::datapath) fn connect_or_why(
     ebpf: &mut Ebpf,
     cgroup_file: &std::fs::File,
     cgroup: &std::path::Path,

@@ -19,7 +19,7 @@ use std::{
 use aya::maps::{MapData, RingBuf};
 use lb_common::{ConnectEvent, ConnectServer, EVENT_CONNECT_FAILED, EVENT_RTO};
 
-use super::{Datapath, maps};
+use crate::datapath::{Datapath, keys::server_addr};
 
 /// What a connect-time socket told lb about its server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,7 +110,7 @@ impl Datapath {
                     }
                     let (Some(kind), Some(addr)) = (
                         PassiveKind::from_kernel(ev.kind, ev.err),
-                        maps::server_addr(&ev.server),
+                        server_addr(&ev.server),
                     ) else {
                         continue;
                     };
@@ -122,22 +122,23 @@ impl Datapath {
 }
 
 /// `LB_CONNECT_EVENTS`: passive health signals of connect-time sockets. Read by one thread.
-pub(super) struct EventRing(RingBuf<MapData>);
+pub(in crate::datapath) struct EventRing(RingBuf<MapData>);
 
-impl EventRing {
-    /// The ring of `LB_CONNECT_EVENTS`.
-    pub(super) fn new(ring: RingBuf<MapData>) -> EventRing {
+impl From<RingBuf<MapData>> for EventRing {
+    fn from(ring: RingBuf<MapData>) -> EventRing {
         EventRing(ring)
     }
+}
 
+impl EventRing {
     /// Drop every event in the ring now (at most its capacity); returns how many.
-    pub(super) fn drain(&mut self) -> usize {
+    pub(in crate::datapath) fn drain(&mut self) -> usize {
         let most = lb_common::CONNECT_EVENTS_RING_BYTES as usize / size_of::<ConnectEvent>();
         (0..most).take_while(|_| self.0.next().is_some()).count()
     }
 
     /// The next event, skipping records that do not decode; `None` when the ring is empty.
-    pub(super) fn next_event(&mut self) -> Option<ConnectEvent> {
+    pub(in crate::datapath) fn next_event(&mut self) -> Option<ConnectEvent> {
         loop {
             let item = self.0.next()?;
             if let Some(ev) = decode_event(&item) {
@@ -224,7 +225,7 @@ mod tests {
         assert_eq!(rec.len(), size_of::<ConnectEvent>());
         let ev = decode_event(&rec).expect("decodes");
         assert_eq!(
-            maps::server_addr(&ev.server),
+            server_addr(&ev.server),
             Some("198.18.0.2:9001".parse().unwrap())
         );
         assert_eq!(

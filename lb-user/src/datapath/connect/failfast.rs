@@ -1,4 +1,4 @@
-//! The connect-time fail-fast maps: per server the SYN policy lb asks for
+//! Connect-time fail fast, its kernel half: the maps that hold per server the SYN policy lb asks for
 //! (`LB_CONNECT_SYN`) and the servers the kernel marked suspect (`LB_CONNECT_SUSPECT`); and the
 //! kernel's tick rate (`HZ`), which the SYN timeout is given in.
 //!
@@ -7,63 +7,16 @@
 
 use std::{
     net::SocketAddr,
-    os::fd::{AsFd, OwnedFd},
-    sync::{Mutex, OnceLock},
+    sync::OnceLock,
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, IterableMap as _, Map, MapData};
-use lb_common::{ConnectCountKey, MAP_CONNECT_SUSPECT, MAP_CONNECT_SYN, SynPolicy};
+use lb_common::{ConnectCountKey, SynPolicy};
 
-use super::{
+use crate::datapath::{
     Datapath, DatapathError,
-    maps::{connect_server, map_err, server_addr},
+    keys::{connect_server, server_addr},
 };
-
-/// `LB_CONNECT_SYN` and `LB_CONNECT_SUSPECT`.
-pub(super) struct FailFastMaps {
-    syn: Mutex<HashMap<MapData, ConnectCountKey, SynPolicy>>,
-    suspect: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
-}
-
-impl FailFastMaps {
-    /// Both maps, by name from `take`.
-    ///
-    /// # Errors
-    /// What `take` returns; [`DatapathError::Map`] for a map of another type.
-    pub(super) fn take(
-        take: &mut impl FnMut(&'static str) -> Result<Map, DatapathError>,
-    ) -> Result<FailFastMaps, DatapathError> {
-        Ok(FailFastMaps {
-            syn: Mutex::new(
-                HashMap::try_from(take(MAP_CONNECT_SYN)?).map_err(map_err(MAP_CONNECT_SYN))?,
-            ),
-            suspect: Mutex::new(
-                HashMap::try_from(take(MAP_CONNECT_SUSPECT)?)
-                    .map_err(map_err(MAP_CONNECT_SUSPECT))?,
-            ),
-        })
-    }
-
-    /// Copies of both descriptors, by name, for a hand-over.
-    ///
-    /// # Errors
-    /// A descriptor could not be duplicated.
-    pub(super) fn export(&self) -> std::io::Result<Vec<(&'static str, OwnedFd)>> {
-        let syn = self.syn.lock().expect("poisoned");
-        let suspect = self.suspect.lock().expect("poisoned");
-        Ok(vec![
-            (
-                MAP_CONNECT_SYN,
-                syn.map().fd().as_fd().try_clone_to_owned()?,
-            ),
-            (
-                MAP_CONNECT_SUSPECT,
-                suspect.map().fd().as_fd().try_clone_to_owned()?,
-            ),
-        ])
-    }
-}
 
 fn key(id: u32, server: SocketAddr) -> ConnectCountKey {
     ConnectCountKey {
@@ -84,44 +37,26 @@ impl Datapath {
         server: SocketAddr,
         policy: SynPolicy,
     ) -> Result<(), DatapathError> {
-        let f = &self.maps.connect.failfast;
-        f.syn
-            .lock()
-            .expect("poisoned")
-            .insert(key(id, server), policy, 0)
-            .map_err(map_err(MAP_CONNECT_SYN))
+        self.maps.connect_syn.insert(&key(id, server), &policy)
     }
 
     /// Delete balancer `id`'s SYN policies and suspect marks of servers not in `keep`.
     /// Returns how many keys were deleted.
     pub fn prune_fail_fast(&self, id: u32, keep: &[SocketAddr]) -> usize {
         let keep: Vec<_> = keep.iter().map(|a| connect_server(*a)).collect();
-        let f = &self.maps.connect.failfast;
         let stale = |k: &ConnectCountKey| k.balancer == id && !keep.contains(&k.server);
-        let mut n = 0;
-        {
-            let mut syn = f.syn.lock().expect("poisoned");
-            let gone: Vec<_> = syn.keys().filter_map(Result::ok).filter(stale).collect();
-            n += gone.iter().filter(|k| syn.remove(k).is_ok()).count();
-        }
-        let mut suspect = f.suspect.lock().expect("poisoned");
-        let gone: Vec<_> = suspect
-            .keys()
-            .filter_map(Result::ok)
-            .filter(stale)
-            .collect();
-        n + gone.iter().filter(|k| suspect.remove(k).is_ok()).count()
+        self.maps.connect_syn.remove_where(|k, _| stale(k))
+            + self.maps.connect_suspect.remove_where(|k, _| stale(k))
     }
 
     /// Balancer `id`'s servers the kernel marked suspect, with how long ago it marked each
     /// (`CLOCK_BOOTTIME`, as the programs' `bpf_ktime_get_boot_ns`).
     pub fn connect_suspects(&self, id: u32) -> Vec<(SocketAddr, Duration)> {
         let now = boot_ns();
-        let suspect = self.maps.connect.failfast.suspect.lock().expect("poisoned");
-        suspect
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| k.balancer == id)
+        self.maps
+            .connect_suspect
+            .entries(|k, _| k.balancer == id)
+            .into_iter()
             .filter_map(|(k, at)| {
                 Some((
                     server_addr(&k.server)?,
@@ -133,12 +68,7 @@ impl Datapath {
 
     /// Delete the suspect mark of `server` of balancer `id`; whether there was one.
     pub fn clear_suspect(&self, id: u32, server: SocketAddr) -> bool {
-        let f = &self.maps.connect.failfast;
-        f.suspect
-            .lock()
-            .expect("poisoned")
-            .remove(&key(id, server))
-            .is_ok()
+        self.maps.connect_suspect.remove(&key(id, server))
     }
 }
 

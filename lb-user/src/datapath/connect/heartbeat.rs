@@ -9,7 +9,7 @@ use std::{path::PathBuf, time::Duration};
 use lb_common::{CTL_HEARTBEAT_NS, CTL_OWN_TGID};
 use serde::Serialize;
 
-use super::{Datapath, DatapathError, maps};
+use crate::datapath::{Datapath, DatapathError, maps::Maps};
 
 /// The connect-time pin directory as `/status` shows it.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -27,15 +27,14 @@ impl Datapath {
     /// # Errors
     /// [`DatapathError::Map`].
     pub fn heartbeat(&self) -> Result<(), DatapathError> {
-        self.maps
-            .connect
-            .set_ctl(CTL_OWN_TGID, u64::from(std::process::id()))?;
-        self.maps.connect.set_ctl(CTL_HEARTBEAT_NS, boottime_ns())
+        let ctl = &self.maps.connect_ctl;
+        ctl.set(CTL_OWN_TGID, &u64::from(std::process::id()))?;
+        ctl.set(CTL_HEARTBEAT_NS, &boottime_ns())
     }
 
     /// How old the heartbeat the connect programs see is; `None` when it cannot be read.
     pub fn heartbeat_age(&self) -> Option<Duration> {
-        let beat = self.maps.connect.ctl(CTL_HEARTBEAT_NS)?;
+        let beat = self.maps.connect_ctl.get(CTL_HEARTBEAT_NS).ok()?;
         Some(Duration::from_nanos(boottime_ns().saturating_sub(beat)))
     }
 
@@ -47,38 +46,34 @@ impl Datapath {
         })
     }
 
-    /// Forget every connect-time listener but `keep`'s: those an earlier lb registered whose
-    /// balancer is gone or no longer connect-mode. Returns how many were forgotten.
-    pub fn retain_connect_listeners(&self, keep: &[std::net::SocketAddr]) -> usize {
-        let keys: Vec<_> = keep.iter().map(|a| maps::listener_key(*a)).collect();
-        self.maps.connect.listeners.retain(&keys)
-    }
-
     /// A descriptor of the locked pin directory, for a hand-over; `None` when not pinned.
     ///
     /// # Errors
     /// Out of descriptors.
     pub fn pins_lock_fd(&self) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
-        self.pins.as_ref().map(super::Pins::lock_fd).transpose()
+        self.pins
+            .as_ref()
+            .map(super::pins::Pins::lock_fd)
+            .transpose()
     }
 }
 
 /// Write lb's control of the connect programs (`LB_CONNECT_CTL`): the layout version, the
 /// orphan timeout, this process's id (never rewritten) and a first heartbeat, before any
 /// connect program is attached or while adopted ones run.
-pub(super) fn connect_ctl(
-    maps: &maps::Maps,
+pub(in crate::datapath) fn connect_ctl(
+    maps: &Maps,
     orphan: std::time::Duration,
 ) -> Result<(), DatapathError> {
-    use lb_common::{CONNECT_PIN_LAYOUT, CTL_LAYOUT, CTL_ORPHAN_NS, CTL_OWN_TGID};
-    let c = &maps.connect;
-    c.set_ctl(CTL_LAYOUT, CONNECT_PIN_LAYOUT)?;
-    c.set_ctl(
+    use lb_common::{CONNECT_PIN_LAYOUT, CTL_LAYOUT, CTL_ORPHAN_NS};
+    let c = &maps.connect_ctl;
+    c.set(CTL_LAYOUT, &CONNECT_PIN_LAYOUT)?;
+    c.set(
         CTL_ORPHAN_NS,
-        u64::try_from(orphan.as_nanos()).unwrap_or(u64::MAX),
+        &u64::try_from(orphan.as_nanos()).unwrap_or(u64::MAX),
     )?;
-    c.set_ctl(CTL_OWN_TGID, u64::from(std::process::id()))?;
-    c.set_ctl(lb_common::CTL_HEARTBEAT_NS, boottime_ns())
+    c.set(CTL_OWN_TGID, &u64::from(std::process::id()))?;
+    c.set(CTL_HEARTBEAT_NS, &boottime_ns())
 }
 
 /// `CLOCK_BOOTTIME` now, in nanoseconds (what the programs' `bpf_ktime_get_boot_ns` reads).

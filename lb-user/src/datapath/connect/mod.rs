@@ -1,55 +1,39 @@
-//! The connect-time maps behind one wrapper: the listeners of connect-mode balancers, their
-//! server tables (in slots, with each balancer's current generation), the sockets the connect
-//! programs rewrote and the established ones per server; and the conversions between a
-//! server's socket address and the kernel's `ConnectServer`.
+//! Connect-time's kernel half, the twin of `lb-ebpf/src/connect.rs`: its programs' links
+//! ([`attach`]), their pins ([`pins`]) and lb's heartbeat in them ([`heartbeat`]), the server
+//! tables in slots ([`slots`]), the fail-fast maps ([`failfast`]), the sockets' events
+//! ([`events`]) and lb's namespace cookie before 5.14 ([`netns_probe`]); here, the listeners,
+//! tables, counts and sockets of connect-mode balancers. What the daemon does with them
+//! (which table, when to kill) is in the top-level `connect` module.
 //!
-//! Minimum kernel: as the connect-time programs (5.15, with the splice's sockops program).
+//! Minimum kernel: 5.8 (the getpeername hooks; `sock_release` for the records, 5.9).
+
+pub(super) mod attach;
+pub(super) mod events;
+pub(super) mod failfast;
+pub(super) mod heartbeat;
+pub(super) mod netns_probe;
+pub(super) mod pins;
+pub(super) mod slots;
 
 use std::{
-    net::{IpAddr, SocketAddr},
-    sync::Mutex,
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Instant,
 };
 
-use aya::maps::{Array, HashMap, MapData, PerCpuArray};
-use lb_common::{
-    AF_INET, AF_INET6, BalancerStats, ConnectCountKey, ConnectOrig, ConnectServer, ConnectTable,
-    MAP_CONNECT_CTL, MAP_CONNECT_CURRENT, MAP_CONNECT_SCOPE, MAP_CONNECT_TABLES, table_index,
-};
+use lb_common::{ConnectTable, MAX_CONNECT_SERVERS, table_index};
 
+use self::slots::{Generations, slot_of};
 use super::{
-    DatapathError,
-    maps::{Listeners, listener_key, map_err},
-    tables::{Generations, slot_of},
+    Datapath, DatapathError,
+    keys::{connect_server, listener_key, sent_tuple, server_addr},
 };
 
-/// The connect-time maps: listeners of connect-mode balancers, their server tables (in slots,
-/// with the generation current per balancer), the sockets the connect programs rewrote (by
-/// cookie) and the established ones per server.
-pub(super) struct ConnectMaps {
-    pub(super) listeners: Listeners,
-    pub(super) tables: Mutex<Array<MapData, ConnectTable>>,
-    pub(super) current: Mutex<Array<MapData, u32>>,
-    /// Per balancer id, the generations lb wrote; its lock is held across a whole table write
-    /// (one writer at a time).
-    pub(super) generations: Mutex<std::collections::HashMap<u32, Generations>>,
-    /// The maps were created by this process (see [`Maps::build`]).
-    pub(super) fresh: bool,
-    pub(super) socks: Mutex<HashMap<MapData, u64, ConnectOrig>>,
-    pub(super) counts: Mutex<HashMap<MapData, ConnectCountKey, u64>>,
-    /// `LB_CONNECT_SCOPE`: the connect programs' namespace scope per balancer.
-    pub(super) scope: Mutex<Array<MapData, u64>>,
-    /// `LB_CONNECT_STATS`: the connect programs' counters per balancer, per CPU.
-    pub(super) stats: Mutex<PerCpuArray<MapData, BalancerStats>>,
-    /// `LB_CONNECT_CTL`: lb's tgid, heartbeat, orphan timeout and the layout version.
-    pub(super) ctl: Mutex<Array<MapData, u64>>,
-    /// `LB_CONNECT_NETNS_PROBE`: the port and the cookie of lb's network namespace probe.
-    pub(super) netns_probe: Mutex<Array<MapData, u64>>,
-    /// The fail-fast maps: SYN policies and suspect marks per server.
-    pub(super) failfast: super::failfast::FailFastMaps,
-}
-
-/// What [`ConnectMaps::set_table`] did.
+/// What [`Datapath::set_connect_table`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TableWrite {
     /// The current table already was this one: nothing written.
@@ -69,169 +53,99 @@ pub enum TableWrite {
     },
 }
 
-impl ConnectMaps {
-    /// Set slot `slot` of `LB_CONNECT_CTL` (see `lb_common::CTL_SLOTS`).
+/// The table generations lb wrote, per balancer id.
+pub(super) struct Tables {
+    /// Its lock is held across a whole table write (one writer at a time).
+    generations: Mutex<HashMap<u32, Generations>>,
+    /// The maps were written by an earlier lb (adopted from pins or handed over): a
+    /// balancer's generations go on from what the kernel holds, and every other slot may have
+    /// been current until now.
+    inherited: AtomicBool,
+}
+
+impl Tables {
+    /// No generation tracked yet; `inherited` when an earlier lb wrote the maps.
+    pub(super) fn new(inherited: bool) -> Tables {
+        Tables {
+            generations: Mutex::default(),
+            inherited: AtomicBool::new(inherited),
+        }
+    }
+}
+
+impl Datapath {
+    /// Why connect-time forwarding is unavailable (a program type, attach type or helper the
+    /// kernel lacks), `None` when its programs are attached.
+    pub fn connect_unavailable(&self) -> Option<&str> {
+        self.connect_missing.as_deref()
+    }
+
+    /// Tell the connect programs that `addr` is a listener of connect-mode balancer `id`. An
+    /// unspecified address matches loopback destinations of its port and family only.
     ///
     /// # Errors
     /// [`DatapathError::Map`].
-    pub(super) fn set_ctl(&self, slot: u32, value: u64) -> Result<(), DatapathError> {
-        self.ctl
-            .lock()
-            .expect("poisoned")
-            .set(slot, value, 0)
-            .map_err(map_err(MAP_CONNECT_CTL))
+    pub fn add_connect_listener(&self, addr: SocketAddr, id: u32) -> Result<(), DatapathError> {
+        self.maps.connect_listeners.insert(&listener_key(addr), &id)
     }
 
-    /// Slot `slot` of `LB_CONNECT_CTL`; `None` when it cannot be read.
-    pub(super) fn ctl(&self, slot: u32) -> Option<u64> {
-        self.ctl.lock().expect("poisoned").get(&slot, 0).ok()
+    /// Tell the connect programs that `addr` is not a connect-time listener (any more): its
+    /// connects reach it unrewritten. Absent is fine.
+    pub fn remove_connect_listener(&self, addr: SocketAddr) {
+        self.maps.connect_listeners.remove(&listener_key(addr));
     }
 
-    /// Set slot `slot` of `LB_CONNECT_NETNS_PROBE` (`lb_common::PROBE_PORT`, `PROBE_COOKIE`).
+    /// Forget every connect-time listener but `keep`'s: those an earlier lb registered whose
+    /// balancer is gone or no longer connect-mode. Returns how many were forgotten.
+    pub fn retain_connect_listeners(&self, keep: &[SocketAddr]) -> usize {
+        let keys: Vec<_> = keep.iter().map(|a| listener_key(*a)).collect();
+        self.maps
+            .connect_listeners
+            .remove_where(|k, _| !keys.contains(k))
+    }
+
+    /// Replace the servers balancer `id`'s connect programs choose from, best first (at most
+    /// [`MAX_CONNECT_SERVERS`] are kept), picked by `policy` (`lb_common::CONNECT_FIRST`,
+    /// `CONNECT_ROUND_ROBIN`, `CONNECT_RANDOM` or `CONNECT_LEAST`). An empty list stops
+    /// rewriting: connects then reach the listener. The table goes into the next of the
+    /// balancer's slots, then becomes current (see `lb_common::MAP_CONNECT_TABLES`); a program
+    /// reads either the old table or the new one, never a mix. Nothing is written when it is
+    /// the current table already. The generation found in the kernel is trusted over the one
+    /// lb tracks (a hand-over, another process): every other slot then counts as current until
+    /// now.
     ///
     /// # Errors
-    /// [`DatapathError::Map`].
-    pub(super) fn set_probe(&self, slot: u32, value: u64) -> Result<(), DatapathError> {
-        self.netns_probe
-            .lock()
-            .expect("poisoned")
-            .set(slot, value, 0)
-            .map_err(map_err(lb_common::MAP_CONNECT_NETNS_PROBE))
-    }
-
-    /// Slot `slot` of `LB_CONNECT_NETNS_PROBE`; `None` when it cannot be read.
-    pub(super) fn probe(&self, slot: u32) -> Option<u64> {
-        self.netns_probe
-            .lock()
-            .expect("poisoned")
-            .get(&slot, 0)
-            .ok()
-    }
-
-    /// Set balancer `id`'s scope for the connect programs.
-    ///
-    /// # Errors
-    /// [`DatapathError::Map`] (an id out of range).
-    pub(super) fn set_scope(&self, id: u32, netns: u64) -> Result<(), DatapathError> {
-        self.scope
-            .lock()
-            .expect("poisoned")
-            .set(id, netns, 0)
-            .map_err(map_err(MAP_CONNECT_SCOPE))
-    }
-
-    /// Balancer `id`'s connect-program counters, one per CPU; empty when out of range.
-    pub(super) fn stats(&self, id: u32) -> Vec<BalancerStats> {
-        self.stats
-            .lock()
-            .expect("poisoned")
-            .get(&id, 0)
-            .map(|values| values.iter().copied().collect())
-            .unwrap_or_default()
-    }
-
-    /// Descriptors of the maps only the connect programs use that [`super::maps::Maps::export`]
-    /// does not list itself, by name.
-    ///
-    /// # Errors
-    /// Out of descriptors.
-    pub(super) fn export_own(&self) -> std::io::Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
-        use std::os::fd::AsFd as _;
-
-        use aya::maps::IterableMap as _;
-        Ok(vec![
-            (
-                MAP_CONNECT_SCOPE,
-                self.scope
-                    .lock()
-                    .expect("poisoned")
-                    .map()
-                    .fd()
-                    .as_fd()
-                    .try_clone_to_owned()?,
-            ),
-            (
-                lb_common::MAP_CONNECT_STATS,
-                self.stats
-                    .lock()
-                    .expect("poisoned")
-                    .map()
-                    .fd()
-                    .as_fd()
-                    .try_clone_to_owned()?,
-            ),
-            (
-                MAP_CONNECT_CTL,
-                self.ctl
-                    .lock()
-                    .expect("poisoned")
-                    .map()
-                    .fd()
-                    .as_fd()
-                    .try_clone_to_owned()?,
-            ),
-            (
-                lb_common::MAP_CONNECT_NETNS_PROBE,
-                self.netns_probe
-                    .lock()
-                    .expect("poisoned")
-                    .map()
-                    .fd()
-                    .as_fd()
-                    .try_clone_to_owned()?,
-            ),
-        ])
-    }
-
-    /// Balancer `id`'s current generation and table, as the programs read them now.
-    ///
-    /// # Errors
-    /// [`DatapathError::Map`] (also for an id out of range).
-    pub(super) fn table(&self, id: u32) -> Result<(u32, ConnectTable), DatapathError> {
-        let generation = self
-            .current
-            .lock()
-            .expect("poisoned")
-            .get(&id, 0)
-            .map_err(map_err(MAP_CONNECT_CURRENT))?;
-        let table = self
-            .tables
-            .lock()
-            .expect("poisoned")
-            .get(&table_index(id, generation), 0)
-            .map_err(map_err(MAP_CONNECT_TABLES))?;
-        Ok((generation, table))
-    }
-
-    /// Make `table` balancer `id`'s current one: written into the next generation's slot, then
-    /// that generation stored as current (see `lb_common::MAP_CONNECT_TABLES`). Nothing is
-    /// written when it is the current table already. The generation found in the kernel is
-    /// trusted over the one lb tracks (a hand-over, another process): every other slot then
-    /// counts as current until now.
-    ///
-    /// # Errors
-    /// [`DatapathError::TableSlotBusy`] while the next slot has not been idle for
-    /// `SLOT_REUSE_AFTER_MS` (nothing written: try again after the wait it names);
-    /// [`DatapathError::Map`].
-    pub(super) fn set_table(
+    /// [`DatapathError::TableSlotBusy`] when the table changed more than
+    /// `lb_common::TABLE_SLOTS - 1` times within `lb_common::SLOT_REUSE_AFTER_MS`: nothing is
+    /// written, call again after the wait it names. [`DatapathError::Map`].
+    pub fn set_connect_table(
         &self,
         id: u32,
-        table: &ConnectTable,
+        policy: u32,
+        servers: &[SocketAddr],
     ) -> Result<TableWrite, DatapathError> {
-        let mut generations = self.generations.lock().expect("poisoned");
-        let (current, found) = self.table(id)?;
+        let mut table = ConnectTable {
+            policy,
+            ..ConnectTable::default()
+        };
+        for (slot, addr) in table.servers.iter_mut().zip(servers) {
+            *slot = connect_server(*addr);
+        }
+        table.count = u32::try_from(servers.len().min(MAX_CONNECT_SERVERS)).unwrap_or(0);
+        let mut generations = self.tables.generations.lock().expect("poisoned");
+        let (current, found) = self.current_table(id)?;
         let now = Instant::now();
         let g = generations.entry(id).or_insert_with(|| {
-            if self.fresh {
-                Generations::fresh(current)
-            } else {
+            if self.tables.inherited.load(Ordering::Relaxed) {
                 Generations::found(current, now)
+            } else {
+                Generations::fresh(current)
             }
         });
         if g.current() != current {
             *g = Generations::found(current, now);
         }
-        if found == *table {
+        if found == table {
             return Ok(TableWrite::Unchanged {
                 generation: current,
             });
@@ -241,16 +155,10 @@ impl ConnectMaps {
             return Err(DatapathError::TableSlotBusy { balancer: id, wait });
         }
         let (next, idle) = (g.next(), g.next_idle(now));
-        self.tables
-            .lock()
-            .expect("poisoned")
-            .set(table_index(id, next), table, 0)
-            .map_err(map_err(MAP_CONNECT_TABLES))?;
-        self.current
-            .lock()
-            .expect("poisoned")
-            .set(id, next, 0)
-            .map_err(map_err(MAP_CONNECT_CURRENT))?;
+        self.maps
+            .connect_tables
+            .set(table_index(id, next), &table)?;
+        self.maps.connect_current.set(id, &next)?;
         // Retired once the store returned: later than the programs could last see it current.
         g.advance(Instant::now());
         Ok(TableWrite::Written {
@@ -260,97 +168,72 @@ impl ConnectMaps {
         })
     }
 
-    /// Established connect-time sockets per server of balancer `id` (servers with none are
-    /// left out).
-    pub(super) fn counts(&self, id: u32) -> Vec<(ConnectServer, u64)> {
-        let counts = self.counts.lock().expect("poisoned");
-        counts
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, n)| k.balancer == id && i64::try_from(*n).is_ok_and(|v| v > 0))
-            .map(|(k, n)| (k.server, n))
-            .collect()
+    /// Balancer `id`'s current generation and table, as the programs read them now.
+    fn current_table(&self, id: u32) -> Result<(u32, ConnectTable), DatapathError> {
+        let generation = self.maps.connect_current.get(id)?;
+        let table = self.maps.connect_tables.get(table_index(id, generation))?;
+        Ok((generation, table))
     }
 
-    /// Delete balancer `id`'s count keys of servers not in `keep` whose count is 0 or below
-    /// (a decrement that found its key deleted). Returns how many were deleted.
+    /// Balancer `id`'s current table generation (`LB_CONNECT_CURRENT`) and the servers of that
+    /// table, as the connect programs read them now; `None` when the maps cannot be read.
+    pub fn connect_table(&self, id: u32) -> Option<(u32, Vec<SocketAddr>)> {
+        let (generation, table) = self.current_table(id).ok()?;
+        let count = usize::try_from(table.count)
+            .unwrap_or(0)
+            .min(MAX_CONNECT_SERVERS);
+        let servers = table.servers[..count]
+            .iter()
+            .filter_map(server_addr)
+            .collect();
+        Some((generation, servers))
+    }
+
+    /// Forget balancer `id`'s per-server counts of servers not in `servers` that count no
+    /// socket (0, or below: a decrement that found its key deleted), so servers that come and
+    /// go (discovery) do not fill the count map (4,096 keys for every balancer together).
+    /// Returns how many keys were deleted.
     ///
     /// A socket the programs sent to such a server before the table changed can still be
     /// counted once it establishes: its key comes back (the increment creates it), and goes
     /// at a later prune once the socket closed. An increment that looked its key up just
     /// before this delete is lost, and its socket's decrement leaves the recreated key at -1,
     /// which the programs read as 0 and the next prune deletes.
-    pub(super) fn prune_counts(&self, id: u32, keep: &[ConnectServer]) -> usize {
-        let mut counts = self.counts.lock().expect("poisoned");
-        let stale: Vec<ConnectCountKey> = counts
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, n)| {
-                k.balancer == id
-                    && !keep.contains(&k.server)
-                    && !i64::try_from(*n).is_ok_and(|v| v > 0)
-            })
-            .map(|(k, _)| k)
-            .collect();
-        stale.iter().filter(|k| counts.remove(k).is_ok()).count()
+    pub fn prune_connect_counts(&self, id: u32, servers: &[SocketAddr]) -> usize {
+        let keep: Vec<_> = servers.iter().map(|a| connect_server(*a)).collect();
+        self.maps.connect_counts.remove_where(|k, n| {
+            k.balancer == id && !keep.contains(&k.server) && !i64::try_from(*n).is_ok_and(|v| v > 0)
+        })
     }
 
-    /// The sockets the connect programs sent to `server` for balancer `id`: cookie and what
-    /// the programs recorded.
-    pub(super) fn sockets(&self, id: u32, server: &ConnectServer) -> Vec<(u64, ConnectOrig)> {
-        let socks = self.socks.lock().expect("poisoned");
-        socks
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, o)| o.count.balancer == id && o.count.server == *server)
+    /// Established connect-time sockets of balancer `id`, per server address (servers with
+    /// none are left out).
+    pub fn connect_counts(&self, id: u32) -> HashMap<SocketAddr, u64> {
+        let mut out = HashMap::new();
+        let counts = self
+            .maps
+            .connect_counts
+            .entries(|k, n| k.balancer == id && i64::try_from(*n).is_ok_and(|v| v > 0));
+        for (key, n) in counts {
+            if let Some(addr) = server_addr(&key.server) {
+                *out.entry(addr).or_insert(0) += n;
+            }
+        }
+        out
+    }
+
+    /// The connect-time sockets balancer `id`'s programs sent to `server`.
+    pub fn connect_sockets(&self, id: u32, server: SocketAddr) -> Vec<crate::kill::ConnectSocket> {
+        let want = connect_server(server);
+        self.maps
+            .connect_socks
+            .entries(|_, o| o.count.balancer == id && o.count.server == want)
+            .into_iter()
+            .map(|(cookie, o)| crate::kill::ConnectSocket {
+                cookie,
+                tgid: o.tgid,
+                sent: sent_tuple(&o, server),
+            })
             .collect()
     }
-}
-
-/// A server address as the connect tables hold it.
-pub(super) fn connect_server(addr: SocketAddr) -> ConnectServer {
-    let key = listener_key(addr);
-    ConnectServer {
-        ip_be: key.ip_be,
-        port: key.port,
-        family: key.family,
-    }
-}
-
-/// The socket address of a connect table entry.
-pub(super) fn server_addr(s: &ConnectServer) -> Option<SocketAddr> {
-    let ip: IpAddr = match s.family {
-        AF_INET => IpAddr::from(s.ip_be[0].to_ne_bytes()),
-        AF_INET6 => {
-            let mut b = [0u8; 16];
-            for (chunk, w) in b.chunks_exact_mut(4).zip(s.ip_be) {
-                chunk.copy_from_slice(&w.to_ne_bytes());
-            }
-            IpAddr::from(b)
-        }
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::try_from(s.port).ok()?))
-}
-
-/// A connect-time socket's (own address, peer) as the kernel holds them, from what sockops
-/// recorded at `TCP_CONNECT_CB`; `None` before then. An IPv6 socket sent to an IPv4 `server`
-/// has both addresses IPv4-mapped.
-pub(super) fn sent_tuple(o: &ConnectOrig, server: SocketAddr) -> Option<(SocketAddr, SocketAddr)> {
-    if o.local_port == 0 {
-        return None;
-    }
-    let local = server_addr(&ConnectServer {
-        ip_be: o.local_ip_be,
-        port: o.local_port,
-        family: o.family,
-    })?;
-    let peer = match (local, server) {
-        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
-            SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
-        }
-        (SocketAddr::V4(_), SocketAddr::V6(_)) => return None,
-        _ => server,
-    };
-    Some((local, peer))
 }

@@ -17,7 +17,7 @@ use std::{
 
 use lb_common::{PROBE_COOKIE, PROBE_PORT};
 
-use super::{DatapathError, connect_maps::ConnectMaps};
+use crate::datapath::{DatapathError, maps::Maps};
 
 /// How long the probe process may take (it makes one loopback connect).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -42,7 +42,7 @@ fn failed(what: impl std::fmt::Display) -> DatapathError {
 /// # Errors
 /// [`DatapathError::NetnsCookie`]: the port, the cgroup or the process could not be made, the
 /// process failed or took longer than 5 s, or the program recorded nothing.
-pub(super) fn learn(maps: &ConnectMaps, cgroup: &Path) -> Result<u64, DatapathError> {
+pub(in crate::datapath) fn learn(maps: &Maps, cgroup: &Path) -> Result<u64, DatapathError> {
     let reserved = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
         .and_then(|s| {
             s.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
@@ -57,12 +57,12 @@ pub(super) fn learn(maps: &ConnectMaps, cgroup: &Path) -> Result<u64, DatapathEr
         .ok_or_else(|| failed("no loopback port"))?;
     let dir = ProbeCgroup(cgroup.join(format!("lb-netns-probe-{}", std::process::id())));
     std::fs::create_dir(&dir.0).map_err(|e| failed(format!("{}: {e}", dir.0.display())))?;
-    maps.set_probe(PROBE_COOKIE, 0)?;
-    maps.set_probe(PROBE_PORT, u64::from(port))?;
+    maps.connect_netns_probe.set(PROBE_COOKIE, &0)?;
+    maps.connect_netns_probe.set(PROBE_PORT, &u64::from(port))?;
     let ran = run_probe(&dir.0, port);
-    maps.set_probe(PROBE_PORT, 0)?;
+    maps.connect_netns_probe.set(PROBE_PORT, &0)?;
     ran?;
-    match maps.probe(PROBE_COOKIE) {
+    match maps.connect_netns_probe.get(PROBE_COOKIE).ok() {
         Some(cookie) if cookie != 0 => Ok(cookie),
         _ => Err(failed("the probe's connect was not seen")),
     }

@@ -1,7 +1,7 @@
 //! Connect-time tables as generations in slots: which slot of `LB_CONNECT_TABLES` lb writes a
 //! balancer's next table into, and when it may (the rule that keeps a program from reading a
 //! table torn, see [`lb_common::MAP_CONNECT_TABLES`]). Pure arithmetic over times; the maps are
-//! written in [`super::maps`].
+//! written by `Datapath::set_connect_table` (`super`).
 
 use std::time::{Duration, Instant};
 
