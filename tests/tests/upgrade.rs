@@ -454,8 +454,17 @@ fn signals_while_starting(cg: &TestCgroup) -> Result<Early> {
             std::thread::sleep(Duration::from_millis(1));
         }
         kill(pid, Signal::SIGSTOP)?;
+        // Every thread stopped, not only the main one: a thread still running could install
+        // a handler after the mask below was read.
         lb_tests::wait_until(Duration::from_secs(10), || {
-            Ok(status().is_some_and(|st| st.contains("State:\tT")))
+            let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))?;
+            let mut all = true;
+            for t in tasks {
+                // A thread gone meanwhile (no status, or a zombie) runs no code either.
+                let st = std::fs::read_to_string(t?.path().join("status")).unwrap_or_default();
+                all &= st.is_empty() || st.contains("State:\tT") || st.contains("State:\tZ");
+            }
+            Ok(all)
         })?;
         if mask("SigCgt:").is_none_or(|m| m & BITS != 0) {
             kill(pid, Signal::SIGCONT)?;
