@@ -168,8 +168,9 @@ impl DiscoveryConfig {
                     ));
                 }
                 for ns in &d.nameservers {
-                    nameserver(ns)
-                        .map_err(|reason| ConfigError::invalid(k("nameservers"), ns, reason))?;
+                    nameserver(ns).map_err(|reason| {
+                        ConfigError::invalid(k("nameservers"), ns, reason.to_string())
+                    })?;
                 }
             }
             DiscoveryConfig::Etcd(e) => {
@@ -232,17 +233,28 @@ impl DiscoveryConfig {
     }
 }
 
+/// Why a DNS server's text is not one.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameserverError {
+    /// `IP:0`.
+    #[error("port 0")]
+    PortZero,
+    /// Neither an IP address nor `IP:port`.
+    #[error("not an IP address or IP:port (a DNS server is given by address)")]
+    NotAnAddress,
+}
+
 /// A DNS server given as `IP` (port 53) or `IP:port`.
 ///
 /// # Errors
-/// Why the text is neither.
-pub fn nameserver(text: &str) -> Result<SocketAddr, String> {
+/// [`NameserverError`]: why the text is neither.
+pub fn nameserver(text: &str) -> Result<SocketAddr, NameserverError> {
     if let Ok(ip) = text.parse::<std::net::IpAddr>() {
         return Ok(SocketAddr::new(ip, 53));
     }
     match text.parse::<SocketAddr>() {
         Ok(sa) if sa.port() != 0 => Ok(sa),
-        Ok(_) => Err("port 0".into()),
-        Err(_) => Err("not an IP address or IP:port (a DNS server is given by address)".into()),
+        Ok(_) => Err(NameserverError::PortZero),
+        Err(_) => Err(NameserverError::NotAnAddress),
     }
 }

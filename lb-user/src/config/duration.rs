@@ -29,11 +29,24 @@ impl fmt::Display for Dur {
     }
 }
 
+/// A text that is not a duration.
+#[derive(Debug, thiserror::Error)]
+#[error("`{text}` is not a duration like 250ms, 10s or 1m ({source})")]
+pub struct DurationError {
+    /// The text as given.
+    pub text: String,
+    /// What humantime found wrong.
+    #[source]
+    pub source: humantime::DurationError,
+}
+
 /// Parse `250ms`, `10s`, `1m30s`.
 ///
 /// # Errors
-/// A message naming the text when it is not a duration.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("`{s}` is not a duration like 250ms, 10s or 1m ({e})"))
+/// [`DurationError`] naming the text when it is not a duration.
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
+    humantime::parse_duration(s.trim()).map_err(|source| DurationError {
+        text: s.to_string(),
+        source,
+    })
 }

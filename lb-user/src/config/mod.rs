@@ -15,9 +15,10 @@ mod validate;
 pub use datapath::{DEFAULT_ORPHAN_TIMEOUT, DatapathConfig, DatapathMode, Forwarding, Namespaces};
 pub use discovery::{
     DEFAULT_DISCOVERY_INTERVAL, DEFAULT_DISCOVERY_TIMEOUT, DEFAULT_FILE_INTERVAL, DiscoveryConfig,
-    DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, nameserver,
+    DnsDiscovery, EtcdDiscovery, FileDiscovery, MIN_DISCOVERY_INTERVAL, NameserverError,
+    nameserver,
 };
-pub use duration::{Dur, parse_duration};
+pub use duration::{Dur, DurationError, parse_duration};
 pub use failfast::{FailFastConfig, SynTimeout};
 pub use health::{CheckKind, HealthConfig, KillScope, OnUnhealthy, StatusMatch};
 pub use metrics::{Compat, MetricsConfig, compat_name};

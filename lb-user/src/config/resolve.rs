@@ -84,8 +84,9 @@ impl DnsConfig {
             ));
         }
         for ns in &self.nameservers {
-            super::nameserver(ns)
-                .map_err(|reason| ConfigError::invalid("dns.nameservers", ns, reason))?;
+            super::nameserver(ns).map_err(|reason| {
+                ConfigError::invalid("dns.nameservers", ns, reason.to_string())
+            })?;
         }
         Ok(())
     }

@@ -39,7 +39,8 @@ fn resolver(q: &Query<'_>) -> Result<TokioResolver, DiscoveryError> {
     } else {
         let mut config = ResolverConfig::new();
         for ns in q.nameservers {
-            let addr: SocketAddr = crate::config::nameserver(ns).map_err(failed)?;
+            let addr: SocketAddr =
+                crate::config::nameserver(ns).map_err(|e| failed(e.to_string()))?;
             config.add_name_server(NameServerConfig::new(addr, Protocol::Udp));
             config.add_name_server(NameServerConfig::new(addr, Protocol::Tcp));
         }

@@ -166,7 +166,12 @@ fn flags_define_a_balancer_and_win() {
 #[test]
 fn durations() {
     assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-    assert!(parse_duration("ten").unwrap_err().contains("ten"));
+    assert!(
+        parse_duration("ten")
+            .unwrap_err()
+            .to_string()
+            .contains("`ten`")
+    );
 }
 
 #[test]
