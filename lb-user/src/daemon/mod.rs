@@ -126,7 +126,6 @@ impl Daemon {
     pub async fn run_until_signalled(self: &Arc<Self>) -> anyhow::Result<()> {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
-        drop_early_signals();
         let mut hup = signal(SignalKind::hangup())?;
         let mut usr2 = signal(SignalKind::user_defined2())?;
         loop {
@@ -200,19 +199,5 @@ impl Daemon {
                 info!(elapsed = ?start.elapsed(), "stopped; kernel programs detach as lb exits")
             }
         }
-    }
-}
-
-/// Drop a SIGHUP or SIGUSR2 sent while lb was starting: `lb run` ignores both until its
-/// handlers exist, but one that arrived while a thread had them blocked (glibc's
-/// `posix_spawn` blocks every signal around its clone) stays pending, and the handler about to
-/// be installed would then reload or upgrade a daemon nobody asked to. Setting `SIG_IGN`
-/// again discards pending ones (POSIX `sigaction`).
-fn drop_early_signals() {
-    use nix::sys::signal::{SigHandler, Signal, signal};
-    for sig in [Signal::SIGHUP, Signal::SIGUSR2] {
-        // SAFETY: `SIG_IGN` installs no handler, so no code runs in signal context.
-        #[expect(unsafe_code, reason = "signal(2) has no safe wrapper")]
-        let _ = unsafe { signal(sig, SigHandler::SigIgn) };
     }
 }
