@@ -422,7 +422,15 @@ fn signals_while_starting(cg: &TestCgroup) -> Result<Early> {
     use nix::sys::signal::{Signal, kill};
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let listen = format!("127.0.0.1:{}", free_port()?);
-    let mut child = Command::new(lb_bin())
+    let log = std::env::temp_dir().join(format!("lb-signals-{}-{admin}.log", std::process::id()));
+    // A pin directory of its own, removed after: the default one would keep the pins of an
+    // earlier run, attached to a cgroup gone since, and lb would refuse them.
+    let pins = lb_tests::unique_pin_dir();
+    let mut cmd = Command::new(lb_bin());
+    if let Some(dir) = &pins {
+        cmd.env("LB_PIN_DIR", dir);
+    }
+    let mut child = cmd
         .args(["run", "--listen", &listen, "--server", "198.18.0.2:9000"])
         .args([
             "--datapath",
@@ -432,9 +440,13 @@ fn signals_while_starting(cg: &TestCgroup) -> Result<Early> {
         ])
         .args(["--admin-listen", &admin.to_string()])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
         .spawn()?;
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    let ended = |status: std::process::ExitStatus| {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        anyhow::anyhow!("lb ended after the signals ({status}): {text}")
+    };
     let result = (|| -> Result<Early> {
         // SigIgn and SigCgt in /proc/<pid>/status: bit 0 is signal 1 (SIGHUP), bit 11 SIGUSR2.
         let status = || std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
@@ -475,16 +487,24 @@ fn signals_while_starting(cg: &TestCgroup) -> Result<Early> {
         kill(pid, Signal::SIGCONT)?;
         eprintln!("signals sent while lb ignored them, before its handlers existed");
         lb_tests::wait_until(Duration::from_secs(30), || {
-            ensure!(child.try_wait()?.is_none(), "lb ended after the signals");
+            if let Some(status) = child.try_wait()? {
+                return Err(ended(status));
+            }
             Ok(http_get(admin, "/livez").is_ok_and(|(code, _)| code == 200))
         })?;
         std::thread::sleep(Duration::from_millis(300));
-        ensure!(child.try_wait()?.is_none(), "lb ended after the signals");
+        if let Some(status) = child.try_wait()? {
+            return Err(ended(status));
+        }
         Ok(Early::Sent)
     })();
     let _ = kill(pid, Signal::SIGCONT);
     let _ = kill(pid, Signal::SIGTERM);
     let _ = child.wait();
+    let _ = std::fs::remove_file(&log);
+    if let Some(dir) = &pins {
+        lb_tests::remove_pins(dir);
+    }
     result
 }
 
