@@ -5,7 +5,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_boot_ns;
 use lb_common::{CTL_HEARTBEAT_NS, CTL_ORPHAN_NS, CTL_OWN_TGID, Unrewritten};
 
-use super::{LB_CONNECT_CTL, LB_CONNECT_STATS};
+use super::maps::{LB_CONNECT_CTL, LB_CONNECT_STATS};
 
 /// What lb's control map says of a `connect()` by process `tgid`.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use lb_common::{ConnectCountKey, ConnectServer, ConnectTable, MAX_CONNECT_SERVERS, SynPolicy};
 
-use super::{LB_CONNECT_SOCKS, LB_CONNECT_SUSPECT, LB_CONNECT_SYN};
+use super::maps::{LB_CONNECT_SOCKS, LB_CONNECT_SUSPECT, LB_CONNECT_SYN};
 
 /// `SOL_TCP` from `<netinet/tcp.h>`.
 const SOL_TCP: i32 = 6;
