@@ -46,7 +46,6 @@ type DirectKill = (ServerAddr, KillReason);
 
 /// The kill queue of each connect-time balancer, by balancer id, its sending side: a kill of
 /// one of the balancer's servers goes to the balancer's table task.
-#[derive(Default)]
 pub struct KillQueues(HashMap<u32, UnboundedSender<DirectKill>>);
 
 impl KillQueues {
@@ -60,7 +59,6 @@ impl KillQueues {
 }
 
 /// The receiving side of [`KillQueues`], until [`spawn_tables`] gives each to its task.
-#[derive(Default)]
 pub struct KillReceivers(HashMap<u32, UnboundedReceiver<DirectKill>>);
 
 /// A kill queue for each balancer id in `ids`.

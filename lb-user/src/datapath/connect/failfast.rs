@@ -52,7 +52,7 @@ impl Datapath {
     /// Balancer `id`'s servers the kernel marked suspect, with how long ago it marked each
     /// (`CLOCK_BOOTTIME`, as the programs' `bpf_ktime_get_boot_ns`).
     pub fn connect_suspects(&self, id: u32) -> Vec<(SocketAddr, Duration)> {
-        let now = boot_ns();
+        let now = super::heartbeat::boottime_ns();
         self.maps
             .connect_suspect
             .entries(|k, _| k.balancer == id)
@@ -70,14 +70,6 @@ impl Datapath {
     pub fn clear_suspect(&self, id: u32, server: SocketAddr) -> bool {
         self.maps.connect_suspect.remove(&key(id, server))
     }
-}
-
-/// `CLOCK_BOOTTIME` now, in nanoseconds.
-fn boot_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).map_or(0, |t| {
-        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
-            + u64::try_from(t.tv_nsec()).unwrap_or(0)
-    })
 }
 
 /// The kernel's tick rate (`CONFIG_HZ`, jiffies per second), measured once: `None` when it

@@ -15,15 +15,7 @@ pub(super) mod netns_probe;
 pub(super) mod pins;
 pub(super) mod slots;
 
-use std::{
-    collections::HashMap,
-    net::SocketAddr,
-    sync::{
-        Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Instant,
-};
+use std::{collections::HashMap, net::SocketAddr, sync::Mutex, time::Instant};
 
 use lb_common::{ConnectTable, MAX_CONNECT_SERVERS, table_index};
 
@@ -60,7 +52,7 @@ pub(super) struct Tables {
     /// The maps were written by an earlier lb (adopted from pins or handed over): a
     /// balancer's generations go on from what the kernel holds, and every other slot may have
     /// been current until now.
-    inherited: AtomicBool,
+    inherited: bool,
 }
 
 impl Tables {
@@ -68,7 +60,7 @@ impl Tables {
     pub(super) fn new(inherited: bool) -> Tables {
         Tables {
             generations: Mutex::default(),
-            inherited: AtomicBool::new(inherited),
+            inherited,
         }
     }
 }
@@ -136,7 +128,7 @@ impl Datapath {
         let (current, found) = self.current_table(id)?;
         let now = Instant::now();
         let g = generations.entry(id).or_insert_with(|| {
-            if self.tables.inherited.load(Ordering::Relaxed) {
+            if self.tables.inherited {
                 Generations::found(current, now)
             } else {
                 Generations::fresh(current)
