@@ -238,10 +238,13 @@ fn connect_time_tables_are_never_read_torn_while_rewritten() -> Result<()> {
             youngest = youngest.min(idle);
         }
         // From the log's own clock: the slot of generation g was last current until g - 7 was
-        // stored (logged just after), so g is logged at least the bound later (1 ms of slack
-        // for the log line's own delay).
+        // stored, and lb's one writer per balancer logged g - 8 before it stored g - 7; g is
+        // logged after it is stored, so at least the bound after g - 8's line however late
+        // any line was written (comparing with g - 7's line would not hold: a line delayed
+        // by a busy machine moves closer to the next one). 1 ms of slack for the wall clock
+        // the log uses against the monotonic one lb waits on.
         if let Some(earlier) = i
-            .checked_sub(SLOTS as usize - 1)
+            .checked_sub(SLOTS as usize)
             .and_then(|j| writes.get(j))
             .filter(|_| w.generation >= SLOTS)
         {
