@@ -48,9 +48,7 @@ pub const PROBE_PORT: u32 = 0;
 pub const PROBE_COOKIE: u32 = 1;
 /// Entries of [`MAP_CONNECT_NETNS_PROBE`].
 pub const PROBE_SLOTS: u32 = 2;
-/// Layout version of the pinned connect-time objects (programs, maps and their layouts): lb
-/// adopts pins only of its own. Bump it with any change to them.
-pub const CONNECT_PIN_LAYOUT: u64 = 2;
+include!(concat!(env!("OUT_DIR"), "/layout.rs"));
 /// The connect-time maps, pinned with their programs' links (the splice's maps are not).
 pub const CONNECT_MAPS: [&str; 13] = [
     MAP_CONNECT_CTL,

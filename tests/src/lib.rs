@@ -21,6 +21,7 @@ mod host;
 mod http;
 mod lb;
 mod maps;
+mod pinned;
 mod pins;
 mod procfs;
 mod skip;
@@ -49,6 +50,9 @@ pub use host::{ClientNs, Host, serving_hosts, toml_addrs};
 pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_server_state, wait_until};
 pub use maps::lb_map_entries;
+pub use pinned::{
+    CONNECT_PROGRAMS, all_connected, pinned_connect_lb, pinned_links, pinned_map, pinned_u64,
+};
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use procfs::{open_fds, raise_nofile, rss_anon_kib, rss_kib, threads};
 pub use skip::{

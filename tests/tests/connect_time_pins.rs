@@ -3,8 +3,8 @@
 //! directory of its own). After `kill -9` of lb the kernel goes on rewriting connects on the last
 //! table and a new `lb run` adopts the pins without attaching twice, counting and killing the
 //! sockets made meanwhile; after `orphan_timeout` without a heartbeat connects are no longer
-//! rewritten; `lb cleanup` leaves nothing; pins of another layout version are refused and left
-//! serving.
+//! rewritten; `lb cleanup` leaves nothing. Taking over pins of another build or configuration
+//! is `connect_time_takeover.rs`.
 
 use std::{
     os::unix::fs::{MetadataExt as _, PermissionsExt as _},
@@ -13,114 +13,17 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use lb_tests::{ConnectLb, Holder, Toml, run_client, skip, skip_unless_kernel, skip_unless_root};
+use lb_tests::{
+    ConnectLb, Holder, all_connected, pinned_connect_lb, run_client, skip, skip_unless_kernel,
+    skip_unless_root,
+};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
 
-/// lb in front of `s0`, `s1` (failover, tcp checks) with `orphan_timeout = orphan`, given root,
-/// a kernel with the getpeername hooks and `bpf_ktime_get_boot_ns` (5.8), and a bpffs of this
-/// test's own; prints the skip reason otherwise.
+/// lb in front of `s0`, `s1` with `orphan_timeout = orphan` (see [`pinned_connect_lb`]).
 fn setup(orphan: &str) -> Result<Option<ConnectLb>> {
-    setup_with(orphan, "")
-}
-
-/// [`setup`] with `health` lines added to `[balancer.health]`.
-fn setup_with(orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
-    if skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks") {
-        return Ok(None);
-    }
-    if let Err(e) = lb_tests::private_bpffs() {
-        skip(&format!("cannot mount a bpffs: {e:#}"));
-        return Ok(None);
-    }
-    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
-    let servers = lb_tests::toml_addrs(&hosts, 9000);
-    let datapath = Toml::new().string("orphan_timeout", orphan);
-    let s = ConnectLb::start(hosts, |listen| {
-        ConnectLb::config(&datapath, &[listen], &servers, "failover")
-            .string("dial_timeout", "1s")
-            .table("balancer.health")
-            .string("kind", "tcp")
-            .string("interval", "500ms")
-            .string("timeout", "300ms")
-            .value("rise", 1)
-            .value("fall", 2)
-            .string("on_unhealthy", "kill")
-            .lines(health)
-    })?;
-    ensure!(s.lb.pin_dir.is_some(), "lb got no pin directory");
-    Ok(Some(s))
-}
-
-fn pin_dir(s: &ConnectLb) -> Result<std::path::PathBuf> {
-    s.lb.pin_dir.clone().context("no pin directory")
-}
-
-/// How many times each connect-time program is attached to the test's cgroup (`bpftool
-/// cgroup show`, which names programs by their BTF names).
-fn attached(s: &ConnectLb) -> Result<Vec<(&'static str, usize)>> {
-    let shown = lb_tests::cgroup_programs(&s.cg.path)?;
-    Ok([
-        "lb_connect4",
-        "lb_connect6",
-        "lb_getpeername4",
-        "lb_getpeername6",
-        "lb_connect_sockops",
-        "lb_connect_release",
-    ]
-    .iter()
-    .map(|p| {
-        let n = shown
-            .lines()
-            .filter(|l| l.split_whitespace().any(|w| w == *p))
-            .count();
-        (*p, n)
-    })
-    .collect())
-}
-
-/// A connect loop in the cgroup: `times` dials, one every `every_ms`, in a thread.
-fn dial_loop(s: &ConnectLb, times: u32, every_ms: u64) -> std::thread::JoinHandle<Result<Value>> {
-    let place_cg = s.cg.path.clone();
-    let listen = s.listen;
-    std::thread::spawn(move || {
-        run_client(
-            &lb_tests::Place::cgroup(&place_cg),
-            listen,
-            &[
-                "dial",
-                "--times",
-                &times.to_string(),
-                "--every-ms",
-                &every_ms.to_string(),
-            ],
-            T,
-        )
-    })
-}
-
-/// Join a [`dial_loop`]: every dial connected and reached a server (none reached the listener,
-/// where nobody listens while lb is dead).
-fn all_connected(what: &str, h: std::thread::JoinHandle<Result<Value>>, times: u32) -> Result<()> {
-    let v = h
-        .join()
-        .map_err(|_| anyhow::anyhow!("{what}: thread panicked"))??;
-    println!("{what}: {v}");
-    ensure!(v["ok"] == true, "{what}: connects failed: {v}");
-    let reached: u64 = v["servers"]
-        .as_object()
-        .map_or(0, |m| m.values().filter_map(Value::as_u64).sum());
-    ensure!(
-        reached == u64::from(times),
-        "{what}: {reached} of {times} reached a server: {v}"
-    );
-    Ok(())
-}
-
-/// Kill lb with SIGKILL and wait for it to be gone.
-fn kill9(s: &mut ConnectLb) -> Result<()> {
-    s.lb.kill9(Duration::from_secs(10))
+    pinned_connect_lb(orphan, "")
 }
 
 /// `kill -9` under a connect loop and held connections: no connect fails and no connection is
@@ -139,8 +42,8 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
         ensure!(ev["server"] == "s0", "{ev}");
         held.push(h);
     }
-    let during = dial_loop(&s, 60, 30);
-    kill9(&mut s)?;
+    let during = s.dial_loop(60, 30);
+    s.kill9()?;
     all_connected("connect loop while lb is dead", during, 60)?;
     // Sockets made while lb is dead: rewritten by the pinned programs, recorded in pinned maps.
     for _ in 0..2 {
@@ -149,7 +52,7 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
         ensure!(ev["server"] == "s0", "{ev}");
         held.push(h);
     }
-    let across = dial_loop(&s, 120, 30);
+    let across = s.dial_loop(120, 30);
     let new = s.start_again()?;
     let old = std::mem::replace(&mut s.lb, new);
     drop(old);
@@ -161,7 +64,7 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
     );
     let st = s.lb.status()?;
     ensure!(st["pins"]["adopted"] == true, "/status pins: {st}");
-    for (p, n) in attached(&s)? {
+    for (p, n) in s.connect_programs_attached()? {
         ensure!(n == 1, "{p} attached {n} times after the adoption");
     }
     for h in &held {
@@ -204,7 +107,7 @@ fn connect_time_pins_stop_rewriting_after_the_orphan_timeout() -> Result<()> {
     };
     let age = s.lb.metric("lb_connect_heartbeat_age_seconds", "");
     ensure!(age < 3.0, "heartbeat age {age} s while lb runs");
-    kill9(&mut s)?;
+    s.kill9()?;
     let killed = Instant::now();
     let v = run_client(&s.place(), s.listen, &["peer"], T)?;
     ensure!(v["ok"] == true, "rewritten right after lb died: {v}");
@@ -247,7 +150,7 @@ fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
     let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
-    let dir = pin_dir(&s)?;
+    let dir = s.pins()?;
     check_modes(&dir)?;
     let cleanup = || {
         std::process::Command::new(lb_tests::lb_bin())
@@ -265,14 +168,14 @@ fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
     let code = s.lb.terminate(Duration::from_secs(10))?;
     ensure!(code == 0, "lb exited with {code}");
     ensure!(
-        attached(&s)?.iter().all(|(_, n)| *n == 1),
+        s.connect_programs_attached()?.iter().all(|(_, n)| *n == 1),
         "{:?}",
-        attached(&s)?
+        s.connect_programs_attached()?
     );
     let new = s.start_again()?;
     drop(std::mem::replace(&mut s.lb, new));
     s.lb.wait_settled(Duration::from_secs(10))?;
-    for (p, n) in attached(&s)? {
+    for (p, n) in s.connect_programs_attached()? {
         ensure!(n == 1, "{p} attached {n} times after a second lb run");
     }
     let code = s.lb.terminate(Duration::from_secs(10))?;
@@ -280,7 +183,7 @@ fn connect_time_pins_cleanup_leaves_nothing() -> Result<()> {
     let out = cleanup()?;
     ensure!(out.status.success(), "lb cleanup: {out:?}");
     println!("{}", String::from_utf8_lossy(&out.stdout).trim());
-    for (p, n) in attached(&s)? {
+    for (p, n) in s.connect_programs_attached()? {
         ensure!(n == 0, "{p} still attached after lb cleanup");
     }
     ensure!(!dir.exists(), "{} left after lb cleanup", dir.display());
@@ -318,43 +221,6 @@ fn check_modes(dir: &Path) -> Result<()> {
         pins == want,
         "{pins} pins in {}, want {want}",
         dir.display()
-    );
-    Ok(())
-}
-
-/// Pins of another layout version are refused with both versions and the way on named, and
-/// the pinned programs keep rewriting.
-#[test]
-fn connect_time_pins_of_another_layout_are_refused_and_keep_serving() -> Result<()> {
-    let Some(mut s) = setup("10m")? else {
-        return Ok(());
-    };
-    let dir = pin_dir(&s)?;
-    kill9(&mut s)?;
-    // Slot 3 of LB_CONNECT_CTL is the layout version (u32 key, u64 value).
-    let ctl = dir.join("LB_CONNECT_CTL").display().to_string();
-    lb_tests::sh(
-        "bpftool",
-        &[
-            "map", "update", "pinned", &ctl, "key", "3", "0", "0", "0", "value", "99", "0", "0",
-            "0", "0", "0", "0", "0",
-        ],
-    )?;
-    let err = match s.start_again() {
-        Ok(lb) => bail!("lb adopted pins of layout 99: {}", lb.log_text()),
-        Err(e) => format!("{e:#}"),
-    };
-    println!("refused: {}", err.lines().last().unwrap_or_default());
-    ensure!(
-        err.contains("layout version 99")
-            && err.contains(&format!("are version {}", lb_common::CONNECT_PIN_LAYOUT))
-            && err.contains("lb cleanup --pin-dir"),
-        "unclear refusal: {err}"
-    );
-    let v = run_client(&s.place(), s.listen, &["peer"], T)?;
-    ensure!(
-        v["ok"] == true,
-        "the pinned programs should keep rewriting: {v}"
     );
     Ok(())
 }
@@ -425,11 +291,11 @@ fn connect_time_pins_go_with_an_upgrade() -> Result<()> {
 /// fail the server).
 #[test]
 fn connect_time_pins_ignore_passive_events_from_before_the_start() -> Result<()> {
-    let Some(mut s) = setup_with("10m", "passive_reset_limit = 1")? else {
+    let Some(mut s) = pinned_connect_lb("10m", "passive_reset_limit = 1")? else {
         return Ok(());
     };
     let s0 = s.hosts[0].addr(9000).to_string();
-    kill9(&mut s)?;
+    s.kill9()?;
     s.hosts[0].stop_servers();
     let v = run_client(&s.place(), s.listen, &["dial", "--times", "3"], T)?;
     ensure!(v["errnos"]["111"] == 3, "expected 3 refused connects: {v}");
@@ -457,7 +323,7 @@ fn connect_time_pins_of_another_cgroup_are_refused_and_keep_serving() -> Result<
     let Some(mut s) = setup("10m")? else {
         return Ok(());
     };
-    kill9(&mut s)?;
+    s.kill9()?;
     let other = lb_tests::TestCgroup::new()?;
     let err = match s.start_again_in(&other.path) {
         Ok(lb) => bail!("lb adopted pins of another cgroup: {}", lb.log_text()),

@@ -27,9 +27,13 @@ pub struct StatusBody {
 pub struct PinsStatus {
     /// The pin directory (in a bpffs).
     pub dir: std::path::PathBuf,
-    /// Whether this lb adopted programs and maps an earlier lb left there (false: it pinned its
-    /// own).
+    /// Whether this lb adopted the maps an earlier lb left there as they were (false: it
+    /// pinned its own, or rebuilt them).
     pub adopted: bool,
+    /// Why this lb rebuilt the maps an earlier lb left there (another layout or definition);
+    /// absent when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuilt: Option<String>,
     /// How old lb's heartbeat is as the connect programs see it (seconds).
     pub heartbeat_age_seconds: Option<f64>,
 }

@@ -105,6 +105,7 @@ pub fn status(daemon: &Handle) -> StatusBody {
         pins: daemon.connect_pins().map(|(p, age)| api::PinsStatus {
             dir: p.dir,
             adopted: p.adopted,
+            rebuilt: p.rebuilt,
             heartbeat_age_seconds: age.map(|a| a.as_secs_f64()),
         }),
         datapath: daemon.datapath_mode().to_string(),

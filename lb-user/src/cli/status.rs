@@ -29,10 +29,10 @@ pub fn render(s: &StatusBody) -> String {
         out.push_str(&format!(
             "\nconnect-time pins: {} ({}), heartbeat {}",
             p.dir.display(),
-            if p.adopted {
-                "adopted"
-            } else {
-                "pinned by this lb"
+            match (&p.rebuilt, p.adopted) {
+                (Some(why), _) => format!("rebuilt: {why}"),
+                (None, true) => "adopted".to_string(),
+                (None, false) => "pinned by this lb".to_string(),
             },
             p.heartbeat_age_seconds
                 .map_or_else(|| "unknown".to_string(), |a| format!("{a:.1} s ago")),

@@ -6,6 +6,7 @@ mod adopt;
 mod handle;
 pub mod ids;
 mod listeners;
+mod pins;
 pub mod reload;
 mod start;
 pub mod upgrade;

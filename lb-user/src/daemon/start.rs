@@ -200,6 +200,14 @@ impl Daemon {
             daemon.spawn_connect_tables(dp, &balancers, &mut kills, &go);
             daemon.start_kernel_readers(dp, &go, taking_over)?;
         }
+        if !taking_over {
+            daemon.spawn_takeover(&go);
+            let connect_running = daemon
+                .forwarding
+                .values()
+                .any(|(f, _)| *f == Forwarding::Connect);
+            super::pins::remove_unwanted(&daemon.config.load(), connect_running);
+        }
         daemon.spawn_first_checks(&go, taking_over);
         daemon.spawn_discovery(&balancers);
         daemon.spawn_heartbeat(&go);

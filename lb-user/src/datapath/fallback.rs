@@ -64,6 +64,7 @@ impl DatapathError {
             | DatapathError::Missing(_)
             | DatapathError::Program { .. }
             | DatapathError::Link { .. }
+            | DatapathError::Swap { .. }
             | DatapathError::Map { .. } => FallbackReason::LoadFailed,
             DatapathError::NotHostPid
             | DatapathError::NotRequested

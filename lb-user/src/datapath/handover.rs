@@ -19,7 +19,7 @@
 
 use std::{
     collections::HashMap,
-    os::fd::{AsFd, AsRawFd, FromRawFd as _, OwnedFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     path::PathBuf,
     sync::Arc,
 };
@@ -50,34 +50,9 @@ impl HeldLink {
             // aya gives an FdLink's descriptor to nobody: open the link again by its id.
             HeldLink::Loaded(link) => {
                 let id = link.info().map_err(std::io::Error::other)?.id();
-                link_fd_by_id(id)
+                super::syscall::link_fd_by_id(id)
             }
         }
-    }
-}
-
-/// `BPF_LINK_GET_FD_BY_ID`: a new descriptor of link `id` (needs `CAP_SYS_ADMIN`).
-fn link_fd_by_id(id: u32) -> std::io::Result<OwnedFd> {
-    const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
-    // `union bpf_attr` for the *_GET_FD_BY_ID commands: the id, next_id, open_flags; the
-    // kernel wants whatever it is not given to be zero.
-    let attr: [u32; 4] = [id, 0, 0, 0];
-    // SAFETY: the bpf syscall reads `size_of_val(&attr)` bytes from a live, initialised array
-    // and returns a new descriptor (or -1), which nothing else owns.
-    #[expect(unsafe_code, reason = "aya 0.14 does not expose BPF_LINK_GET_FD_BY_ID")]
-    unsafe {
-        let fd = libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_GET_FD_BY_ID,
-            attr.as_ptr(),
-            std::mem::size_of_val(&attr),
-        );
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(OwnedFd::from_raw_fd(
-            i32::try_from(fd).map_err(std::io::Error::other)?,
-        ))
     }
 }
 
@@ -169,6 +144,7 @@ impl Datapath {
             own_netns,
             pins,
             inherited: true,
+            takeover: None,
         };
         Ok(Datapath::assemble(cfg, parts))
     }

@@ -22,7 +22,8 @@ use super::{
     handover, kernel_log, maps, probe,
 };
 
-/// Load the object with the globals lb sets from the kernel and its config.
+/// Load the object with the globals lb sets from the kernel and its config, on the maps
+/// pinned in `pins` when they are adopted (new ones, pinned aside, when they are rebuilt).
 fn load_object(
     cfg: &crate::config::DatapathConfig,
     offsets: Option<super::btf::SockOffsets>,
@@ -54,6 +55,15 @@ fn load_object(
         .override_global(GLOBAL_OFF_SK_ERR, &sk_err, true)
         .load(EBPF_OBJ)
         .map_err(DatapathError::Load)
+        .and_then(|ebpf| {
+            // Pinned maps to rebuild: this object's new ones are pinned aside until the swap.
+            if let Some(p) = pins
+                && matches!(p.found(), super::Found::Rebuild(_))
+            {
+                p.stage_maps(&ebpf)?;
+            }
+            Ok(ebpf)
+        })
 }
 
 /// Load and attach the splice: sk_msg on the client sockhash, sockops on the cgroup (its link
@@ -185,8 +195,16 @@ impl Datapath {
             }
         }
         // Only when a balancer asked: once attached, every connect() in the cgroup runs them.
+        let mut takeover = None;
         let mut connect_missing = if want_connect {
-            attach::connect_or_why(&mut ebpf, &cgroup_file, &cgroup, pins.as_ref(), &mut links)?
+            attach::connect_or_why(
+                &mut ebpf,
+                &cgroup_file,
+                &cgroup,
+                pins.as_ref(),
+                &mut links,
+                &mut takeover,
+            )?
         } else {
             Some(DatapathError::NotRequested.to_string())
         };
@@ -214,6 +232,7 @@ impl Datapath {
             own_netns,
             pins,
             inherited,
+            takeover,
         };
         Ok(Datapath::assemble(cfg, parts))
     }

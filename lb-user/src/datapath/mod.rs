@@ -4,7 +4,8 @@
 //! (every map, declared once), [`keys`] (map keys from socket addresses), [`credit`] (the
 //! bound on bytes queued toward a server), [`refresh`] (its request ring), [`btf`] (kernel
 //! struct offsets), [`kernel_log`] (the programs' aya-log events in lb's log, target
-//! `lb::kernel`), [`rings`] (the ring reader threads), [`load`] (loading and attaching, each
+//! `lb::kernel`), [`rings`] (the ring reader threads), [`syscall`] (the `bpf(2)` commands aya
+//! keeps private), [`load`] (loading and attaching, each
 //! forwarding mode on its own), [`handover`] (to and from another lb) and [`connect`]
 //! (connect-time's kernel half: its links, pins, heartbeat, tables, fail fast and events).
 //!
@@ -27,6 +28,7 @@ mod maps;
 mod probe;
 mod refresh;
 mod rings;
+mod syscall;
 
 use std::{
     collections::HashMap,
@@ -50,6 +52,8 @@ pub use self::{
         heartbeat::{PinsStatus, boottime_ns},
         netns_probe::netns_probe_child,
         pins::{Cleaned, PinError, Pins, bpffs_mount, cleanup, resolve_dir},
+        survey::Found,
+        swap::TookOver,
     },
     credit::Pair,
     keys::sock_key,
@@ -174,6 +178,16 @@ pub enum DatapathError {
     /// The connect-time pin directory.
     #[error(transparent)]
     Pins(#[from] PinError),
+    /// A pinned link could not be opened or swapped to this build's program
+    /// (`BPF_LINK_UPDATE`); it keeps running the program it had.
+    #[error("cannot swap the pinned link of program {program} to this lb's program")]
+    Swap {
+        /// Program name.
+        program: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A map operation failed.
     #[error("map {map}")]
     Map {
@@ -224,6 +238,9 @@ pub struct Datapath {
     own_netns: u64,
     /// The connect-time pin directory this lb holds, when its programs are pinned.
     pins: Option<Pins>,
+    /// The pinned links to swap to this build's programs once its state is in the new maps
+    /// of a rebuild (see [`connect::swap`]); `None` when none waits.
+    takeover: Mutex<Option<Vec<connect::swap::Swap>>>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -250,6 +267,8 @@ struct Parts {
     pins: Option<Pins>,
     /// An earlier lb wrote the connect-time maps (adopted pins, a hand-over).
     inherited: bool,
+    /// Pinned links waiting for a rebuild's maps to be written (see [`connect::swap`]).
+    takeover: Option<Vec<connect::swap::Swap>>,
 }
 
 impl Datapath {
@@ -273,6 +292,7 @@ impl Datapath {
             splice: parts.splice,
             own_netns: parts.own_netns,
             pins: parts.pins,
+            takeover: Mutex::new(parts.takeover),
         }
     }
 }

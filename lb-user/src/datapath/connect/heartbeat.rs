@@ -16,8 +16,11 @@ use crate::datapath::{Datapath, DatapathError, maps::Maps};
 pub struct PinsStatus {
     /// The directory.
     pub dir: PathBuf,
-    /// Whether this lb adopted programs and maps an earlier lb left there.
+    /// Whether this lb adopted the maps an earlier lb left there as they were.
     pub adopted: bool,
+    /// Why this lb rebuilt the maps an earlier lb left there (another layout or definition);
+    /// `None` when it adopted them or found none.
+    pub rebuilt: Option<String>,
 }
 
 impl Datapath {
@@ -43,6 +46,10 @@ impl Datapath {
         self.pins.as_ref().map(|p| PinsStatus {
             dir: p.dir().to_path_buf(),
             adopted: p.adopted(),
+            rebuilt: match p.found() {
+                super::survey::Found::Rebuild(why) => Some(why.clone()),
+                _ => None,
+            },
         })
     }
 

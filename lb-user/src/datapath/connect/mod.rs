@@ -14,6 +14,8 @@ pub(super) mod heartbeat;
 pub(super) mod netns_probe;
 pub(super) mod pins;
 pub(super) mod slots;
+pub(super) mod survey;
+pub(super) mod swap;
 
 use std::{collections::HashMap, net::SocketAddr, sync::Mutex, time::Instant};
 

@@ -2,9 +2,13 @@
 //! keep rewriting after lb exits, however it exits (`kill -9` included), until lb's heartbeat is
 //! older than `datapath.orphan_timeout`. One lb per directory, held with an exclusive `flock` on
 //! the directory itself (a bpffs holds no regular files); the directories are mode 0700, the pins
-//! 0600, owned by lb's user. A new lb adopts what it finds (no second attach, and the programs
-//! never stop), once the layout version in `LB_CONNECT_CTL` is its own; `lb cleanup` detaches and
-//! removes everything. The splice's objects are never pinned: they die with lb.
+//! 0600, owned by lb's user. A new lb takes over whatever build left them (see [`survey`] and
+//! [`swap`]): its own programs run in the pinned links from its start, the pinned maps are
+//! adopted when they are of its layout and rebuilt otherwise; `lb cleanup` detaches and removes
+//! everything. The splice's objects are never pinned: they die with lb.
+//!
+//! [`survey`]: super::survey
+//! [`swap`]: super::swap
 //!
 //! Minimum kernel: 5.7 (pinned cgroup links), 4.4 for a bpffs.
 
@@ -16,15 +20,18 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::{
-    maps::{Array, MapData},
-    programs::links::{FdLink, PinnedLink},
-};
-use lb_common::{CONNECT_MAPS, CONNECT_PIN_LAYOUT, CONNECT_PROGS, CTL_LAYOUT, MAP_CONNECT_CTL};
+use aya::programs::links::{FdLink, PinnedLink};
+use lb_common::{CONNECT_MAPS, CONNECT_PROGS};
 use nix::fcntl::{Flock, FlockArg};
+
+use super::survey::{Found, survey};
+use crate::datapath::syscall;
 
 /// Mount point lb prefers when several bpffs are mounted.
 const SYS_FS_BPF: &str = "/sys/fs/bpf";
+/// The subdirectory a rebuild pins its new maps in until it swaps them in (a crash in between
+/// leaves it, and the next lb removes it before it surveys).
+const STAGED: &str = "staged";
 
 /// Errors of the pin directory.
 #[derive(Debug, thiserror::Error)]
@@ -53,19 +60,6 @@ pub enum PinError {
     Locked {
         /// The directory.
         dir: PathBuf,
-    },
-    /// The pins were left by a lb whose kernel objects differ from this one's.
-    #[error(
-        "pin directory {dir} holds connect-time objects of layout version {found}, this lb's are version {want}: they stay attached and keep serving; to replace them run `lb cleanup --pin-dir {dir}` (connects are then not rewritten until lb starts), then start lb again",
-        dir = dir.display()
-    )]
-    Layout {
-        /// The directory.
-        dir: PathBuf,
-        /// The pinned objects' version.
-        found: u64,
-        /// This lb's ([`CONNECT_PIN_LAYOUT`]).
-        want: u64,
     },
     /// The pinned programs are attached to another cgroup than this lb's.
     #[error(
@@ -142,15 +136,16 @@ fn on_bpffs(path: &Path) -> bool {
 pub struct Pins {
     dir: PathBuf,
     lock: ManuallyDrop<Flock<File>>,
-    adopted: bool,
+    found: Found,
 }
 
 impl Pins {
-    /// Make (mode 0700) and lock `dir`, and check the layout of what is pinned there.
+    /// Make (mode 0700) and lock `dir`, remove what a rebuild that never finished staged
+    /// there, and survey what is pinned ([`Found`]).
     ///
     /// # Errors
-    /// [`PinError::NotBpffs`], [`PinError::Dir`], [`PinError::Locked`], [`PinError::Layout`], or
-    /// [`PinError::Pin`] for a control map that cannot be read.
+    /// [`PinError::NotBpffs`], [`PinError::Dir`] or [`PinError::Locked`]; [`PinError::Pin`] for
+    /// a staged pin that cannot be removed.
     pub fn open(dir: &Path) -> Result<Pins, PinError> {
         let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(dir);
         if !on_bpffs(existing) {
@@ -169,20 +164,12 @@ impl Pins {
             .map_err(err)?;
         std::fs::set_permissions(dir, Permissions::from_mode(0o700)).map_err(err)?;
         let lock = lock(dir)?;
-        let found = pinned_layout(dir)?;
-        if let Some(found) = found
-            && found != CONNECT_PIN_LAYOUT
-        {
-            return Err(PinError::Layout {
-                dir: dir.to_path_buf(),
-                found,
-                want: CONNECT_PIN_LAYOUT,
-            });
-        }
+        remove_tree(&dir.join(STAGED))?;
+        let found = survey(dir);
         Ok(Pins {
             dir: dir.to_path_buf(),
             lock: ManuallyDrop::new(lock),
-            adopted: found.is_some(),
+            found,
         })
     }
 
@@ -191,17 +178,100 @@ impl Pins {
         &self.dir
     }
 
-    /// Whether an earlier lb left objects here that this one adopted.
-    pub fn adopted(&self) -> bool {
-        self.adopted
+    /// What this lb found pinned when it opened the directory.
+    pub fn found(&self) -> &Found {
+        &self.found
     }
 
-    /// Where each connect-time map is pinned (aya opens a pin that exists, else creates and pins).
+    /// Whether an earlier lb left maps here that this one adopted as they are.
+    pub fn adopted(&self) -> bool {
+        self.found == Found::Adopt
+    }
+
+    /// Where each connect-time map is pinned, for the loader (aya opens a pin that exists,
+    /// else creates and pins); none when the pinned maps are to be rebuilt (the loader then
+    /// makes new ones, which [`Pins::stage_maps`] pins aside).
     pub fn map_paths(&self) -> Vec<(&'static str, PathBuf)> {
+        if matches!(self.found, Found::Rebuild(_)) {
+            return Vec::new();
+        }
         CONNECT_MAPS
             .iter()
             .map(|name| (*name, self.dir.join(name)))
             .collect()
+    }
+
+    /// Where program `name`'s link is pinned.
+    pub(in crate::datapath) fn link_path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Pin each connect-time map of `ebpf` (just loaded, its maps new) in the staging
+    /// subdirectory (mode 0700, pins 0600), where [`Pins::commit_staged`] takes them from.
+    ///
+    /// # Errors
+    /// [`PinError::Dir`]; [`PinError::Pin`] for a map missing from `ebpf` or not pinned.
+    pub(in crate::datapath) fn stage_maps(&self, ebpf: &aya::Ebpf) -> Result<(), PinError> {
+        let staged = self.dir.join(STAGED);
+        DirBuilder::new()
+            .mode(0o700)
+            .create(&staged)
+            .map_err(|source| PinError::Dir {
+                dir: staged.clone(),
+                source,
+            })?;
+        for name in CONNECT_MAPS {
+            let path = staged.join(name);
+            let map = ebpf
+                .map(name)
+                .ok_or_else(|| PinError::pin(&path, "no such map in this build's object"))?;
+            map.pin(&path).map_err(|e| PinError::pin(&path, e))?;
+            restrict(&path)?;
+        }
+        Ok(())
+    }
+
+    /// Move every staged map pin over the one of its name (a rename in the bpffs: the old
+    /// map's pin goes in the same step), then remove the staging directory; how many moved.
+    ///
+    /// # Errors
+    /// [`PinError::Pin`] naming the pin that could not be moved (those before it moved).
+    pub(in crate::datapath) fn commit_staged(&self) -> Result<usize, PinError> {
+        let staged = self.dir.join(STAGED);
+        let mut moved = 0;
+        for name in CONNECT_MAPS {
+            let from = staged.join(name);
+            if from.exists() {
+                std::fs::rename(&from, self.dir.join(name)).map_err(|e| PinError::pin(&from, e))?;
+                moved += 1;
+            }
+        }
+        remove_tree(&staged)?;
+        Ok(moved)
+    }
+
+    /// Remove the pins this build does not know: a link of a program it does not have
+    /// (unpinned, it detaches) or a map it does not use; how many went.
+    ///
+    /// # Errors
+    /// [`PinError::Dir`] or [`PinError::Pin`].
+    pub(in crate::datapath) fn remove_defunct(&self) -> Result<usize, PinError> {
+        let err = |source| PinError::Dir {
+            dir: self.dir.clone(),
+            source,
+        };
+        let mut removed = 0;
+        for entry in std::fs::read_dir(&self.dir).map_err(err)? {
+            let path = entry.map_err(err)?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let known = CONNECT_MAPS.contains(&name) || CONNECT_PROGS.contains(&name);
+            if known || path.is_dir() {
+                continue;
+            }
+            std::fs::remove_file(&path).map_err(|e| PinError::pin(&path, e))?;
+            removed += 1;
+        }
+        Ok(removed)
     }
 
     /// The link of program `name` pinned here, if any, once it is attached to `cgroup` (a
@@ -282,7 +352,7 @@ impl Pins {
         Ok(Pins {
             dir,
             lock: ManuallyDrop::new(lock),
-            adopted: true,
+            found: Found::Adopt,
         })
     }
 }
@@ -308,57 +378,15 @@ fn lock(dir: &Path) -> Result<Flock<File>, PinError> {
 }
 
 /// The id of the cgroup the link pinned at `path` is attached to (`bpf_link_info.cgroup`; on
-/// cgroup v2 a cgroup's id is its directory's inode number). aya 0.14 exposes neither
-/// `BPF_OBJ_GET` of a link's descriptor nor that field.
+/// cgroup v2 a cgroup's id is its directory's inode number).
 fn link_cgroup_id(path: &Path) -> io::Result<u64> {
-    use std::os::{
-        fd::{FromRawFd as _, OwnedFd},
-        unix::ffi::OsStrExt as _,
-    };
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    const BPF_LINK_TYPE_CGROUP: u64 = 3;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    // `union bpf_attr` for BPF_OBJ_GET: the path's address, then bpf_fd, file_flags (zero).
-    let get: [u64; 2] = [c_path.as_ptr() as u64, 0];
-    // SAFETY: the kernel reads 16 bytes of a live array and the NUL-terminated path it points
-    // to, which outlives the call; it returns a new descriptor (or -1) nobody else owns.
-    #[expect(unsafe_code, reason = "aya 0.14 does not expose BPF_OBJ_GET")]
-    let fd = unsafe {
-        let fd = libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, get.as_ptr(), size_of_val(&get));
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        OwnedFd::from_raw_fd(i32::try_from(fd).map_err(io::Error::other)?)
-    };
-    // `struct bpf_link_info`: type, id, prog_id (u32 each), then at byte 16 the union, whose
-    // cgroup member starts with the cgroup id (u64).
-    let mut info = [0u64; 16];
-    let info_len = u32::try_from(size_of_val(&info)).map_err(io::Error::other)?;
-    let raw_fd = u64::try_from(std::os::fd::AsRawFd::as_raw_fd(&fd)).map_err(io::Error::other)?;
-    // `union bpf_attr` for BPF_OBJ_GET_INFO_BY_FD: bpf_fd and info_len (u32 each), info's address.
-    let attr: [u64; 2] = [
-        raw_fd | (u64::from(info_len) << 32),
-        info.as_mut_ptr() as u64,
-    ];
-    // SAFETY: the kernel reads 16 bytes of a live array and writes at most `info_len` bytes into
-    // `info`, which lives across the call.
-    #[expect(unsafe_code, reason = "aya 0.14 does not expose a link's cgroup id")]
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if info[0] & 0xffff_ffff != BPF_LINK_TYPE_CGROUP {
+    use std::os::fd::AsFd as _;
+    let fd = syscall::obj_get(path)?;
+    let info = syscall::link_info(fd.as_fd())?;
+    if info.kind != syscall::BPF_LINK_TYPE_CGROUP {
         return Err(io::Error::other("not a cgroup link"));
     }
-    Ok(info[2])
+    Ok(info.cgroup_id)
 }
 
 /// Mode 0600 for one pin.
@@ -367,18 +395,20 @@ fn restrict(path: &Path) -> Result<(), PinError> {
         .map_err(|e| PinError::pin(path, e))
 }
 
-/// The layout version in the pinned `LB_CONNECT_CTL`, `None` when nothing is pinned there.
-fn pinned_layout(dir: &Path) -> Result<Option<u64>, PinError> {
-    let path = dir.join(MAP_CONNECT_CTL);
-    if !path.exists() {
-        return Ok(None);
+/// Remove `dir` and every pin in it (unpinned links detach); nothing there is fine.
+fn remove_tree(dir: &Path) -> Result<(), PinError> {
+    if !dir.exists() {
+        return Ok(());
     }
-    let data = MapData::from_pin(&path).map_err(|e| PinError::pin(&path, e))?;
-    let map = aya::maps::Map::from_map_data(data).map_err(|e| PinError::pin(&path, e))?;
-    let ctl: Array<MapData, u64> = Array::try_from(map).map_err(|e| PinError::pin(&path, e))?;
-    ctl.get(&CTL_LAYOUT, 0)
-        .map(Some)
-        .map_err(|e| PinError::pin(&path, e))
+    let err = |source| PinError::Dir {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    for entry in std::fs::read_dir(dir).map_err(err)? {
+        let path = entry.map_err(err)?.path();
+        std::fs::remove_file(&path).map_err(|e| PinError::pin(&path, e))?;
+    }
+    std::fs::remove_dir(dir).map_err(err)
 }
 
 /// What [`cleanup`] removed.
@@ -427,27 +457,6 @@ pub fn cleanup(dir: &Path) -> Result<Cleaned, PinError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A layout refusal names both versions, that the pins keep serving and the way on.
-    #[test]
-    fn layout_refusal_names_both_versions_and_the_way_on() {
-        let e = PinError::Layout {
-            dir: "/sys/fs/bpf/lb/default".into(),
-            found: 7,
-            want: CONNECT_PIN_LAYOUT,
-        }
-        .to_string();
-        assert!(e.contains("layout version 7"), "{e}");
-        assert!(
-            e.contains(&format!("are version {CONNECT_PIN_LAYOUT}")),
-            "{e}"
-        );
-        assert!(e.contains("keep serving"), "{e}");
-        assert!(
-            e.contains("lb cleanup --pin-dir /sys/fs/bpf/lb/default"),
-            "{e}"
-        );
-    }
 
     /// A configured directory wins; without one the default is under the bpffs found, if any.
     #[test]

@@ -1,0 +1,243 @@
+//! The next lb takes over the connect-time pins whatever build or configuration left them:
+//! pins of another layout, or with a map of another definition, are rebuilt and the pinned
+//! links run the new lb's programs with no connect unserved; a restart that turns connect-time
+//! off detaches the pinned programs and removes the pins.
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    ConnectLb, Holder, all_connected, pinned_connect_lb, pinned_links, pinned_map, pinned_u64,
+    wait_until,
+};
+
+/// Each pinned link by name: its id and its program's (see [`pinned_links`]).
+type Links = BTreeMap<String, (u64, u64)>;
+
+/// The ids of the programs lb's process holds (`prog_id` of its descriptors in
+/// `/proc/<pid>/fdinfo`).
+fn programs_held(s: &ConnectLb) -> Result<Vec<u64>> {
+    let dir = format!("/proc/{}/fdinfo", s.lb.pid());
+    Ok(std::fs::read_dir(&dir)?
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+        .filter_map(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("prog_id:")?.trim().parse().ok())
+        })
+        .collect())
+}
+
+/// Restart lb on its pins and wait for the log line of a finished rebuild; the old links and
+/// the new.
+fn restart_and_rebuild(s: &mut ConnectLb) -> Result<(Links, Links)> {
+    let dir = s.pins()?;
+    let before = pinned_links(&dir)?;
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    wait_until(Duration::from_secs(20), || {
+        Ok(s.lb.log_text().contains("rebuild finished"))
+    })
+    .with_context(|| s.lb.log_text())?;
+    let after = pinned_links(&dir)?;
+    Ok((before, after))
+}
+
+/// Each pinned link is the same link as before, now running a program this lb loaded.
+fn links_run_this_lb(s: &ConnectLb, before: &Links, after: &Links) -> Result<()> {
+    ensure!(
+        before.len() == 6 && before.keys().eq(after.keys()),
+        "pinned links {before:?} then {after:?}"
+    );
+    let held = programs_held(s)?;
+    for (name, (link, prog)) in after {
+        let (old_link, old_prog) = before[name];
+        ensure!(
+            *link == old_link,
+            "{name}: link {old_link} replaced by {link}"
+        );
+        ensure!(*prog != old_prog, "{name}: still runs program {old_prog}");
+        ensure!(
+            held.contains(prog),
+            "{name} runs program {prog}, which this lb did not load ({held:?})"
+        );
+    }
+    for (p, n) in s.connect_programs_attached()? {
+        ensure!(n == 1, "{p} attached {n} times after the takeover");
+    }
+    Ok(())
+}
+
+/// Pins of another layout (the control map names layout 99, as a build whose maps hold
+/// something else leaves it) with `orphan_timeout = "3s"`: the new lb starts on them, a connect
+/// loop across the restart is served throughout, the pinned links run the new lb's programs on
+/// new maps, and a connection made 4 s after the old lb died is counted by the new lb (the old
+/// programs would have stopped rewriting by then, and their maps are not the new lb's).
+#[test]
+fn connect_time_pins_of_another_layout_are_rebuilt_and_taken_over() -> Result<()> {
+    let Some(mut s) = pinned_connect_lb("3s", "")? else {
+        return Ok(());
+    };
+    let dir = s.pins()?;
+    let tables_before = pinned_map(&dir, "LB_CONNECT_TABLES")?["id"].clone();
+    s.kill9()?;
+    let died = Instant::now();
+    // Slot 3 of LB_CONNECT_CTL is the layout (u32 key, u64 value).
+    let ctl = dir.join("LB_CONNECT_CTL").display().to_string();
+    lb_tests::sh(
+        "bpftool",
+        &[
+            "map", "update", "pinned", &ctl, "key", "3", "0", "0", "0", "value", "99", "0", "0",
+            "0", "0", "0", "0", "0",
+        ],
+    )?;
+    let across = s.dial_loop(60, 30);
+    let (before, after) = restart_and_rebuild(&mut s)?;
+    all_connected("connect loop across the rebuild", across, 60)?;
+    links_run_this_lb(&s, &before, &after)?;
+    let log = s.lb.log_text();
+    for line in log.lines().filter(|l| l.contains("connect-time: ")) {
+        println!("{line}");
+    }
+    ensure!(
+        log.contains("layout 0x63 pinned"),
+        "the rebuild should name the layout: {log}"
+    );
+    ensure!(
+        pinned_map(&dir, "LB_CONNECT_TABLES")?["id"] != tables_before,
+        "LB_CONNECT_TABLES was not rebuilt"
+    );
+    let layout = pinned_u64(&dir, "LB_CONNECT_CTL", 3)?;
+    ensure!(
+        layout == lb_common::CONNECT_PIN_LAYOUT,
+        "pinned layout {layout:#x}, this build's {:#x}",
+        lb_common::CONNECT_PIN_LAYOUT
+    );
+    let st = s.lb.status()?;
+    ensure!(
+        st["pins"]["adopted"] == false && st["pins"]["rebuilt"].is_string(),
+        "/status pins: {st}"
+    );
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(died.elapsed()));
+    let s0 = s.hosts[0].addr(9000).to_string();
+    let h = Holder::start(&s.place(), s.listen, 0, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    wait_until(Duration::from_secs(10), || Ok(s.status_of(&s0)?.1 >= 1))
+        .with_context(|| format!("s0 not counted: {:?}", s.status_of(&s0)))?;
+    Ok(())
+}
+
+/// A pinned map with a larger value than this build's (`LB_CONNECT_SUSPECT` replaced by one
+/// with 8 more bytes per value) is never read into lb's smaller buffer: lb rebuilds it, naming
+/// the map and both sizes, and pins one of its own definition.
+#[test]
+fn connect_time_pins_with_a_larger_value_are_rebuilt() -> Result<()> {
+    let Some(mut s) = pinned_connect_lb("10m", "")? else {
+        return Ok(());
+    };
+    let dir = s.pins()?;
+    let own = pinned_map(&dir, "LB_CONNECT_SUSPECT")?;
+    let field = |v: &serde_json::Value, k: &str| v[k].as_u64().with_context(|| format!("{k}: {v}"));
+    let (key, value, entries) = (
+        field(&own, "bytes_key")?,
+        field(&own, "bytes_value")?,
+        field(&own, "max_entries")?,
+    );
+    s.kill9()?;
+    let path = dir.join("LB_CONNECT_SUSPECT");
+    std::fs::remove_file(&path)?;
+    let (key, larger, entries) = (
+        key.to_string(),
+        (value + 8).to_string(),
+        entries.to_string(),
+    );
+    lb_tests::sh(
+        "bpftool",
+        &[
+            "map",
+            "create",
+            &path.display().to_string(),
+            "type",
+            "hash",
+            "key",
+            &key,
+            "value",
+            &larger,
+            "entries",
+            &entries,
+            "name",
+            "LB_CONNECT_SUSPE",
+        ],
+    )?;
+    let (before, after) = restart_and_rebuild(&mut s)?;
+    links_run_this_lb(&s, &before, &after)?;
+    let log = s.lb.log_text();
+    let named = format!(
+        "LB_CONNECT_SUSPECT: value size {} pinned, {value} in this build",
+        value + 8
+    );
+    ensure!(log.contains(&named), "want {named:?} in {log}");
+    let pinned = field(&pinned_map(&dir, "LB_CONNECT_SUSPECT")?, "bytes_value")?;
+    ensure!(
+        pinned == value,
+        "LB_CONNECT_SUSPECT pinned with {pinned}-byte values"
+    );
+    let v = lb_tests::run_client(&s.place(), s.listen, &["dial"], Duration::from_secs(30))?;
+    ensure!(v["ok"] == true, "{v}");
+    Ok(())
+}
+
+/// A restart with `--forwarding splice` over pins (the usual rollback): once lb's listener
+/// serves, no connect-time program is left on the cgroup and the pins are gone; a server then
+/// removed through the admin API gets no connect (nothing rewrites on the old table).
+#[test]
+fn connect_time_pins_go_when_a_restart_turns_connect_time_off() -> Result<()> {
+    let Some(mut s) = pinned_connect_lb("10m", "")? else {
+        return Ok(());
+    };
+    let dir = s.pins()?;
+    s.kill9()?;
+    let args = [
+        "--config",
+        &s.config_path()?.display().to_string(),
+        "--cgroup",
+        &s.cg.path.display().to_string(),
+        "--forwarding",
+        "splice",
+    ];
+    let new = lb_tests::Lb::start_pinned(&dir, &args)?;
+    drop(std::mem::replace(&mut s.lb, new));
+    s.lb.wait_settled(Duration::from_secs(10))?;
+    wait_until(Duration::from_secs(10), || {
+        Ok(s.lb.log_text().contains("connect-time is off"))
+    })
+    .with_context(|| s.lb.log_text())?;
+    for (p, n) in s.connect_programs_attached()? {
+        ensure!(n == 0, "{p} still attached after a restart with splice");
+    }
+    ensure!(
+        !dir.exists(),
+        "{} left after a restart with splice",
+        dir.display()
+    );
+    let s0 = s.hosts[0].addr(9000).to_string();
+    let body = serde_json::json!({ "servers": [s.hosts[1].addr(9000).to_string()] }).to_string();
+    let (code, answer) =
+        lb_tests::http_request(s.lb.admin, "PUT", "/balancers/api/servers", Some(&body))?;
+    ensure!(code == 200, "PUT servers: {code} {answer}");
+    let v = lb_tests::run_client(
+        &s.place(),
+        s.listen,
+        &["dial", "--times", "20"],
+        Duration::from_secs(60),
+    )?;
+    ensure!(v["ok"] == true, "{v}");
+    ensure!(
+        v["servers"].get("s0").is_none() && v["servers"]["s1"] == 20,
+        "after removing {s0}: {v}"
+    );
+    Ok(())
+}
