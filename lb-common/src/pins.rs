@@ -23,7 +23,8 @@ pub const MAP_CONNECT_SCOPE: &str = "LB_CONNECT_SCOPE";
 /// Per-CPU array of the connect programs' [`BalancerStats`](crate::BalancerStats) by balancer; lb adds [`MAP_STATS`](crate::MAP_STATS).
 pub const MAP_CONNECT_STATS: &str = "LB_CONNECT_STATS";
 /// Array of [`CTL_SLOTS`] `u64`s, lb's control of the connect programs (`CTL_*` slots). Its
-/// shape never changes, so any lb can read the layout of pins another build left.
+/// value size and the slot of [`CTL_LAYOUT`] never change, so any lb can read the layout of
+/// pins another build left.
 pub const MAP_CONNECT_CTL: &str = "LB_CONNECT_CTL";
 /// [`MAP_CONNECT_CTL`] slot: lb's tgid, whose sockets are never rewritten (each lb writes its own).
 pub const CTL_OWN_TGID: u32 = 0;
@@ -34,8 +35,25 @@ pub const CTL_HEARTBEAT_NS: u32 = 1;
 pub const CTL_ORPHAN_NS: u32 = 2;
 /// [`MAP_CONNECT_CTL`] slot: the [`CONNECT_PIN_LAYOUT`] of the programs and maps in use.
 pub const CTL_LAYOUT: u32 = 3;
+/// [`MAP_CONNECT_CTL`] slots `CTL_BALANCER_NAMES + id` for each balancer id below
+/// [`MAX_BALANCERS`](crate::MAX_BALANCERS): the hash of the name of the balancer lb gave that id
+/// ([`balancer_name_hash`]), 0 for none; the next lb that adopts the pins gives each balancer
+/// the id it had. Read by lb only.
+pub const CTL_BALANCER_NAMES: u32 = 4;
 /// Entries of [`MAP_CONNECT_CTL`].
-pub const CTL_SLOTS: u32 = 4;
+pub const CTL_SLOTS: u32 = CTL_BALANCER_NAMES + crate::MAX_BALANCERS;
+
+/// The hash of a balancer's name in [`CTL_BALANCER_NAMES`]: 64-bit FNV-1a of its UTF-8 bytes
+/// (offset basis 0xcbf29ce484222325, prime 0x100000001b3, from
+/// <http://www.isthe.com/chongo/tech/comp/fnv/>), 1 where that is 0 (0 marks a free id).
+pub fn balancer_name_hash(name: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in name.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash.max(1)
+}
 /// Array of [`PROBE_SLOTS`] `u64`s through which lb learns its network namespace's cookie on a
 /// kernel without `SO_NETNS_COOKIE` (before 5.14): lb writes a loopback port to
 /// [`PROBE_PORT`], a process of lb's namespace in the cgroup connects to `127.0.0.1` at that

@@ -241,3 +241,96 @@ fn connect_time_pins_go_when_a_restart_turns_connect_time_off() -> Result<()> {
     );
     Ok(())
 }
+
+/// Two connect-time balancers (`api` over s0, `other` over s1) listed in the other order across
+/// `kill -9` and a restart on the pins: each keeps its id, so a dial loop on each listener,
+/// across the restart, reaches only its own server, and a kill of s0 through `api` resets a
+/// connection made before the restart.
+#[test]
+fn connect_time_balancers_keep_their_ids_across_a_reordering_restart() -> Result<()> {
+    if lb_tests::skip_unless_root()
+        || lb_tests::skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
+    {
+        return Ok(());
+    }
+    if let Err(e) = lb_tests::private_bpffs() {
+        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let (s0, s1) = (hosts[0].addr(9000), hosts[1].addr(9000));
+    let other: std::net::SocketAddr = format!("127.0.0.1:{}", lb_tests::free_port()?).parse()?;
+    let health = |t: lb_tests::Toml| {
+        t.table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", "500ms")
+            .string("timeout", "300ms")
+            .value("rise", 1)
+            .value("fall", 2)
+            .string("on_unhealthy", "kill")
+    };
+    let api = |t: lb_tests::Toml, listen: std::net::SocketAddr| {
+        health(
+            t.array_table("balancer")
+                .string("name", "api")
+                .value("listen", format!("[\"{listen}\"]"))
+                .value("servers", format!("[\"{s0}\"]")),
+        )
+    };
+    let second = |t: lb_tests::Toml| {
+        health(
+            t.array_table("balancer")
+                .string("name", "other")
+                .value("listen", format!("[\"{other}\"]"))
+                .value("servers", format!("[\"{s1}\"]")),
+        )
+    };
+    let head = || {
+        lb_tests::Toml::new()
+            .table("datapath")
+            .string("mode", "bpf")
+            .string("forwarding", "connect")
+    };
+    let mut s = ConnectLb::start(hosts, |listen| second(api(head(), listen)))?;
+    let holder = Holder::start(&s.place(), s.listen, 0, 120_000)?;
+    let ev = holder.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    s.kill9()?;
+    s.write_config(&api(second(head()), s.listen))?;
+    let dial = |listen: std::net::SocketAddr| {
+        let cg = s.cg.path.clone();
+        std::thread::spawn(move || {
+            lb_tests::run_client(
+                &lb_tests::Place::cgroup(&cg),
+                listen,
+                &["dial", "--times", "80", "--every-ms", "25"],
+                Duration::from_secs(60),
+            )
+        })
+    };
+    let (on_api, on_other) = (dial(s.listen), dial(other));
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    let api_v = all_connected("api across the restart", on_api, 80)?;
+    let other_v = all_connected("other across the restart", on_other, 80)?;
+    ensure!(
+        api_v["servers"]["s0"] == 80 && other_v["servers"]["s1"] == 80,
+        "a listener reached the other balancer's server: api {api_v}, other {other_v}"
+    );
+    let log = s.lb.log_text();
+    ensure!(
+        log.contains("balancer ids kept from the pinned connect-time maps"),
+        "{log}"
+    );
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["servers", "--balancer", "api", "kill", &s0.to_string()])
+        .args(["--admin", &s.lb.admin.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    let closed = holder.wait_for("closed", Duration::from_secs(10))?;
+    ensure!(
+        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+        "{closed}"
+    );
+    Ok(())
+}

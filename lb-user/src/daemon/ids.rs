@@ -4,7 +4,9 @@
 //! an upgrade whose config lists the balancers in another order finds each balancer's tables
 //! and sockets where the kernel keeps them. The id of a balancer an upgrade drops is retired
 //! until lb restarts (its sockets may still be in the kernel's records, its splice counters
-//! are still in the maps), so no later balancer inherits them.
+//! are still in the maps), so no later balancer inherits them. A restart that adopts
+//! connect-time pins keeps each balancer's id by name too ([`from_pins`]), from the names the
+//! earlier lb left in the pinned control map.
 
 use std::collections::{HashMap, HashSet};
 
@@ -96,6 +98,36 @@ pub fn carried_over(
     Ok(Assigned { ids, retired })
 }
 
+/// Ids of a fresh lb's balancers (`names`, in config order) that adopts connect-time pins whose
+/// control map names the ids an earlier lb gave (`pinned`: name hash and id, see
+/// `lb_common::CTL_BALANCER_NAMES`): a balancer whose name was there keeps its id; an id whose
+/// balancer the config no longer has stays retired while `has_sockets` says the kernel still
+/// counts sockets of it, and is free otherwise; new balancers get the lowest free ids.
+///
+/// # Errors
+/// [`IdError::Exhausted`].
+pub fn from_pins(
+    names: &[&str],
+    pinned: &[(u64, u32)],
+    has_sockets: impl Fn(u32) -> bool,
+) -> Result<Assigned, IdError> {
+    let mut old = Vec::new();
+    let mut retired = Vec::new();
+    for (hash, id) in pinned.iter().filter(|(_, id)| *id < MAX_BALANCERS) {
+        match names
+            .iter()
+            .find(|n| lb_common::balancer_name_hash(n) == *hash)
+        {
+            Some(name) if !old.iter().any(|(n, _): &(String, u32)| n == name) => {
+                old.push(((*name).to_string(), *id));
+            }
+            _ if has_sockets(*id) => retired.push(*id),
+            _ => {}
+        }
+    }
+    carried_over(names, &old, &retired)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +160,22 @@ mod tests {
         let next = carried_over(&["a", "c", "d"], &old(&[("a", 0), ("c", 2)]), &a.retired).unwrap();
         assert_eq!(next.ids["d"], 3);
         assert_eq!(next.retired, [1]);
+    }
+
+    #[test]
+    fn pinned_ids_are_kept_by_name_and_a_dropped_one_retired_while_it_has_sockets() {
+        let h = lb_common::balancer_name_hash;
+        let pinned = [(h("a"), 0), (h("b"), 1), (h("gone"), 2), (h("idle"), 3)];
+        // The config swaps a and b, drops `gone` (sockets left) and `idle` (none), adds `c`.
+        let a = from_pins(&["b", "a", "c"], &pinned, |id| id == 2).unwrap();
+        assert_eq!((a.ids["a"], a.ids["b"]), (0, 1));
+        assert_eq!(a.ids["c"], 3, "the idle id is free again");
+        assert_eq!(a.retired, [2]);
+        // Nothing pinned: config positions, as a fresh start.
+        assert_eq!(
+            from_pins(&["x", "y"], &[], |_| false).unwrap(),
+            fresh(&["x", "y"])
+        );
     }
 
     #[test]

@@ -94,6 +94,15 @@ impl Daemon {
         }
         // Listeners an earlier lb left in pinned maps that this config no longer has.
         let stale = dp.retain_connect_listeners(&connect_listeners);
+        // For the next lb that adopts the pins: which balancer holds each id.
+        let ids: Vec<(String, u32)> = self
+            .balancers
+            .load()
+            .iter()
+            .map(|b| (b.name.clone(), b.id))
+            .collect();
+        dp.write_balancer_ids(&ids, &self.retired_ids)
+            .context("recording the balancer ids in the connect-time control map")?;
         if stale > 0 {
             tracing::info!(stale, "connect-time listeners of an earlier lb forgotten");
         }

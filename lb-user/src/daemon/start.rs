@@ -18,7 +18,7 @@ use std::{
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use super::{Daemon, Takeover, ids, listeners, now_ms};
 use crate::{
@@ -64,6 +64,26 @@ impl Origin {
                     adopted: None,
                     ids: ids::fresh(&names),
                 }
+            }
+        }
+    }
+
+    /// A fresh start whose data path adopted connect-time pins: the ids the earlier lb gave,
+    /// by balancer name (see [`ids::from_pins`]), instead of config positions, so the pinned
+    /// listeners, tables, counts and socket records stay with their balancers.
+    fn keep_pinned_ids(&mut self, cfg: &Config, dp: &Datapath) {
+        let pinned = dp.pinned_balancer_ids();
+        if pinned.is_empty() {
+            return;
+        }
+        let names: Vec<&str> = cfg.balancers.iter().map(|b| b.name.as_str()).collect();
+        match ids::from_pins(&names, &pinned, |id| !dp.connect_counts(id).is_empty()) {
+            Ok(assigned) => {
+                info!(ids = ?assigned.ids, retired = ?assigned.retired, "balancer ids kept from the pinned connect-time maps");
+                self.ids = assigned;
+            }
+            Err(e) => {
+                warn!(error = %e, "balancer ids numbered afresh: the pinned maps' entries are rewritten as each balancer registers");
             }
         }
     }
@@ -229,6 +249,9 @@ impl Daemon {
             Some(None) => (None, DatapathMode::Userspace, None),
             None => attach_datapath(&cfg)?,
         };
+        if !taking_over && let Some(dp) = &datapath {
+            origin.keep_pinned_ids(&cfg, dp);
+        }
         let metrics = Arc::new(Metrics::with_compat(cfg.metrics.compat));
         let datapath_fallback = record_datapath(&metrics, datapath_mode, datapath_fallback);
         let tasks = TaskTracker::new();

@@ -6,7 +6,9 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use lb_common::{CTL_HEARTBEAT_NS, CTL_OWN_TGID};
+use lb_common::{
+    CTL_BALANCER_NAMES, CTL_HEARTBEAT_NS, CTL_OWN_TGID, MAX_BALANCERS, balancer_name_hash,
+};
 use serde::Serialize;
 
 use crate::datapath::{Datapath, DatapathError, maps::Maps};
@@ -62,6 +64,44 @@ impl Datapath {
             .as_ref()
             .map(super::pins::Pins::lock_fd)
             .transpose()
+    }
+}
+
+impl Datapath {
+    /// The balancer ids an earlier lb left in the control map of pins this lb adopted, as
+    /// `(name hash, id)` (see `lb_common::CTL_BALANCER_NAMES`); empty when the maps are this
+    /// lb's own (new, rebuilt or handed over by `lb upgrade`, which carries ids itself).
+    pub fn pinned_balancer_ids(&self) -> Vec<(u64, u32)> {
+        if !self.pins.as_ref().is_some_and(super::pins::Pins::adopted) {
+            return Vec::new();
+        }
+        (0..MAX_BALANCERS)
+            .filter_map(|id| {
+                let hash = self.maps.connect_ctl.get(CTL_BALANCER_NAMES + id).ok()?;
+                (hash != 0).then_some((hash, id))
+            })
+            .collect()
+    }
+
+    /// Record in the control map which balancer holds each id: `ids` (name → id) by their
+    /// names' hashes; the slots of `retired` ids keep what they hold (their sockets may still
+    /// be in the records), every other slot is cleared.
+    ///
+    /// # Errors
+    /// [`DatapathError::Map`].
+    pub fn write_balancer_ids(
+        &self,
+        ids: &[(String, u32)],
+        retired: &[u32],
+    ) -> Result<(), DatapathError> {
+        for id in (0..MAX_BALANCERS).filter(|id| !retired.contains(id)) {
+            let hash = ids
+                .iter()
+                .find(|(_, i)| *i == id)
+                .map_or(0, |(name, _)| balancer_name_hash(name));
+            self.maps.connect_ctl.set(CTL_BALANCER_NAMES + id, &hash)?;
+        }
+        Ok(())
     }
 }
 
