@@ -135,6 +135,18 @@ impl Lb {
         Lb::start_full(&[], args, Some(pin_dir.to_path_buf()))
     }
 
+    /// [`Lb::start_pinned`] through `wrapper` (see [`Lb::start_via`]).
+    ///
+    /// # Errors
+    /// As [`Lb::start`].
+    pub fn start_pinned_via(
+        wrapper: &[&str],
+        pin_dir: &std::path::Path,
+        args: &[&str],
+    ) -> Result<Lb> {
+        Lb::start_full(wrapper, args, Some(pin_dir.to_path_buf()))
+    }
+
     /// [`Lb::start_via`] with the pin directory `pin_dir` passed as `LB_PIN_DIR`, or (`None`)
     /// none passed: lb then pins where its configuration or its default (`<bpffs>/lb/default`)
     /// says, and nothing is removed on drop unless [`Lb::pin_dir`] is set afterwards.

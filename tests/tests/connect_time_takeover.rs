@@ -334,3 +334,89 @@ fn connect_time_balancers_keep_their_ids_across_a_reordering_restart() -> Result
     );
     Ok(())
 }
+
+/// The lb of the previous release with pinned connect-time programs, held connections and a
+/// connect loop (each connect asks the server its name), then `kill -9` and this build started
+/// on its pins (a DaemonSet image bump): no connect refused or misrouted, no held connection
+/// lost, this build's programs in the pinned links, and a `lb servers kill` reaching a
+/// connection made before the restart. The previous release's `lb` is `LB_PREVIOUS_LB` (`cargo
+/// xtask previous` builds it from the repository's history); without it the test skips.
+#[test]
+fn connect_time_pins_of_the_previous_release_are_taken_over() -> Result<()> {
+    let Some(previous) = std::env::var_os("LB_PREVIOUS_LB").map(std::path::PathBuf::from) else {
+        lb_tests::skip("LB_PREVIOUS_LB is not set (cargo xtask previous builds it)");
+        return Ok(());
+    };
+    let Some(mut s) = pinned_connect_lb("10m", "")? else {
+        return Ok(());
+    };
+    let dir = s.pins()?;
+    // This build's lb made the fixture; the previous release's takes its place on fresh pins.
+    s.kill9()?;
+    lb_tests::remove_pins(&dir);
+    let exec = format!("shift; exec {} \"$@\"", previous.display());
+    let args = [
+        "--config",
+        &s.config_path()?.display().to_string(),
+        "--cgroup",
+        &s.cg.path.display().to_string(),
+    ];
+    let old = lb_tests::Lb::start_pinned_via(&["sh", "-c", &exec, "sh"], &dir, &args)?;
+    drop(std::mem::replace(&mut s.lb, old));
+    s.lb.wait_settled(Duration::from_secs(10))?;
+    // Serving once its table is written and its programs saw a heartbeat (before the first
+    // they leave connects alone, to its listener, which dies with it).
+    wait_until(Duration::from_secs(10), || {
+        let st = s.lb.status()?;
+        Ok(s.lb.log_text().contains("connect-time table updated")
+            && st["pins"]["heartbeat_age_seconds"]
+                .as_f64()
+                .is_some_and(|a| a < 1.0))
+    })
+    .with_context(|| s.lb.log_text())?;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let h = Holder::start(&s.place(), s.listen, 0, 120_000)?;
+        let ev = h.wait_for("connected", Duration::from_secs(10))?;
+        ensure!(ev["server"] == "s0", "{ev}");
+        held.push(h);
+    }
+    let across = s.dial_loop(120, 30);
+    s.kill9()?;
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    let v = all_connected("connect loop across the restart", across, 120)
+        .with_context(|| s.lb.log_text())?;
+    ensure!(v["servers"]["s0"] == 120, "a connect went elsewhere: {v}");
+    wait_until(Duration::from_secs(20), || {
+        let log = s.lb.log_text();
+        Ok(log.contains("rebuild finished") || log.contains("swapped into the links"))
+    })
+    .with_context(|| s.lb.log_text())?;
+    let held_ids = programs_held(&s)?;
+    for (name, (_, prog)) in pinned_links(&dir)? {
+        ensure!(
+            held_ids.contains(&prog),
+            "{name} runs program {prog}, not this lb's"
+        );
+    }
+    for h in &held {
+        if let Ok(ev) = h.next(Duration::from_millis(10)) {
+            anyhow::bail!("a held connection saw {ev}");
+        }
+    }
+    let s0 = s.hosts[0].addr(9000).to_string();
+    let out = std::process::Command::new(lb_tests::lb_bin())
+        .args(["servers", "--balancer", "api", "kill", &s0])
+        .args(["--admin", &s.lb.admin.to_string()])
+        .output()?;
+    ensure!(out.status.success(), "lb servers kill: {out:?}");
+    for h in &held {
+        let closed = h.wait_for("closed", Duration::from_secs(10))?;
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "{closed}"
+        );
+    }
+    Ok(())
+}

@@ -58,7 +58,17 @@ fn sweep(
     let sockets = dp.connect_sockets(id, addr);
     // Their close is lb's doing: not a failed connect of the server.
     dp.ignore_events_of(&sockets);
-    match crate::kill::destroy_connect_sockets(addr, &sockets) {
+    let mut killed = crate::kill::destroy_connect_sockets(addr, &sockets);
+    if dp.has_earlier_sockets() {
+        // Made before this lb rebuilt the pinned maps: not in its records, found by cookie.
+        let earlier =
+            crate::kill::destroy_peer_sockets_by_cookie(addr, |c| dp.is_earlier_socket(c));
+        if let (Ok(k), Ok(e)) = (&mut killed, earlier) {
+            k.found += e.found;
+            k.destroyed += e.destroyed;
+        }
+    }
+    match killed {
         Ok(k) => {
             count_netns_failures(metrics, balancer, k.netns_failures);
             if k.destroyed > 0 {

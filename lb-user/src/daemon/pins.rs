@@ -51,7 +51,7 @@ impl Daemon {
             let waited_ms = began.elapsed().as_millis();
             match dp.finish_takeover() {
                 Ok(Some(done)) => {
-                    info!(links = done.links, maps = done.maps, defunct = done.defunct, waited_ms, "connect-time: the pinned links run this lb's programs on its maps now (rebuild finished)");
+                    info!(links = done.links, maps = done.maps, defunct = done.defunct, earlier_sockets = done.earlier_sockets, waited_ms, "connect-time: the pinned links run this lb's programs on its maps now (rebuild finished)");
                 }
                 Ok(None) => {}
                 Err(e) => {

@@ -241,6 +241,9 @@ pub struct Datapath {
     /// The pinned links to swap to this build's programs once its state is in the new maps
     /// of a rebuild (see [`connect::swap`]); `None` when none waits.
     takeover: Mutex<Option<Vec<connect::swap::Swap>>>,
+    /// Cookies of the sockets an earlier lb's programs recorded in the maps a rebuild replaced
+    /// (see [`connect::swap`]): a kill finds them by cookie in lb's network namespace.
+    earlier_sockets: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -293,6 +296,7 @@ impl Datapath {
             own_netns: parts.own_netns,
             pins: parts.pins,
             takeover: Mutex::new(parts.takeover),
+            earlier_sockets: Mutex::default(),
         }
     }
 }

@@ -16,6 +16,7 @@ use std::{
 };
 
 /// `enum bpf_cmd` values used here.
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
@@ -67,6 +68,36 @@ pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     // `union bpf_attr` for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags (u32 each, zero).
     let mut attr: [u64; 2] = [c_path.as_ptr() as u64, 0];
     owned(bpf(BPF_OBJ_GET, &mut attr)?)
+}
+
+/// The keys of the map `fd` whose keys are 8 bytes (`BPF_MAP_GET_NEXT_KEY`), at most `max`,
+/// read as native-endian `u64`s. A map written meanwhile may give a key twice or miss one.
+///
+/// # Errors
+/// `fd` is no map, or its keys are not 8 bytes (`EINVAL`, `EFAULT`).
+pub(super) fn map_u64_keys(fd: BorrowedFd<'_>, max: usize) -> io::Result<Vec<u64>> {
+    let raw_fd = u64::try_from(fd.as_raw_fd()).map_err(io::Error::other)?;
+    let mut keys = Vec::new();
+    let mut key = 0u64;
+    let mut next = 0u64;
+    while keys.len() < max {
+        // `union bpf_attr` for BPF_MAP_GET_NEXT_KEY: map_fd (u32, then 4 bytes of padding),
+        // the key's address (0: from the first key), next_key's address.
+        let from = if keys.is_empty() {
+            0
+        } else {
+            std::ptr::from_ref(&key) as u64
+        };
+        let mut attr: [u64; 3] = [raw_fd, from, std::ptr::from_mut(&mut next) as u64];
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(e) => return Err(e),
+        }
+        keys.push(next);
+        key = next;
+    }
+    Ok(keys)
 }
 
 /// `BPF_LINK_GET_FD_BY_ID`: a new descriptor of link `id` (needs `CAP_SYS_ADMIN`).

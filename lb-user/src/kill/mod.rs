@@ -79,6 +79,19 @@ pub fn destroy_peer_sockets(peer: SocketAddr) -> Result<NodeKill, KillError> {
     destroy_matching(peer, LIVE_STATES, |_| true)
 }
 
+/// Destroy the TCP sockets in this network namespace whose peer is `peer` and whose cookie
+/// `wanted` selects (an IPv4 peer also matches dual-stack IPv6 sockets connected to its mapped
+/// address). Blocking, as [`destroy_peer_sockets`].
+///
+/// # Errors
+/// As [`destroy_peer_sockets`].
+pub fn destroy_peer_sockets_by_cookie(
+    peer: SocketAddr,
+    wanted: impl Fn(u64) -> bool,
+) -> Result<NodeKill, KillError> {
+    destroy_matching(peer, LIVE_STATES, |id| wanted(cookie_of(id)))
+}
+
 /// A connect-time socket to end, as lb's programs recorded it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConnectSocket {

@@ -131,7 +131,8 @@ enum Action {
         /// ended with each errno (`"errnos": {"0": connected, "22": ...}`, `-1` for a timeout
         /// of its own), how many connected ones reached each server (`"servers": {name: n}`)
         /// and how many connected ones ended before the server said its name, by errno
-        /// (`"after_connect"`).
+        /// (`"after_connect"`), and when the first 100 failed ones started (`"failed_at_ms"`,
+        /// since the first dial).
         #[arg(long, default_value_t = 1)]
         times: u32,
         /// Start a dial every this many milliseconds (0: each right after the last).
@@ -1075,6 +1076,7 @@ fn dial_times(
     let mut servers = std::collections::BTreeMap::<String, u32>::new();
     let mut after = std::collections::BTreeMap::<String, u32>::new();
     let mut last = json!({});
+    let mut failed_at = Vec::new();
     let start = Instant::now();
     for i in 0..times {
         if let Some(wait) = (every * i).checked_sub(start.elapsed()) {
@@ -1100,6 +1102,9 @@ fn dial_times(
             Err(e) => e.raw_os_error().unwrap_or(-1),
         };
         *errnos.entry(errno.to_string()).or_default() += 1;
+        if errno != 0 && failed_at.len() < 100 {
+            failed_at.push(start.elapsed().as_millis() as u64);
+        }
         last = match r {
             Ok(()) if times > 1 => {
                 let mut s: TcpStream = sock.into();
@@ -1135,5 +1140,6 @@ fn dial_times(
         "errnos": errnos,
         "servers": servers,
         "after_connect": after,
+        "failed_at_ms": failed_at,
     }))
 }

@@ -27,7 +27,14 @@ use std::{
 
 use serde::Serialize;
 
+use lb_common::MAP_CONNECT_SOCKS;
+use tracing::warn;
+
 use crate::datapath::{Datapath, DatapathError, syscall};
+
+/// The most socket cookies kept from the maps a rebuild replaced (the records map's size in
+/// every build so far).
+const EARLIER_SOCKETS_MAX: usize = 65_536;
 
 /// One pinned link and the program of this build it is to run.
 #[derive(Debug)]
@@ -82,9 +89,43 @@ pub struct TookOver {
     pub maps: usize,
     /// Pins of programs or maps this build does not have, removed.
     pub defunct: usize,
+    /// Sockets the earlier lb's programs had recorded (their cookies kept for kills).
+    pub earlier_sockets: usize,
 }
 
 impl Datapath {
+    /// Keep the cookies of the sockets recorded in the socket records map pinned at `path`
+    /// (the earlier build's: its keys are socket cookies in every build); how many.
+    fn keep_earlier_sockets(&self, path: &Path) -> usize {
+        let keys = syscall::obj_get(path)
+            .and_then(|fd| syscall::map_u64_keys(fd.as_fd(), EARLIER_SOCKETS_MAX));
+        match keys {
+            Ok(cookies) => {
+                let mut kept = self.earlier_sockets.lock().expect("poisoned");
+                kept.extend(cookies);
+                kept.len()
+            }
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "connect-time: the earlier lb's socket records cannot be read; a kill does not reach the sockets it made");
+                0
+            }
+        }
+    }
+
+    /// Whether `cookie` is a socket an earlier build's programs recorded in maps a rebuild
+    /// replaced; `false` for all when there were none.
+    pub fn is_earlier_socket(&self, cookie: u64) -> bool {
+        self.earlier_sockets
+            .lock()
+            .expect("poisoned")
+            .contains(&cookie)
+    }
+
+    /// Whether a rebuild left any [`Datapath::is_earlier_socket`].
+    pub fn has_earlier_sockets(&self) -> bool {
+        !self.earlier_sockets.lock().expect("poisoned").is_empty()
+    }
+
     /// Whether a rebuild of the pinned maps waits for [`Datapath::finish_takeover`].
     pub fn takeover_pending(&self) -> bool {
         self.takeover.lock().expect("poisoned").is_some()
@@ -118,6 +159,7 @@ impl Datapath {
             ..TookOver::default()
         };
         if let Some(p) = &self.pins {
+            done.earlier_sockets = self.keep_earlier_sockets(&p.dir().join(MAP_CONNECT_SOCKS));
             done.maps = p.commit_staged()?;
             done.defunct = p.remove_defunct()?;
         }
