@@ -5,6 +5,7 @@ mod demo;
 mod dist;
 mod fuzz;
 mod musl;
+mod previous;
 mod setup;
 mod test;
 mod util;
@@ -109,6 +110,9 @@ enum Cmd {
         #[arg(last = true)]
         test_args: Vec<String>,
     },
+    /// Build the previous release's `lb` from this repository's history (cached in
+    /// target/previous/), then run the takeover test that upgrades from it by restart.
+    Previous,
     /// Static binaries, .deb and .rpm packages for amd64 and arm64, an OCI image archive and
     /// SHA256SUMS, in target/dist/.
     Dist {
@@ -155,6 +159,17 @@ fn main() -> Result<()> {
         Cmd::Test => {
             setup::run()?;
             test::run()
+        }
+        Cmd::Previous => {
+            setup::run()?;
+            let bin = previous::build()?;
+            let status = std::process::Command::new(env!("CARGO"))
+                .args(["test", "-p", "lb-tests", "--test", "connect_time_takeover"])
+                .args(["--", "--nocapture", "previous_release"])
+                .env("LB_PREVIOUS_LB", &bin)
+                .current_dir(util::root())
+                .status()?;
+            std::process::exit(status.code().unwrap_or(1));
         }
         Cmd::Fuzz { seconds, target } => {
             setup::run()?;

@@ -215,6 +215,12 @@ pub fn cargo_test(args: &[&str], counts: &mut Counts) -> Result<()> {
         .args(args)
         .current_dir(root())
         .env(lb_tests::SKIP_LOG_ENV, &skip_log)
+        // The takeover test from the previous release runs when `cargo xtask previous` built it.
+        .envs(
+            Some(crate::previous::binary())
+                .filter(|b| b.exists())
+                .map(|b| ("LB_PREVIOUS_LB", b)),
+        )
         .stdout(Stdio::piped())
         .spawn()?;
     let mut tally = Tally::default();
