@@ -420,3 +420,134 @@ fn connect_time_pins_of_the_previous_release_are_taken_over() -> Result<()> {
     }
     Ok(())
 }
+
+/// s0 accepts TCP on its check port but never answers HTTP, s1 answers: the earlier lb has s0
+/// FAILED, so its table holds s1 only. After `kill -9` and a restart on the pins, no connect
+/// reaches s0, and the new lb's first table, written before its first check of s0 can end,
+/// leaves s0 out (it starts FAILED).
+#[test]
+fn connect_time_restart_keeps_a_failed_server_out() -> Result<()> {
+    if lb_tests::skip_unless_root()
+        || lb_tests::skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
+    {
+        return Ok(());
+    }
+    if let Err(e) = lb_tests::private_bpffs() {
+        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+        return Ok(());
+    }
+    let mut hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    hosts[1].serve(9100, "check1")?;
+    // Accepts (the kernel completes the handshake into its backlog) and never answers.
+    let _silent = hosts[0].listen(9100)?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let s0 = hosts[0].addr(9000).to_string();
+    let mut s = ConnectLb::start(hosts, |listen| {
+        ConnectLb::config(&lb_tests::Toml::new(), &[listen], &servers, "failover")
+            .string("dial_timeout", "1s")
+            .table("balancer.health")
+            .string("kind", "http")
+            .string("url", "http://{host}:9100/healthz")
+            .string("interval", "500ms")
+            .string("timeout", "300ms")
+            .value("rise", 1)
+            .value("fall", 1)
+    })?;
+    wait_until(Duration::from_secs(10), || {
+        Ok(s.status_of(&s0)?.0 == "FAILED")
+    })
+    .with_context(|| format!("{s0}: {:?}", s.status_of(&s0)))?;
+    s.kill9()?;
+    let across = s.dial_loop(60, 30);
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    let v = all_connected("connect loop across the restart", across, 60)?;
+    ensure!(
+        v["servers"].get("s0").is_none(),
+        "connects reached the failed s0 after the restart: {v}"
+    );
+    let log = s.lb.log_text();
+    // The first table the new lb wrote, before any check of s0 could end, left it out.
+    let first = log
+        .lines()
+        .find(|l| l.contains("connect-time table updated"))
+        .context("no table written")?;
+    ensure!(!first.contains(&s0), "the first table holds {s0}: {first}");
+    ensure!(
+        log.contains("servers the earlier lb had taken out of the table start FAILED"),
+        "{log}"
+    );
+    let (state, _) = s.status_of(&s0)?;
+    ensure!(state == "FAILED", "{s0} is {state} after the restart");
+    Ok(())
+}
+
+/// A server the pinned programs marked suspect while no lb ran (s0 blackholed: a connect's
+/// SYNs unanswered twice) is not acted on as a new failure by the next lb: nothing counted,
+/// no passive reset; the new lb's first check of it passes and clears the mark.
+#[test]
+fn connect_time_suspect_marks_from_before_the_start_are_rechecked_not_counted() -> Result<()> {
+    if lb_tests::skip_unless_root()
+        || lb_tests::skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
+    {
+        return Ok(());
+    }
+    if let Err(e) = lb_tests::private_bpffs() {
+        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+        return Ok(());
+    }
+    let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
+    let servers = lb_tests::toml_addrs(&hosts, 9000);
+    let s0 = hosts[0].addr(9000).to_string();
+    let datapath = lb_tests::Toml::new()
+        .table("datapath.fail_fast")
+        .lines("syn_timeout = \"200ms\"\nsuspect_after = 2\nsyn_retries = 3");
+    let mut s = ConnectLb::start(hosts, |listen| {
+        ConnectLb::config(&datapath, &[listen], &servers, "failover")
+            .table("balancer.health")
+            .string("kind", "tcp")
+            .string("interval", "60s")
+            .string("timeout", "1s")
+            .value("rise", 1)
+            .value("fall", 1)
+    })?;
+    s.kill9()?;
+    s.hosts[0].blackhole(true)?;
+    let lost = lb_tests::run_client(&s.place(), s.listen, &["dial"], Duration::from_secs(60))?;
+    ensure!(
+        lost["ok"] == false,
+        "the connect to the blackholed s0: {lost}"
+    );
+    s.hosts[0].blackhole(false)?;
+    let new = s.start_again()?;
+    drop(std::mem::replace(&mut s.lb, new));
+    wait_until(Duration::from_secs(10), || {
+        Ok(s.lb
+            .log_text()
+            .contains("a suspect mark from before this lb started"))
+    })
+    .with_context(|| s.lb.log_text())?;
+    let marks =
+        s.lb.metric("lb_connect_suspect_total", &format!("server=\"{s0}\""));
+    ensure!(marks == 0.0, "lb_connect_suspect_total for s0: {marks}");
+    let st = s.lb.status()?;
+    let entry = st["balancers"][0]["servers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|v| v["address"] == s0.as_str()))
+        .cloned()
+        .context("s0 in /status")?;
+    ensure!(
+        entry["consecutive_failures"] == 0 && entry["state"] != "FAILED",
+        "s0 after the restart: {entry}"
+    );
+    // The new lb's first checks re-check s0, and the pass clears the mark.
+    wait_until(Duration::from_secs(10), || {
+        let st = s.lb.status()?;
+        Ok(st["balancers"][0]["servers"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|v| v["address"] == s0.as_str() && v["suspect"] == false)
+        }))
+    })
+    .with_context(|| s.lb.log_text())?;
+    Ok(())
+}

@@ -1,7 +1,9 @@
 //! A balancer's server states across `lb upgrade`: what the old process knew of each server
 //! (state, rise/fall counts, last check and error, holds, how long it has been PREFERRED or
 //! draining) is written into the new process's servers of the same address, so no server
-//! starts over as UNCHECKED and no count toward `rise` or `fall` is lost.
+//! starts over as UNCHECKED and no count toward `rise` or `fall` is lost. Across a restart
+//! that adopts connect-time pins, what the earlier lb left is its last table: a server it had
+//! taken out starts FAILED ([`Balancer::hold_out`]).
 
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
@@ -41,6 +43,37 @@ impl Balancer {
                     .map(|t| millis(t.saturating_duration_since(now))),
             })
             .collect()
+    }
+
+    /// Start each server of this balancer whose address `keep` rejects as FAILED, with `why`
+    /// as its last error, so it enters the table only once a check passes (a connect-time
+    /// balancer that adopted pins: the servers missing from the table the earlier lb left,
+    /// which it had failed or removed). Returns how many.
+    pub fn hold_out(&self, keep: impl Fn(std::net::SocketAddr) -> bool, why: &str) -> usize {
+        let mut held = 0;
+        {
+            let mut inner = self.lock();
+            for s in inner.servers.iter_mut().filter(|s| s.in_set) {
+                let Some(addr) = s.addr.socket_addr() else {
+                    continue;
+                };
+                if keep(addr) || s.state != crate::server_state::ServerState::Unchecked {
+                    continue;
+                }
+                super::state::transition(
+                    &self.name,
+                    s,
+                    crate::server_state::ServerState::Failed,
+                    why,
+                );
+                s.last_error = Some(why.to_string());
+                held += 1;
+            }
+        }
+        if held > 0 {
+            self.bump();
+        }
+        held
     }
 
     /// Take the old process's view of the servers this balancer also has (same address);

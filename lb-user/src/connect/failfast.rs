@@ -37,6 +37,10 @@ pub(super) struct FailFast {
     written: HashMap<SocketAddr, SynPolicy>,
     /// The suspect servers already acted on.
     suspects: HashSet<SocketAddr>,
+    /// When this lb started tracking the balancer: a mark made before (by the programs while
+    /// an earlier lb ran, or none did) is left for the next check to clear, not acted on as a
+    /// new failure.
+    since: SystemTime,
 }
 
 impl FailFast {
@@ -46,6 +50,7 @@ impl FailFast {
             hz,
             written: HashMap::new(),
             suspects: HashSet::new(),
+            since: SystemTime::now(),
         }
     }
 
@@ -68,12 +73,16 @@ impl FailFast {
             let Some(server) = b.server_at(*addr) else {
                 continue;
             };
+            let marked_at = now.checked_sub(*ago).unwrap_or(SystemTime::UNIX_EPOCH);
             if self.suspects.insert(*addr) {
-                on_suspect(b, dp, metrics, &server, *addr, ago);
+                if marked_at < self.since {
+                    info!(balancer = %b.name, %server, marked_ms_ago = ago.as_millis(), "connect-time: a suspect mark from before this lb started; new connects avoid the server until a check passes, nothing counted against it");
+                } else {
+                    on_suspect(b, dp, metrics, &server, *addr, ago);
+                }
             }
-            let marked = now
-                .checked_sub(*ago)
-                .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            let marked = marked_at
+                .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
             let passed_after = status.iter().any(|s| {
                 s.address == server

@@ -19,7 +19,38 @@ const TABLES_WAIT: Duration = Duration::from_secs(10);
 /// How often it looks.
 const TABLES_POLL: Duration = Duration::from_millis(10);
 
+/// The cause logged for a server held out at a start over adopted pins.
+const LEFT_OUT: &str = "not in the connect-time table the earlier lb left (it had failed or removed it): held out until a check passes";
+
 impl Daemon {
+    /// A fresh start that adopted pinned maps starts where the earlier lb stopped: each
+    /// connect-time balancer's servers missing from the table it left are FAILED until a check
+    /// passes, so none heads the first table because nothing is known of it yet.
+    pub(super) fn hold_out_left_out(&self) {
+        let Some(dp) = &self.datapath else {
+            return;
+        };
+        if !dp.pins_status().is_some_and(|p| p.adopted) {
+            return;
+        }
+        for b in self.balancers.load().iter() {
+            let connect = self
+                .forwarding
+                .get(&b.name)
+                .is_some_and(|f| f.0 == Forwarding::Connect);
+            let Some((generation, servers)) = dp.connect_table(b.id).filter(|_| connect) else {
+                continue;
+            };
+            if generation == 0 {
+                continue;
+            }
+            let held = b.hold_out(|a| servers.contains(&a), LEFT_OUT);
+            if held > 0 {
+                info!(balancer = %b.name, held, generation, "servers the earlier lb had taken out of the table start FAILED");
+            }
+        }
+    }
+
     /// When the data path rebuilt pinned maps, swap the pinned links to this lb's programs once
     /// (after `go`) every connect-time balancer's first table is written into the new maps (its
     /// listeners are written before the tables start), or after [`TABLES_WAIT`].

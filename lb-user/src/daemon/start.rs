@@ -208,6 +208,9 @@ impl Daemon {
                 d.admin_gate.send_replace(true);
             });
         }
+        if !taking_over {
+            daemon.hold_out_left_out();
+        }
         // Listeners first: a bind failure is fatal and nothing else has started.
         let bound = listeners::bind(&balancers, &mut origin.inherited)?;
         // A new process writes its listener maps once the old one let go (they name balancer
