@@ -342,3 +342,38 @@ fn connect_time_pins_of_another_cgroup_are_refused_and_keep_serving() -> Result<
     );
     Ok(())
 }
+
+/// A pin directory under a directory another user could replace is refused, naming it and
+/// why: one writable by everyone, then one owned by another user.
+#[test]
+fn connect_time_pins_under_a_directory_others_control_are_refused() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Some(mut s) = setup("10m")? else {
+        return Ok(());
+    };
+    s.kill9()?;
+    let bpffs = lb_tests::bpffs_mount().context("no bpffs")?;
+    let shared = bpffs.join("shared");
+    std::fs::create_dir(&shared)?;
+    let args = [
+        "--config",
+        &s.config_path()?.display().to_string(),
+        "--cgroup",
+        &s.cg.path.display().to_string(),
+    ];
+    let refused = |want: &str| -> Result<()> {
+        let err = match lb_tests::Lb::start_pinned(&shared.join("lb"), &args) {
+            Ok(lb) => bail!("lb started on {}: {}", shared.display(), lb.log_text()),
+            Err(e) => format!("{e:#}"),
+        };
+        let named = format!("{} is {want}", shared.display());
+        ensure!(err.contains(&named), "want {named:?} in {err}");
+        Ok(())
+    };
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777))?;
+    refused("mode 0777, writable by group or others")?;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o700))?;
+    nix::unistd::chown(&shared, Some(nix::unistd::Uid::from_raw(1000)), None)?;
+    refused("owned by uid 1000")?;
+    Ok(())
+}

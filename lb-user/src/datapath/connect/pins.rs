@@ -53,6 +53,24 @@ pub enum PinError {
         #[source]
         source: io::Error,
     },
+    /// A directory on the way to the pins could be replaced by another user: owned by
+    /// another user, or writable by group or others (the bpffs mount itself may be
+    /// world-writable with the sticky bit, as `/tmp` is).
+    #[error(
+        "pin directory {dir}: {path} is {why}; another user could replace the pins lb runs (make it owned by uid {euid} and mode 0700, or set datapath.pin_dir elsewhere)",
+        dir = dir.display(),
+        path = path.display()
+    )]
+    Unsafe {
+        /// The pin directory.
+        dir: PathBuf,
+        /// The directory at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+        /// lb's effective user id.
+        euid: u32,
+    },
     /// Another live lb holds the directory's lock.
     #[error(
         "pin directory {dir} is held by another running lb (stop it first, or give this one another datapath.pin_dir)"
@@ -163,6 +181,7 @@ impl Pins {
             .create(dir)
             .map_err(err)?;
         std::fs::set_permissions(dir, Permissions::from_mode(0o700)).map_err(err)?;
+        check_owners(dir)?;
         let lock = lock(dir)?;
         remove_tree(&dir.join(STAGED))?;
         let found = survey(dir);
@@ -357,6 +376,50 @@ impl Pins {
     }
 }
 
+/// Refuse a pin directory another user could swap from under lb: every directory from the
+/// bpffs mount down to `dir` must be owned by lb's effective user (root may own the mount)
+/// and writable by nobody else, but for a mount that is world-writable with the sticky bit.
+fn check_owners(dir: &Path) -> Result<(), PinError> {
+    let euid = nix::unistd::geteuid().as_raw();
+    let mount = dir
+        .ancestors()
+        .take_while(|p| on_bpffs(p))
+        .last()
+        .unwrap_or(dir);
+    for path in dir.ancestors().take_while(|p| p.starts_with(mount)) {
+        let meta = std::fs::metadata(path).map_err(|source| PinError::Dir {
+            dir: path.to_path_buf(),
+            source,
+        })?;
+        if let Some(why) = unsafe_dir(meta.uid(), meta.mode(), euid, path == mount) {
+            return Err(PinError::Unsafe {
+                dir: dir.to_path_buf(),
+                path: path.to_path_buf(),
+                why,
+                euid,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What makes a directory of owner `uid` and `mode` unsafe on the way to lb's pins (`None`:
+/// nothing); `mount` for the bpffs mount itself.
+fn unsafe_dir(uid: u32, mode: u32, euid: u32, mount: bool) -> Option<String> {
+    const STICKY: u32 = 0o1000;
+    if uid != euid && !(mount && uid == 0) {
+        return Some(format!("owned by uid {uid}"));
+    }
+    let writable = mode & 0o022;
+    if writable != 0 && !(mount && mode & STICKY != 0) {
+        return Some(format!(
+            "mode {:04o}, writable by group or others",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
 /// Take `dir`'s exclusive lock without waiting.
 fn lock(dir: &Path) -> Result<Flock<File>, PinError> {
     let file = File::open(dir).map_err(|source| PinError::Dir {
@@ -467,6 +530,28 @@ mod tests {
             resolve_dir(None),
             bpffs_mount().map(|m| m.join("lb").join("default"))
         );
+    }
+
+    /// A pin directory's ancestors: lb's own and 0700 pass; another user's, or writable by
+    /// group or others, are refused; the mount may be root's, or 1777 as `/tmp` is.
+    #[test]
+    fn directories_another_user_could_replace_are_refused() {
+        assert_eq!(unsafe_dir(0, 0o40700, 0, false), None);
+        assert_eq!(unsafe_dir(0, 0o40700, 1000, true), None);
+        assert_eq!(unsafe_dir(0, 0o41777, 1000, true), None);
+        assert_eq!(
+            unsafe_dir(1000, 0o40700, 0, false).as_deref(),
+            Some("owned by uid 1000")
+        );
+        assert_eq!(
+            unsafe_dir(0, 0o40777, 0, false).as_deref(),
+            Some("mode 0777, writable by group or others")
+        );
+        assert_eq!(
+            unsafe_dir(0, 0o41777, 0, false).as_deref(),
+            Some("mode 1777, writable by group or others")
+        );
+        assert!(unsafe_dir(0, 0o40775, 0, true).is_some());
     }
 
     /// A directory outside any bpffs is refused before anything is made.
