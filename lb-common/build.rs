@@ -23,7 +23,7 @@ fn main() {
             if line.is_empty() || line.starts_with("//") {
                 continue;
             }
-            for byte in line.bytes().chain([b'\n']) {
+            for byte in line.bytes().chain(*b"\n") {
                 hash ^= u64::from(byte);
                 hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
             }

@@ -269,6 +269,60 @@ fn connect_time_connects_failing_before_their_syn_leave_no_record() -> Result<()
     Ok(())
 }
 
+/// A socket whose connect through the listener failed before its SYN (bound to loopback,
+/// rewritten to s0: EINVAL) and that then connects elsewhere (a loopback server of the test's
+/// own): nothing of that connection is charged to s0, neither a count nor a failure.
+#[test]
+fn connect_time_a_socket_reconnected_elsewhere_is_not_charged_to_the_server() -> Result<()> {
+    if skip() {
+        return Ok(());
+    }
+    let s = start(0, "1s", 10)?;
+    let s0 = s.hosts[0].addr(9000).to_string();
+    let other = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let then = other.local_addr()?.to_string();
+    let accepting = std::thread::spawn(move || -> Result<()> {
+        let (mut conn, _) = other.accept()?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut line)?;
+        std::io::Write::write_all(&mut conn, b"elsewhere\n")?;
+        // Held until the client closes.
+        let _ = std::io::Read::read(&mut conn, &mut [0u8; 1]);
+        Ok(())
+    });
+    let h = Holder::spawn(
+        &s.place(),
+        s.listen,
+        &[
+            "retry",
+            "--bind",
+            "127.0.0.1:0",
+            "--then",
+            &then,
+            "--hold-ms",
+            "3000",
+        ],
+    )?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(
+        ev["first_errno"] == 22 && ev["server"] == "elsewhere",
+        "the first connect should fail with EINVAL, the second reach the test's server: {ev}"
+    );
+    let (state, connections) = s.status_of(&s0)?;
+    ensure!(
+        connections == 0,
+        "{s0} counts {connections} connection(s) while the socket is connected elsewhere"
+    );
+    drop(h);
+    accepting
+        .join()
+        .map_err(|_| anyhow::anyhow!("the test's server panicked"))??;
+    ensure!(state != "FAILED", "{s0} is {state}");
+    let failures = s.lb.metric("lb_passive_events_total", "");
+    ensure!(failures == 0.0, "passive events: {failures}");
+    Ok(())
+}
+
 #[test]
 fn connect_time_counts_of_servers_that_left_are_deleted() -> Result<()> {
     if skip() {

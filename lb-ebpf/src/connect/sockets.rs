@@ -62,7 +62,9 @@ pub(super) fn on_established(ctx: &SockOpsContext) {
 
 /// Sockops `TCP_CONNECT_CB` (before the SYN is sent): a socket a connect program rewrote asks
 /// for its state changes and retransmission timeouts from now on, so a connect that fails is
-/// reported ([`on_state`]), and its own address (bound by now) is recorded for lb's kills.
+/// reported ([`on_state`]), and its own address (bound by now) is recorded for lb's kills. A
+/// record whose server is not the socket's peer (left by an earlier connect of the socket
+/// that failed before its SYN) is forgotten instead.
 #[inline(always)]
 pub(super) fn on_connect(ctx: &SockOpsContext) {
     // SAFETY: the program's own context.
@@ -70,16 +72,28 @@ pub(super) fn on_connect(ctx: &SockOpsContext) {
     let Some(orig) = LB_CONNECT_SOCKS.get_ptr_mut(&cookie) else {
         return;
     };
+    // SAFETY: a live map value; one socket's callbacks run under its lock.
+    let orig = unsafe { &mut *orig };
+    let Some(tuple) = crate::client_tuple(ctx) else {
+        return;
+    };
+    // A record of an earlier connect of this socket that failed before its SYN (no route, no
+    // source port): this connect goes elsewhere and is none of lb's.
+    let server = &orig.count.server;
+    if tuple.lb_ip_be != server.ip_be
+        || tuple.lb_port != server.port
+        || tuple.family != server.family
+    {
+        let copy = *orig;
+        forget(cookie, &copy);
+        return;
+    }
     let _ = crate::add_cb_flags(ctx, CB_FLAGS);
     failfast::on_connect(ctx, cookie);
     // The source port is bound by now: record the socket's own address for lb's kills.
-    if let Some(tuple) = crate::client_tuple(ctx) {
-        // SAFETY: a live map value; one socket's callbacks run under its lock.
-        let orig = unsafe { &mut *orig };
-        orig.local_ip_be = tuple.client_ip_be;
-        orig.local_port = tuple.client_port;
-        orig.family = tuple.family;
-    }
+    orig.local_ip_be = tuple.client_ip_be;
+    orig.local_port = tuple.client_port;
+    orig.family = tuple.family;
 }
 
 /// Send one event to lb; a full ring drops it and counts the drop for the balancer.

@@ -116,6 +116,18 @@ enum Action {
     Peer,
     /// Ask the server to reset the connection; reports how the read side ended.
     Rst,
+    /// One socket, two connects: to the address (expected to fail, e.g. with no route), then
+    /// to `then`; prints `{"event": "connected", "first_errno", "server"}` once the second
+    /// connected and the server said its name, and holds it `hold_ms` before closing.
+    Retry {
+        /// Bind the socket to this address first (`SO_REUSEADDR`).
+        #[arg(long)]
+        bind: Option<SocketAddr>,
+        #[arg(long)]
+        then: SocketAddr,
+        #[arg(long, default_value_t = 10_000)]
+        hold_ms: u64,
+    },
     /// One blocking `connect()` without a time limit of its own (the kernel's SYN retries
     /// bound it): reports whether it connected, and if not its errno and error, with the
     /// milliseconds it took; a connected socket also reports the server's name.
@@ -709,6 +721,36 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
                     "error": e.kind().to_string(),
                 })),
             }
+        }
+        Action::Retry {
+            bind,
+            then,
+            hold_ms,
+        } => {
+            let sock = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            if let Some(bind) = bind {
+                sock.set_reuse_address(true)?;
+                sock.bind(&bind.into())?;
+            }
+            let first = sock
+                .connect(&addr.into())
+                .err()
+                .and_then(|e| e.raw_os_error());
+            sock.connect(&then.into())?;
+            let mut s: TcpStream = sock.into();
+            write_retry(&mut s, b"NAME\n")?;
+            let name = read_line(&mut s)?;
+            println!(
+                "{}",
+                json!({"event": "connected", "first_errno": first, "server": name})
+            );
+            io::stdout().flush()?;
+            std::thread::sleep(Duration::from_millis(hold_ms));
+            Ok(json!({"ok": true, "event": "done"}))
         }
         Action::Rst => {
             let mut s = connect(addr)?;
