@@ -111,12 +111,13 @@ fn own_netns_or_learn(
     own: Option<u64>,
     maps: &maps::Maps,
     cgroup: &std::path::Path,
+    unattached: Option<&mut Ebpf>,
     connect_missing: &mut Option<String>,
 ) -> u64 {
     match own {
         Some(cookie) => cookie,
         None if connect_missing.is_some() => 0,
-        None => match netns_probe::learn(maps, cgroup) {
+        None => match netns_probe::learn(maps, cgroup, unattached) {
             Ok(cookie) => {
                 info!(
                     cookie,
@@ -208,7 +209,10 @@ impl Datapath {
         } else {
             Some(DatapathError::NotRequested.to_string())
         };
-        let own_netns = own_netns_or_learn(own_cookie, &maps, &cgroup, &mut connect_missing);
+        // A rebuild's connect4 is not in the cgroup's links yet: the probe attaches it for itself.
+        let unattached = takeover.is_some().then_some(&mut ebpf);
+        let own_netns =
+            own_netns_or_learn(own_cookie, &maps, &cgroup, unattached, &mut connect_missing);
         if let (Some(splice), Some(connect)) = (&splice_missing, &connect_missing) {
             return Err(DatapathError::NothingToRun {
                 splice: crate::errors::chain(splice).replace('\n', ": "),

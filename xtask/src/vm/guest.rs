@@ -19,6 +19,7 @@ pub const TESTS: &[&str] = &[
     "connect_time",
     "connect_time_health",
     "connect_time_pins",
+    "connect_time_takeover",
     "connect_time_failfast",
     "namespaces",
     "upgrade",

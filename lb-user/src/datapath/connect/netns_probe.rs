@@ -38,11 +38,20 @@ fn failed(what: impl std::fmt::Display) -> DatapathError {
 }
 
 /// Learn lb's network namespace cookie through the connect4 program (attached to `cgroup`).
+/// With `unattached` (this lb's object, whose connect4 is loaded but not yet in the cgroup's
+/// links: a rebuild of pinned maps waits to swap them), that program is attached to the probe's
+/// own cgroup for the probe's time, so it is this lb's program, on this lb's maps, that sees
+/// the probe's connect; nothing else runs in that cgroup.
 ///
 /// # Errors
 /// [`DatapathError::NetnsCookie`]: the port, the cgroup or the process could not be made, the
-/// process failed or took longer than 5 s, or the program recorded nothing.
-pub(in crate::datapath) fn learn(maps: &Maps, cgroup: &Path) -> Result<u64, DatapathError> {
+/// process failed or took longer than 5 s, or the program recorded nothing;
+/// [`DatapathError::Program`] when the program cannot be attached to the probe's cgroup.
+pub(in crate::datapath) fn learn(
+    maps: &Maps,
+    cgroup: &Path,
+    unattached: Option<&mut aya::Ebpf>,
+) -> Result<u64, DatapathError> {
     let reserved = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
         .and_then(|s| {
             s.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
@@ -57,6 +66,11 @@ pub(in crate::datapath) fn learn(maps: &Maps, cgroup: &Path) -> Result<u64, Data
         .ok_or_else(|| failed("no loopback port"))?;
     let dir = ProbeCgroup(cgroup.join(format!("lb-netns-probe-{}", std::process::id())));
     std::fs::create_dir(&dir.0).map_err(|e| failed(format!("{}: {e}", dir.0.display())))?;
+    // Dropped (detached) before the cgroup is removed.
+    let _probe_link = match unattached {
+        Some(ebpf) => Some(attach_to(ebpf, &dir.0)?),
+        None => None,
+    };
     maps.connect_netns_probe.set(PROBE_COOKIE, &0)?;
     maps.connect_netns_probe.set(PROBE_PORT, &u64::from(port))?;
     let ran = run_probe(&dir.0, port);
@@ -66,6 +80,32 @@ pub(in crate::datapath) fn learn(maps: &Maps, cgroup: &Path) -> Result<u64, Data
         Some(cookie) if cookie != 0 => Ok(cookie),
         _ => Err(failed("the probe's connect was not seen")),
     }
+}
+
+/// Attach `ebpf`'s connect4 program (loaded) to the cgroup `dir` with a link, detached when the
+/// link is dropped.
+fn attach_to(
+    ebpf: &mut aya::Ebpf,
+    dir: &Path,
+) -> Result<aya::programs::links::FdLink, DatapathError> {
+    use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+    use lb_common::PROG_CONNECT4;
+    let err = |source| DatapathError::Program {
+        program: PROG_CONNECT4,
+        source,
+    };
+    let file = std::fs::File::open(dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
+    let prog: &mut CgroupSockAddr = ebpf
+        .program_mut(PROG_CONNECT4)
+        .ok_or(DatapathError::Missing(PROG_CONNECT4))?
+        .try_into()
+        .map_err(err)?;
+    let id = prog.attach(&file, CgroupAttachMode::Single).map_err(err)?;
+    let link = prog.take_link(id).map_err(err)?;
+    aya::programs::links::FdLink::try_from(link).map_err(|source| DatapathError::Link {
+        program: PROG_CONNECT4,
+        source,
+    })
 }
 
 /// Start `lb netns-probe` and wait for it, at most [`PROBE_TIMEOUT`].
