@@ -51,7 +51,8 @@ pub use http::{http_get, http_request, http_request_with, unix_request};
 pub use lb::{Lb, free_port, wait_server_state, wait_until};
 pub use maps::lb_map_entries;
 pub use pinned::{
-    CONNECT_PROGRAMS, all_connected, pinned_connect_lb, pinned_links, pinned_map, pinned_u64,
+    CONNECT_PROGRAMS, all_connected, all_reset, pinned_connect_lb, pinned_health, pinned_links,
+    pinned_map, pinned_test_ready, pinned_u64,
 };
 pub use pins::{bpffs_mount, private_bpffs, remove_pins, unique_pin_dir};
 pub use procfs::{open_fds, raise_nofile, rss_anon_kib, rss_kib, threads};

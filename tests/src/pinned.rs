@@ -31,30 +31,61 @@ pub const CONNECT_PROGRAMS: [&str; 6] = [
 /// # Errors
 /// The hosts or lb do not start, or lb got no pin directory.
 pub fn pinned_connect_lb(orphan: &str, health: &str) -> Result<Option<ConnectLb>> {
-    if skip_unless_root() || skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks") {
-        return Ok(None);
-    }
-    if let Err(e) = crate::private_bpffs() {
-        skip(&format!("cannot mount a bpffs: {e:#}"));
+    if !pinned_test_ready((5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(None);
     }
     let hosts = crate::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let servers = crate::toml_addrs(&hosts, 9000);
     let datapath = Toml::new().string("orphan_timeout", orphan);
     let s = ConnectLb::start(hosts, |listen| {
-        ConnectLb::config(&datapath, &[listen], &servers, "failover")
-            .string("dial_timeout", "1s")
-            .table("balancer.health")
-            .string("kind", "tcp")
-            .string("interval", "500ms")
-            .string("timeout", "300ms")
-            .value("rise", 1)
-            .value("fall", 2)
-            .string("on_unhealthy", "kill")
-            .lines(health)
+        pinned_health(
+            ConnectLb::config(&datapath, &[listen], &servers, "failover")
+                .string("dial_timeout", "1s"),
+        )
+        .lines(health)
     })?;
     ensure!(s.lb.pin_dir.is_some(), "lb got no pin directory");
     Ok(Some(s))
+}
+
+/// `t` with the `[balancer.health]` of the pin tests' balancers: tcp checks every 500 ms
+/// (300 ms timeout), rise 1, fall 2, kill on unhealthy.
+pub fn pinned_health(t: Toml) -> Toml {
+    t.table("balancer.health")
+        .string("kind", "tcp")
+        .string("interval", "500ms")
+        .string("timeout", "300ms")
+        .value("rise", 1)
+        .value("fall", 2)
+        .string("on_unhealthy", "kill")
+}
+
+/// Whether a pin test can run: root, a kernel of at least `min` (for `what`) and a bpffs of the
+/// calling thread's own (mounted here); prints the skip reason and gives `false` otherwise.
+pub fn pinned_test_ready(min: (u32, u32), what: &str) -> bool {
+    if skip_unless_root() || skip_unless_kernel(min, what) {
+        return false;
+    }
+    if let Err(e) = crate::private_bpffs() {
+        skip(&format!("cannot mount a bpffs: {e:#}"));
+        return false;
+    }
+    true
+}
+
+/// Every one of `held` ends with a reset (or an abort) within `within`.
+///
+/// # Errors
+/// A connection ends otherwise or not in time.
+pub fn all_reset(held: &[crate::Holder], within: Duration) -> Result<()> {
+    for h in held {
+        let closed = h.wait_for("closed", within)?;
+        ensure!(
+            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
+            "{closed}"
+        );
+    }
+    Ok(())
 }
 
 impl ConnectLb {
@@ -103,6 +134,22 @@ impl ConnectLb {
                 T,
             )
         })
+    }
+
+    /// `n` connections held through the listener (`lbt client hold`), each answered by the
+    /// server named `server`.
+    ///
+    /// # Errors
+    /// A client does not connect within 10 s or reaches another server.
+    pub fn hold(&self, n: usize, server: &str) -> Result<Vec<crate::Holder>> {
+        let mut held = Vec::new();
+        for _ in 0..n {
+            let h = crate::Holder::start(&self.place(), self.listen, 0, 120_000)?;
+            let ev = h.wait_for("connected", Duration::from_secs(10))?;
+            ensure!(ev["server"] == server, "{ev}");
+            held.push(h);
+        }
+        Ok(held)
     }
 
     /// Kill lb with SIGKILL and wait for it to be gone.

@@ -14,8 +14,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    ConnectLb, Holder, all_connected, pinned_connect_lb, run_client, skip, skip_unless_kernel,
-    skip_unless_root,
+    ConnectLb, Holder, all_connected, all_reset, pinned_connect_lb, run_client, skip,
+    skip_unless_kernel, skip_unless_root,
 };
 use serde_json::Value;
 
@@ -35,13 +35,7 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
         return Ok(());
     };
     let s0 = s.hosts[0].addr(9000).to_string();
-    let mut held = Vec::new();
-    for _ in 0..3 {
-        let h = Holder::start(&s.place(), s.listen, 0, 120_000)?;
-        let ev = h.wait_for("connected", Duration::from_secs(10))?;
-        ensure!(ev["server"] == "s0", "{ev}");
-        held.push(h);
-    }
+    let mut held = s.hold(3, "s0")?;
     let during = s.dial_loop(60, 30);
     s.kill9()?;
     all_connected("connect loop while lb is dead", during, 60)?;
@@ -75,18 +69,8 @@ fn connect_time_pins_serve_through_kill_9_and_adoption() -> Result<()> {
     // The five held sockets, three of them made before and two while lb was dead.
     lb_tests::wait_until(Duration::from_secs(10), || Ok(s.status_of(&s0)?.1 >= 5))
         .with_context(|| format!("counts: {:?}", s.status_of(&s0)))?;
-    let out = std::process::Command::new(lb_tests::lb_bin())
-        .args(["servers", "--balancer", "api", "kill", &s0])
-        .args(["--admin", &s.lb.admin.to_string()])
-        .output()?;
-    ensure!(out.status.success(), "lb servers kill: {out:?}");
-    for h in &held {
-        let closed = h.wait_for("closed", Duration::from_secs(5))?;
-        ensure!(
-            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
-            "{closed}"
-        );
-    }
+    s.lb.cli(&["servers", "--balancer", "api", "kill", &s0])?;
+    all_reset(&held, Duration::from_secs(5))?;
     lb_tests::wait_until(Duration::from_secs(5), || Ok(s.status_of(&s0)?.1 == 0))?;
     let counters = s.lb.balancer("api")?["kernel"].clone();
     ensure!(

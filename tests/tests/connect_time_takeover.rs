@@ -10,8 +10,8 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    ConnectLb, Holder, all_connected, pinned_connect_lb, pinned_links, pinned_map, pinned_u64,
-    wait_until,
+    ConnectLb, Holder, all_connected, all_reset, pinned_connect_lb, pinned_links, pinned_map,
+    pinned_u64, wait_until,
 };
 
 /// Each pinned link by name: its id and its program's (see [`pinned_links`]).
@@ -253,27 +253,13 @@ fn connect_time_pins_go_when_a_restart_turns_connect_time_off() -> Result<()> {
 /// connection made before the restart.
 #[test]
 fn connect_time_balancers_keep_their_ids_across_a_reordering_restart() -> Result<()> {
-    if lb_tests::skip_unless_root()
-        || lb_tests::skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
-    {
-        return Ok(());
-    }
-    if let Err(e) = lb_tests::private_bpffs() {
-        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+    if !lb_tests::pinned_test_ready((5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
     let (s0, s1) = (hosts[0].addr(9000), hosts[1].addr(9000));
     let other: std::net::SocketAddr = format!("127.0.0.1:{}", lb_tests::free_port()?).parse()?;
-    let health = |t: lb_tests::Toml| {
-        t.table("balancer.health")
-            .string("kind", "tcp")
-            .string("interval", "500ms")
-            .string("timeout", "300ms")
-            .value("rise", 1)
-            .value("fall", 2)
-            .string("on_unhealthy", "kill")
-    };
+    let health = lb_tests::pinned_health;
     let api = |t: lb_tests::Toml, listen: std::net::SocketAddr| {
         health(
             t.array_table("balancer")
@@ -327,16 +313,8 @@ fn connect_time_balancers_keep_their_ids_across_a_reordering_restart() -> Result
         log.contains("balancer ids kept from the pinned connect-time maps"),
         "{log}"
     );
-    let out = std::process::Command::new(lb_tests::lb_bin())
-        .args(["servers", "--balancer", "api", "kill", &s0.to_string()])
-        .args(["--admin", &s.lb.admin.to_string()])
-        .output()?;
-    ensure!(out.status.success(), "lb servers kill: {out:?}");
-    let closed = holder.wait_for("closed", Duration::from_secs(10))?;
-    ensure!(
-        closed["how"] == "connection reset" || closed["how"] == "connection aborted",
-        "{closed}"
-    );
+    s.lb.cli(&["servers", "--balancer", "api", "kill", &s0.to_string()])?;
+    all_reset(std::slice::from_ref(&holder), Duration::from_secs(10))?;
     Ok(())
 }
 
@@ -379,13 +357,7 @@ fn connect_time_pins_of_the_previous_release_are_taken_over() -> Result<()> {
                 .is_some_and(|a| a < 1.0))
     })
     .with_context(|| s.lb.log_text())?;
-    let mut held = Vec::new();
-    for _ in 0..3 {
-        let h = Holder::start(&s.place(), s.listen, 0, 120_000)?;
-        let ev = h.wait_for("connected", Duration::from_secs(10))?;
-        ensure!(ev["server"] == "s0", "{ev}");
-        held.push(h);
-    }
+    let held = s.hold(3, "s0")?;
     let across = s.dial_loop(120, 30);
     s.kill9()?;
     let new = s.start_again()?;
@@ -411,18 +383,8 @@ fn connect_time_pins_of_the_previous_release_are_taken_over() -> Result<()> {
         }
     }
     let s0 = s.hosts[0].addr(9000).to_string();
-    let out = std::process::Command::new(lb_tests::lb_bin())
-        .args(["servers", "--balancer", "api", "kill", &s0])
-        .args(["--admin", &s.lb.admin.to_string()])
-        .output()?;
-    ensure!(out.status.success(), "lb servers kill: {out:?}");
-    for h in &held {
-        let closed = h.wait_for("closed", Duration::from_secs(10))?;
-        ensure!(
-            closed["how"] == "connection reset" || closed["how"] == "connection aborted",
-            "{closed}"
-        );
-    }
+    s.lb.cli(&["servers", "--balancer", "api", "kill", &s0])?;
+    all_reset(&held, Duration::from_secs(10))?;
     Ok(())
 }
 
@@ -432,13 +394,7 @@ fn connect_time_pins_of_the_previous_release_are_taken_over() -> Result<()> {
 /// leaves s0 out (it starts FAILED).
 #[test]
 fn connect_time_restart_keeps_a_failed_server_out() -> Result<()> {
-    if lb_tests::skip_unless_root()
-        || lb_tests::skip_unless_kernel((5, 8), "cgroup getpeername4/6 hooks")
-    {
-        return Ok(());
-    }
-    if let Err(e) = lb_tests::private_bpffs() {
-        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+    if !lb_tests::pinned_test_ready((5, 8), "cgroup getpeername4/6 hooks") {
         return Ok(());
     }
     let mut hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;
@@ -492,13 +448,7 @@ fn connect_time_restart_keeps_a_failed_server_out() -> Result<()> {
 /// no passive reset; the new lb's first check of it passes and clears the mark.
 #[test]
 fn connect_time_suspect_marks_from_before_the_start_are_rechecked_not_counted() -> Result<()> {
-    if lb_tests::skip_unless_root()
-        || lb_tests::skip_unless_kernel((5, 9), "cgroup getpeername4/6 and sock_release hooks")
-    {
-        return Ok(());
-    }
-    if let Err(e) = lb_tests::private_bpffs() {
-        lb_tests::skip(&format!("cannot mount a bpffs: {e:#}"));
+    if !lb_tests::pinned_test_ready((5, 9), "cgroup getpeername4/6 and sock_release hooks") {
         return Ok(());
     }
     let hosts = lb_tests::serving_hosts(2, 9000, |i| format!("s{i}"))?;

@@ -727,15 +727,7 @@ fn client(addr: SocketAddr, action: Action) -> io::Result<serde_json::Value> {
             then,
             hold_ms,
         } => {
-            let sock = socket2::Socket::new(
-                socket2::Domain::for_address(addr),
-                socket2::Type::STREAM,
-                Some(socket2::Protocol::TCP),
-            )?;
-            if let Some(bind) = bind {
-                sock.set_reuse_address(true)?;
-                sock.bind(&bind.into())?;
-            }
+            let sock = tcp_socket(addr, bind)?;
             let first = sock
                 .connect(&addr.into())
                 .err()
@@ -1101,6 +1093,20 @@ fn epoll_up(
     })
 }
 
+/// A TCP socket of `addr`'s family, bound to `bind` first (`SO_REUSEADDR`) when given.
+fn tcp_socket(addr: SocketAddr, bind: Option<SocketAddr>) -> io::Result<socket2::Socket> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    if let Some(bind) = bind {
+        sock.set_reuse_address(true)?;
+        sock.bind(&bind.into())?;
+    }
+    Ok(sock)
+}
+
 /// `times` dials of `addr` from a socket bound to `bind` (when given), each given up after
 /// `timeout` (when given) by closing it. One dial reports as `dial` does; more report how many
 /// ended with each errno (0 connected, -1 given up), how many connected ones reached each
@@ -1125,15 +1131,7 @@ fn dial_times(
             std::thread::sleep(wait);
         }
         let t = Instant::now();
-        let sock = socket2::Socket::new(
-            socket2::Domain::for_address(addr),
-            socket2::Type::STREAM,
-            Some(socket2::Protocol::TCP),
-        )?;
-        if let Some(bind) = bind {
-            sock.set_reuse_address(true)?;
-            sock.bind(&bind.into())?;
-        }
+        let sock = tcp_socket(addr, bind)?;
         let r = match timeout {
             Some(d) => sock.connect_timeout(&addr.into(), d),
             None => sock.connect(&addr.into()),
