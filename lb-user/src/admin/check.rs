@@ -84,12 +84,14 @@ pub(super) struct CheckQuery {
 }
 
 /// Parse and clamp `timeout` to [[`MIN_TIMEOUT`], [`MAX_TIMEOUT`]].
-fn parse_timeout(raw: Option<&str>) -> Result<Duration, String> {
+///
+/// # Errors
+/// [`crate::config::DurationError`]: not a duration.
+fn parse_timeout(raw: Option<&str>) -> Result<Duration, crate::config::DurationError> {
     let Some(raw) = raw else {
         return Ok(DEFAULT_TIMEOUT);
     };
-    let d = crate::config::parse_duration(raw).map_err(|e| format!("timeout: {e}"))?;
-    Ok(d.clamp(MIN_TIMEOUT, MAX_TIMEOUT))
+    Ok(crate::config::parse_duration(raw)?.clamp(MIN_TIMEOUT, MAX_TIMEOUT))
 }
 
 /// The query of `/check`: the balancer asked for (all when `None`) and the timeout, clamped.
@@ -100,7 +102,8 @@ fn request(
     query: Result<Query<CheckQuery>, QueryRejection>,
 ) -> Result<(Option<String>, Duration), ApiError> {
     let Query(q) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let timeout = parse_timeout(q.timeout.as_deref()).map_err(ApiError::bad_request)?;
+    let timeout = parse_timeout(q.timeout.as_deref())
+        .map_err(|e| ApiError::bad_request(format!("timeout: {e}")))?;
     Ok((q.balancer, timeout))
 }
 

@@ -51,6 +51,18 @@ fn process_holding(inode: u64) -> Option<(u32, String)> {
     None
 }
 
+/// An address `lb run` would serve is in use already (see [`in_use_message`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{}", in_use_message(&self.addr, &self.what, self.owner.as_ref().map(|(p, c)| (*p, c.as_str()))))]
+pub struct InUse {
+    /// The socket address, or a unix socket's path.
+    pub addr: String,
+    /// What it is in the configuration (`listener of balancer api`, `admin API`).
+    pub what: String,
+    /// The process holding it (pid, command name), when `/proc` tells.
+    pub owner: Option<(u32, String)>,
+}
+
 /// Why `lb run` cannot start: `addr` (`what` it is in the configuration; a socket address or
 /// a unix socket's path) is in use by `owner` (pid and command name, when `/proc` tells).
 /// Another lb gets the advice to upgrade it instead; another program is named; an unknown

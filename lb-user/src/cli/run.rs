@@ -71,8 +71,9 @@ pub fn run(args: &RunArgs) -> ExitCode {
 /// (another lb): binding would fail half-way, after the programs are attached to the cgroup.
 ///
 /// # Errors
-/// The address in use, with the process holding it when `/proc` tells.
-fn preflight(cfg: &Config) -> Result<(), String> {
+/// [`super::owner::InUse`]: the address in use, with the process holding it when `/proc`
+/// tells.
+fn preflight(cfg: &Config) -> Result<(), super::owner::InUse> {
     // What each address is for in the configuration being started (not in the running lb).
     let mut addrs: Vec<(std::net::SocketAddr, String)> = cfg
         .balancers
@@ -88,22 +89,21 @@ fn preflight(cfg: &Config) -> Result<(), String> {
         if let Err(e) = try_bind(addr)
             && e.kind() == std::io::ErrorKind::AddrInUse
         {
-            let owner = super::owner::listening_process(addr);
-            let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
-            return Err(super::owner::in_use_message(addr, &what, owner));
+            return Err(super::owner::InUse {
+                addr: addr.to_string(),
+                what,
+                owner: super::owner::listening_process(addr),
+            });
         }
     }
     if let Some(path) = &cfg.admin.unix_socket
         && std::os::unix::net::UnixStream::connect(path).is_ok()
     {
-        let owner = super::owner::unix_listening_process(path);
-        let owner = owner.as_ref().map(|(pid, comm)| (*pid, comm.as_str()));
-        let path = path.display();
-        return Err(super::owner::in_use_message(
-            path,
-            "admin unix socket",
-            owner,
-        ));
+        return Err(super::owner::InUse {
+            addr: path.display().to_string(),
+            what: "admin unix socket".into(),
+            owner: super::owner::unix_listening_process(path),
+        });
     }
     Ok(())
 }

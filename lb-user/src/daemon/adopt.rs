@@ -15,6 +15,24 @@ use crate::{
     proxy::{self, Dir, Frozen},
 };
 
+/// Why a handed-over connection cannot be taken (the hand-over is refused, the old lb serves
+/// on).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdoptError {
+    /// Its balancer is not in this lb's configuration.
+    #[error("no balancer {0} here")]
+    NoBalancer(String),
+    /// Its server is neither one of its balancer's nor an address.
+    #[error("server {0} unknown")]
+    UnknownServer(String),
+    /// The descriptor of its client or server socket did not come with the message.
+    #[error("{0} descriptor missing")]
+    Descriptor(&'static str),
+    /// Its unwritten bytes run past the raw bytes that came with the message.
+    #[error("raw bytes short")]
+    RawShort,
+}
+
 impl Daemon {
     /// Take the old process's balancer states and counters (new process, before serving).
     pub fn restore(&self, balancers: &[BalancerSnapshot], first_checks_done: bool) {
@@ -64,22 +82,23 @@ impl Daemon {
     /// (client→server first) and is advanced past them.
     ///
     /// # Errors
-    /// Its balancer is unknown here, a descriptor index or the raw bytes are out of range.
+    /// [`AdoptError`]: its balancer or server is unknown here, a descriptor is missing, or the
+    /// raw bytes are short.
     pub fn adopt_connection(
         &self,
         c: ConnSnapshot,
         fds: &mut HashMap<usize, OwnedFd>,
         raw: &mut &[u8],
         go: &CancellationToken,
-    ) -> Result<(), String> {
+    ) -> Result<(), AdoptError> {
         let b = self
             .balancer(&c.balancer)
-            .ok_or_else(|| format!("no balancer {} here", c.balancer))?;
-        let mut take_raw = |n: u64| -> Result<Vec<u8>, String> {
-            let n = usize::try_from(n).map_err(|e| e.to_string())?;
-            if n > raw.len() {
-                return Err("raw bytes short".into());
-            }
+            .ok_or_else(|| AdoptError::NoBalancer(c.balancer.clone()))?;
+        let mut take_raw = |n: u64| -> Result<Vec<u8>, AdoptError> {
+            let n = usize::try_from(n)
+                .ok()
+                .filter(|n| *n <= raw.len())
+                .ok_or(AdoptError::RawShort)?;
             let (head, tail) = raw.split_at(n);
             *raw = tail;
             Ok(head.to_vec())
@@ -88,17 +107,17 @@ impl Daemon {
         let down_bytes = take_raw(c.down.unwritten)?;
         let client = fds
             .remove(&c.client_fd)
-            .ok_or("client descriptor missing")?;
+            .ok_or(AdoptError::Descriptor("client"))?;
         let server = match c.server {
             None => None,
             Some((spec, i)) => {
-                let fd = fds.remove(&i).ok_or("server descriptor missing")?;
+                let fd = fds.remove(&i).ok_or(AdoptError::Descriptor("server"))?;
                 let addr = b
                     .server_specs()
                     .into_iter()
                     .find(|s| s.to_string() == spec)
                     .or_else(|| spec.parse::<ServerAddr>().ok())
-                    .ok_or_else(|| format!("server {spec} unknown"))?;
+                    .ok_or(AdoptError::UnknownServer(spec))?;
                 Some((addr, fd))
             }
         };
