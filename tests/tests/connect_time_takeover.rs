@@ -283,6 +283,16 @@ fn connect_time_balancers_keep_their_ids_across_a_reordering_restart() -> Result
             .string("forwarding", "connect")
     };
     let mut s = ConnectLb::start(hosts, |listen| second(api(head(), listen)))?;
+    // Both tables in the kernel before lb dies: the pinned programs serve on them meanwhile.
+    wait_until(Duration::from_secs(10), || {
+        let st = s.lb.status()?;
+        Ok((0..2).all(|i| {
+            st["balancers"][i]["connect_table"]["servers"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty())
+        }))
+    })
+    .with_context(|| format!("{:?}", s.lb.status()))?;
     let holder = Holder::start(&s.place(), s.listen, 0, 120_000)?;
     let ev = holder.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
@@ -414,10 +424,15 @@ fn connect_time_restart_keeps_a_failed_server_out() -> Result<()> {
             .value("rise", 1)
             .value("fall", 1)
     })?;
+    // FAILED, and out of the table in the kernel (the table is written after the state moves).
     wait_until(Duration::from_secs(10), || {
-        Ok(s.status_of(&s0)?.0 == "FAILED")
+        let table = &s.lb.status()?["balancers"][0]["connect_table"]["servers"];
+        Ok(s.status_of(&s0)?.0 == "FAILED"
+            && table
+                .as_array()
+                .is_some_and(|a| !a.is_empty() && !a.iter().any(|v| v == s0.as_str())))
     })
-    .with_context(|| format!("{s0}: {:?}", s.status_of(&s0)))?;
+    .with_context(|| format!("{s0}: {:?}", s.lb.status()))?;
     s.kill9()?;
     let across = s.dial_loop(60, 30);
     let new = s.start_again()?;
