@@ -33,7 +33,13 @@ pub fn run() -> Result<()> {
     ])?;
     clippy_ebpf()?;
     let mut counts = Counts::default();
-    // `cargo test` also builds the `lb` and `lbt` binaries the integration tests run.
+    // `cargo test` also builds the `lb` and `lbt` binaries the integration tests run. The
+    // takeover test from the previous release runs when `cargo xtask previous` built it.
+    let previous: Vec<(&str, std::path::PathBuf)> = Some(crate::previous::binary())
+        .filter(|b| b.exists())
+        .map(|b| ("LB_PREVIOUS_LB", b))
+        .into_iter()
+        .collect();
     let mut result = cargo_test(
         &[
             "--workspace",
@@ -42,6 +48,7 @@ pub fn run() -> Result<()> {
             "--",
             "--test-threads=2",
         ],
+        &previous,
         &mut counts,
     );
     eprintln!(

@@ -191,7 +191,8 @@ pub fn check_privileged_skips(skips: &[Skip], as_root: bool) -> Result<()> {
     Ok(())
 }
 
-/// Run `cargo test ARGS`, echoing its output, and add what it reports to `counts`.
+/// Run `cargo test ARGS` with the environment variables `envs` added, echoing its output, and add
+/// what it reports to `counts`.
 ///
 /// Passes come from libtest's `test result:` lines on stdout. Skips come from a file: the test
 /// binaries append a `SKIP <test>: <reason>` line to the file named by
@@ -203,7 +204,7 @@ pub fn check_privileged_skips(skips: &[Skip], as_root: bool) -> Result<()> {
 ///
 /// # Errors
 /// Non-zero exit, or the skip file unreadable.
-pub fn cargo_test(args: &[&str], counts: &mut Counts) -> Result<()> {
+pub fn cargo_test(args: &[&str], envs: &[(&str, PathBuf)], counts: &mut Counts) -> Result<()> {
     eprintln!("xtask: cargo test {}", args.join(" "));
     let skip_log = root().join(format!(
         "target/xtask-test-skips-{}.log",
@@ -215,12 +216,7 @@ pub fn cargo_test(args: &[&str], counts: &mut Counts) -> Result<()> {
         .args(args)
         .current_dir(root())
         .env(lb_tests::SKIP_LOG_ENV, &skip_log)
-        // The takeover test from the previous release runs when `cargo xtask previous` built it.
-        .envs(
-            Some(crate::previous::binary())
-                .filter(|b| b.exists())
-                .map(|b| ("LB_PREVIOUS_LB", b)),
-        )
+        .envs(envs.iter().cloned())
         .stdout(Stdio::piped())
         .spawn()?;
     let mut tally = Tally::default();
