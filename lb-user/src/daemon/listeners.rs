@@ -101,8 +101,11 @@ impl Daemon {
             .iter()
             .map(|b| (b.name.clone(), b.id))
             .collect();
-        dp.write_balancer_ids(&ids, &self.retired_ids)
-            .context("recording the balancer ids in the connect-time control map")?;
+        // An older build's control map (handed over by `lb upgrade`) has no room for them: the
+        // next restart rebuilds it; until then a restart numbers the balancers by config order.
+        if let Err(e) = dp.write_balancer_ids(&ids, &self.retired_ids) {
+            tracing::warn!(error = %crate::errors::chain(&e), "balancer ids not recorded in the connect-time control map (one an older lb made); a restart before the next rebuild numbers balancers by config order");
+        }
         if stale > 0 {
             tracing::info!(stale, "connect-time listeners of an earlier lb forgotten");
         }
