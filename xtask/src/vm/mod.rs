@@ -27,7 +27,7 @@ use crate::util;
 
 pub use arch::{AMD64, ARM64, Arch, arch};
 pub use fetch::SERIES;
-pub use guest::{CRASH, Tests, built_targets};
+pub use guest::{CRASH, TESTS, Tests, built_targets};
 
 use console::{check_smoke, read_log};
 use qemu::{Accel, Boot, Guest, boot, kvm_present};
