@@ -101,10 +101,10 @@ impl Daemon {
             .iter()
             .map(|b| (b.name.clone(), b.id))
             .collect();
-        // An older build's control map (handed over by `lb upgrade`) has no room for them: the
-        // next restart rebuilds it; until then a restart numbers the balancers by config order.
+        // An older build's control map (handed over by `lb upgrade`) has no room for them; the
+        // next restart finds it of another definition and rebuilds it.
         if let Err(e) = dp.write_balancer_ids(&ids, &self.retired_ids) {
-            tracing::warn!(error = %crate::errors::chain(&e), "balancer ids not recorded in the connect-time control map (one an older lb made); a restart before the next rebuild numbers balancers by config order");
+            tracing::warn!(error = %crate::errors::chain(&e), "balancer ids not recorded in the connect-time control map (an older lb's, handed over); the next restart rebuilds it");
         }
         if stale > 0 {
             tracing::info!(stale, "connect-time listeners of an earlier lb forgotten");
