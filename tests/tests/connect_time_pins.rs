@@ -361,3 +361,44 @@ fn connect_time_pins_under_a_directory_others_control_are_refused() -> Result<()
     refused("owned by uid 1000")?;
     Ok(())
 }
+
+/// The process id the pinned programs leave alone is lb's only while lb lives: once its
+/// heartbeat is over 2 s old, a process with that id (here a client made to have it, as a
+/// reused pid would) is steered like any other. The client's connection is ended, it
+/// reconnects through the listener while no lb runs, and reaches a server.
+#[test]
+fn connect_time_pins_steer_a_process_that_has_dead_lbs_pid() -> Result<()> {
+    let Some(mut s) = setup("10m")? else {
+        return Ok(());
+    };
+    let dir = s.pins()?;
+    s.kill9()?;
+    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let ev = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(ev["server"] == "s0", "{ev}");
+    // Slot 0 of LB_CONNECT_CTL is lb's process id (u32 key, u64 value).
+    let pid: Vec<String> = u64::from(h.pid())
+        .to_le_bytes()
+        .iter()
+        .map(u8::to_string)
+        .collect();
+    let ctl = dir.join("LB_CONNECT_CTL").display().to_string();
+    let mut args = vec![
+        "map", "update", "pinned", &ctl, "key", "0", "0", "0", "0", "value",
+    ];
+    args.extend(pid.iter().map(String::as_str));
+    lb_tests::sh("bpftool", &args)?;
+    // The heartbeat lb wrote last goes stale: 2 s after the kill at the latest (bounded, and
+    // the wait is the point of the test).
+    std::thread::sleep(Duration::from_millis(2500));
+    let s0 = s.hosts[0].addr(9000).to_string();
+    lb_tests::sh("ss", &["-K", "dst", &s0])?;
+    let closed = h.wait_for("closed", Duration::from_secs(10))?;
+    println!("closed: {closed}");
+    let again = h.wait_for("connected", Duration::from_secs(10))?;
+    ensure!(
+        again["server"] == "s0",
+        "the reconnect of the process with lb's old pid: {again}"
+    );
+    Ok(())
+}

@@ -12,13 +12,19 @@ use super::maps::{LB_CONNECT_CTL, LB_CONNECT_STATS};
 pub(super) enum Control {
     /// lb is alive and the connect is not its own: rewrite it.
     Steer,
-    /// lb's own connect (its checks, its dials): never rewritten, never counted.
+    /// lb's own connect (its checks, its dials), while lb's heartbeat is fresh: never
+    /// rewritten, never counted.
     Own,
     /// lb's heartbeat is older than the orphan timeout (or lb never wrote its control): a lb
     /// gone for longer leaves connects alone, so kernel state without a live lb stops steering
     /// after a bound.
     Orphaned,
 }
+
+/// How recent lb's heartbeat (written every 0.5 s) must be for `CTL_OWN_TGID` to name a live
+/// lb: once it is older, lb is gone and its process id may be another process's, whose
+/// connects are steered like any client's.
+const OWN_ALIVE_NS: u64 = 2_000_000_000;
 
 #[inline(always)]
 pub(super) fn control(tgid: u32) -> Control {
@@ -29,15 +35,12 @@ pub(super) fn control(tgid: u32) -> Control {
     ) else {
         return Control::Orphaned;
     };
-    if u64::from(tgid) == *own {
+    // SAFETY: no preconditions.
+    let age = unsafe { bpf_ktime_get_boot_ns() }.saturating_sub(*beat);
+    if u64::from(tgid) == *own && age <= OWN_ALIVE_NS {
         return Control::Own;
     }
-    if *orphan == 0 {
-        return Control::Steer;
-    }
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_boot_ns() };
-    if now.saturating_sub(*beat) <= *orphan {
+    if *orphan == 0 || age <= *orphan {
         Control::Steer
     } else {
         Control::Orphaned
