@@ -364,8 +364,8 @@ fn connect_time_pins_under_a_directory_others_control_are_refused() -> Result<()
 
 /// The process id the pinned programs leave alone is lb's only while lb lives: once its
 /// heartbeat is over 2 s old, a process with that id (here a client made to have it, as a
-/// reused pid would) is steered like any other. The client's connection is ended, it
-/// reconnects through the listener while no lb runs, and reaches a server.
+/// reused pid would) is steered like any other. The client's connection is ended by its server,
+/// and it reconnects through the listener while no lb runs and reaches that server again.
 #[test]
 fn connect_time_pins_steer_a_process_that_has_dead_lbs_pid() -> Result<()> {
     let Some(mut s) = setup("10m")? else {
@@ -373,7 +373,7 @@ fn connect_time_pins_steer_a_process_that_has_dead_lbs_pid() -> Result<()> {
     };
     let dir = s.pins()?;
     s.kill9()?;
-    let h = Holder::start(&s.place(), s.listen, 1, 60_000)?;
+    let h = Holder::start(&s.place(), s.listen, 30, 60_000)?;
     let ev = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(ev["server"] == "s0", "{ev}");
     // Slot 0 of LB_CONNECT_CTL is lb's process id (u32 key, u64 value).
@@ -388,13 +388,19 @@ fn connect_time_pins_steer_a_process_that_has_dead_lbs_pid() -> Result<()> {
     ];
     args.extend(pid.iter().map(String::as_str));
     lb_tests::sh("bpftool", &args)?;
-    // The heartbeat lb wrote last goes stale: 2 s after the kill at the latest (bounded, and
-    // the wait is the point of the test).
-    std::thread::sleep(Duration::from_millis(2500));
-    let s0 = s.hosts[0].addr(9000).to_string();
-    lb_tests::sh("ss", &["-K", "dst", &s0])?;
+    // Until the heartbeat lb wrote last is over 2 s old (CLOCK_BOOTTIME ns in slot 1).
+    lb_tests::wait_until(Duration::from_secs(10), || {
+        let beat = lb_tests::pinned_u64(&dir, "LB_CONNECT_CTL", 1)?;
+        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)?;
+        let now_ns = u64::try_from(now.tv_sec())? * 1_000_000_000 + u64::try_from(now.tv_nsec())?;
+        Ok(now_ns.saturating_sub(beat) > 2_100_000_000)
+    })?;
+    // s0's server ends the connection and comes back; the client reconnects (every 100 ms
+    // while refused) through the listener, where nobody listens while lb is dead.
+    s.hosts[0].stop_servers();
     let closed = h.wait_for("closed", Duration::from_secs(10))?;
     println!("closed: {closed}");
+    s.hosts[0].serve(9000, "s0")?;
     let again = h.wait_for("connected", Duration::from_secs(10))?;
     ensure!(
         again["server"] == "s0",
