@@ -2,8 +2,10 @@
 //! connect-time maps hold: every line of `src/*.rs` that is not blank and not a comment, hashed
 //! with 64-bit FNV-1a. A change to a type, a size, a constant or a name changes the number, so
 //! a new lb rebuilds pins whose meaning it cannot be sure of; a change to a comment does not.
-//! Constants of FNV-1a: <http://www.isthe.com/chongo/tech/comp/fnv/> (offset basis
-//! 0xcbf29ce484222325, prime 0x100000001b3).
+//! The hash is lb-common's own (`src/fnv.rs`).
+
+#[path = "src/fnv.rs"]
+mod fnv;
 
 use std::{fs, path::Path};
 
@@ -15,7 +17,7 @@ fn main() {
         .filter(|p| p.extension().is_some_and(|x| x == "rs"))
         .collect();
     files.sort();
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut hash = fnv::FNV_OFFSET;
     for file in &files {
         println!("cargo:rerun-if-changed={}", file.display());
         let text = fs::read_to_string(file).expect("lb-common source");
@@ -23,10 +25,7 @@ fn main() {
             if line.is_empty() || line.starts_with("//") {
                 continue;
             }
-            for byte in line.bytes().chain(*b"\n") {
-                hash ^= u64::from(byte);
-                hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-            }
+            hash = fnv::fnv1a(fnv::fnv1a(hash, line.as_bytes()), b"\n");
         }
     }
     println!("cargo:rerun-if-changed=src");

@@ -8,6 +8,7 @@
 use core::mem::size_of;
 
 mod failfast;
+mod fnv;
 mod pins;
 mod stats;
 pub use failfast::*;

@@ -44,15 +44,9 @@ pub const CTL_BALANCER_NAMES: u32 = 4;
 pub const CTL_SLOTS: u32 = CTL_BALANCER_NAMES + crate::MAX_BALANCERS;
 
 /// The hash of a balancer's name in [`CTL_BALANCER_NAMES`]: 64-bit FNV-1a of its UTF-8 bytes
-/// (offset basis 0xcbf29ce484222325, prime 0x100000001b3, from
-/// <http://www.isthe.com/chongo/tech/comp/fnv/>), 1 where that is 0 (0 marks a free id).
+/// (`fnv.rs`), 1 where that is 0 (0 marks a free id).
 pub fn balancer_name_hash(name: &str) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in name.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    hash.max(1)
+    crate::fnv::fnv1a(crate::fnv::FNV_OFFSET, name.as_bytes()).max(1)
 }
 /// Array of [`PROBE_SLOTS`] `u64`s through which lb learns its network namespace's cookie on a
 /// kernel without `SO_NETNS_COOKIE` (before 5.14): lb writes a loopback port to

@@ -242,8 +242,9 @@ pub struct Datapath {
     /// of a rebuild (see [`connect::swap`]); `None` when none waits.
     takeover: Mutex<Option<Vec<connect::swap::Swap>>>,
     /// Cookies of the sockets an earlier lb's programs recorded in the maps a rebuild replaced
-    /// (see [`connect::swap`]): a kill finds them by cookie in lb's network namespace.
-    earlier_sockets: Mutex<std::collections::HashSet<u64>>,
+    /// (see [`connect::swap`]): a kill finds them by cookie in lb's network namespace. Set
+    /// once, when the rebuild finishes.
+    earlier_sockets: std::sync::OnceLock<std::collections::HashSet<u64>>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -296,7 +297,7 @@ impl Datapath {
             own_netns: parts.own_netns,
             pins: parts.pins,
             takeover: Mutex::new(parts.takeover),
-            earlier_sockets: Mutex::default(),
+            earlier_sockets: std::sync::OnceLock::new(),
         }
     }
 }

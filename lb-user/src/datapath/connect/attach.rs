@@ -55,20 +55,52 @@ macro_rules! load_cgroup {
                 source,
             })?;
         let link = match $cgroup {
-            Some(cgroup) => {
-                let link = prog.attach(cgroup, CgroupAttachMode::Single).map_err(err)?;
-                let link = prog.take_link(link).map_err(err)?;
-                Some(
-                    FdLink::try_from(link).map_err(|source| DatapathError::Link {
-                        program: name,
-                        source,
-                    })?,
-                )
-            }
+            Some(cgroup) => Some(link_cgroup!(prog, name, cgroup)),
             None => None,
         };
         (fd, link)
     }};
+}
+
+/// Attach `$prog` (program `$name`, loaded, of a cgroup type) to the cgroup `$cgroup` with a
+/// link and give the link as an [`FdLink`], detached when dropped unless pinned.
+macro_rules! link_cgroup {
+    ($prog:expr, $name:expr, $cgroup:expr) => {{
+        let name: &'static str = $name;
+        let err = |source| DatapathError::Program {
+            program: name,
+            source,
+        };
+        let id = $prog
+            .attach($cgroup, CgroupAttachMode::Single)
+            .map_err(err)?;
+        let link = $prog.take_link(id).map_err(err)?;
+        FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            program: name,
+            source,
+        })?
+    }};
+}
+
+/// Attach the loaded connect4 program of `ebpf` to the cgroup `cgroup` with a link of its own
+/// (the netns probe's cgroup, see `netns_probe::learn`).
+///
+/// # Errors
+/// [`DatapathError::Missing`], [`DatapathError::Program`] or [`DatapathError::Link`].
+pub(super) fn link_connect4(
+    ebpf: &mut Ebpf,
+    cgroup: &std::fs::File,
+) -> Result<FdLink, DatapathError> {
+    let err = |source| DatapathError::Program {
+        program: PROG_CONNECT4,
+        source,
+    };
+    let prog: &mut CgroupSockAddr = ebpf
+        .program_mut(PROG_CONNECT4)
+        .ok_or(DatapathError::Missing(PROG_CONNECT4))?
+        .try_into()
+        .map_err(err)?;
+    Ok(link_cgroup!(prog, PROG_CONNECT4, cgroup))
 }
 
 /// Load program `name` (a `hook` one), and with `cgroup` attach it there.

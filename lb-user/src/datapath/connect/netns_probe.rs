@@ -88,24 +88,8 @@ fn attach_to(
     ebpf: &mut aya::Ebpf,
     dir: &Path,
 ) -> Result<aya::programs::links::FdLink, DatapathError> {
-    use aya::programs::{CgroupAttachMode, CgroupSockAddr};
-    use lb_common::PROG_CONNECT4;
-    let err = |source| DatapathError::Program {
-        program: PROG_CONNECT4,
-        source,
-    };
     let file = std::fs::File::open(dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
-    let prog: &mut CgroupSockAddr = ebpf
-        .program_mut(PROG_CONNECT4)
-        .ok_or(DatapathError::Missing(PROG_CONNECT4))?
-        .try_into()
-        .map_err(err)?;
-    let id = prog.attach(&file, CgroupAttachMode::Single).map_err(err)?;
-    let link = prog.take_link(id).map_err(err)?;
-    aya::programs::links::FdLink::try_from(link).map_err(|source| DatapathError::Link {
-        program: PROG_CONNECT4,
-        source,
-    })
+    super::attach::link_connect4(ebpf, &file)
 }
 
 /// Start `lb netns-probe` and wait for it, at most [`PROBE_TIMEOUT`].

@@ -101,8 +101,9 @@ impl Datapath {
             .and_then(|fd| syscall::map_u64_keys(fd.as_fd(), EARLIER_SOCKETS_MAX));
         match keys {
             Ok(cookies) => {
-                let mut kept = self.earlier_sockets.lock().expect("poisoned");
-                kept.extend(cookies);
+                let kept = self
+                    .earlier_sockets
+                    .get_or_init(|| cookies.into_iter().collect());
                 kept.len()
             }
             Err(e) => {
@@ -116,14 +117,15 @@ impl Datapath {
     /// replaced; `false` for all when there were none.
     pub fn is_earlier_socket(&self, cookie: u64) -> bool {
         self.earlier_sockets
-            .lock()
-            .expect("poisoned")
-            .contains(&cookie)
+            .get()
+            .is_some_and(|kept| kept.contains(&cookie))
     }
 
     /// Whether a rebuild left any [`Datapath::is_earlier_socket`].
     pub fn has_earlier_sockets(&self) -> bool {
-        !self.earlier_sockets.lock().expect("poisoned").is_empty()
+        self.earlier_sockets
+            .get()
+            .is_some_and(|kept| !kept.is_empty())
     }
 
     /// Whether a rebuild of the pinned maps waits for [`Datapath::finish_takeover`].
